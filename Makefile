@@ -1,0 +1,28 @@
+# Two commands for a new user: `make demo` and `make test`. Both create/reuse .venv.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
+
+.PHONY: venv demo test bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m vidax.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) vidax-runs benchmarks/results

@@ -1,0 +1,1 @@
+"""Prefect flows over the vidax stages."""

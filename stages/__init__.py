@@ -1,0 +1,1 @@
+"""Store-to-store pipeline stages (prompt encode, sampling, decode, mux)."""

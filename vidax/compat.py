@@ -1,0 +1,81 @@
+"""Load diffusers- / transformers-format folders into vidax ports.
+
+``load_pretrained(folder)`` reads ``config.json`` (+ safetensors, sharded or not), picks the port
+from ``_class_name`` (diffusers) or ``architectures`` (transformers) and returns a
+:class:`CompatModel` whose ``forward`` / ``encode`` / ``decode`` take the reference module's keyword
+arguments as numpy arrays in the reference's layouts and return numpy.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+# Modules that register adapters (imported lazily on first use).
+_FAMILY_MODULES = (
+    "vidax.text.t5",
+    "vidax.models.wan.dit",
+    "vidax.models.wan.vae",
+)
+_ADAPTERS: dict[str, Callable] = {}
+
+
+def register(*class_names: str):
+    """Decorator: ``@register("WanTransformer3DModel")`` on ``fn(config: dict, folder: Path, **kw) -> CompatModel``."""
+
+    def deco(fn):
+        for n in class_names:
+            _ADAPTERS[n] = fn
+        return fn
+
+    return deco
+
+
+class CompatModel:
+    """A vidax port behind the reference module's calling convention."""
+
+    def __init__(self, name: str, config: dict, params, model_config=None):
+        self.name, self.config, self.params, self.model_config = name, config, params, model_config
+
+    def forward(self, **kwargs) -> np.ndarray:
+        raise NotImplementedError(f"{self.name} has no forward()")
+
+    def encode(self, x) -> np.ndarray:
+        raise NotImplementedError(f"{self.name} has no encode()")
+
+    def decode(self, z) -> np.ndarray:
+        raise NotImplementedError(f"{self.name} has no decode()")
+
+    def __repr__(self):
+        return f"<vidax {self.name}>"
+
+
+def read_config(folder: str | Path) -> dict:
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{folder}: no config.json (expected a diffusers or transformers model folder)")
+    return json.loads(cfg_path.read_text())
+
+
+def class_name(cfg: dict) -> str | None:
+    if "_class_name" in cfg:
+        return cfg["_class_name"]
+    arch = cfg.get("architectures") or []
+    return arch[0] if arch else None
+
+
+def load_pretrained(folder: str | Path, **kwargs) -> CompatModel:
+    folder = Path(folder)
+    cfg = read_config(folder)
+    name = class_name(cfg)
+    for mod in _FAMILY_MODULES:
+        importlib.import_module(mod)
+    if name not in _ADAPTERS:
+        raise ValueError(
+            f"{folder}: model class {name!r} has no vidax port; supported: {sorted(_ADAPTERS)}"
+        )
+    return _ADAPTERS[name](cfg, folder, **kwargs)

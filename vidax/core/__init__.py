@@ -1,0 +1,1 @@
+"""Shared model math: layers, norms, attention, rotary embeddings, timestep embeddings."""

@@ -1,0 +1,206 @@
+"""Declarative key maps: reference tensor names -> vidax parameter paths, with layout transforms.
+
+A :class:`KeyMap` is a list of :class:`Rule` s. ``src`` is the reference name; ``{i}`` in it marks a
+repeated block whose tensors are **stacked** along a new leading axis of the vidax parameter (the
+layout ``lax.scan`` and the offload runner consume). ``dst`` is a dotted path into the vidax
+parameter tree. ``kind`` names the layout transform applied on the host:
+
+===========  ===========================================  ==========================
+kind         reference layout                             vidax layout
+===========  ===========================================  ==========================
+``none``     any                                          same
+``linear``   ``[out, in]``                                ``[in, out]``
+``conv1d``   ``[O, I, K]``                                ``[K, I, O]``
+``conv2d``   ``[O, I, H, W]``                             ``[H, W, I, O]``
+``conv3d``   ``[O, I, T, H, W]``                          ``[T, H, W, I, O]``
+``flat``     ``[C, 1, ...]``                              ``[C]``
+===========  ===========================================  ==========================
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .io import Checkpoint, LazyTensor
+
+_TRANSFORMS = {
+    "none": lambda a: a,
+    "linear": lambda a: a.T,
+    "conv1d": lambda a: a.transpose(2, 1, 0),
+    "conv2d": lambda a: a.transpose(2, 3, 1, 0),
+    "conv3d": lambda a: a.transpose(2, 3, 4, 1, 0),
+    "flat": lambda a: a.reshape(a.shape[0]),
+}
+_SHAPE = {
+    "none": lambda s: tuple(s),
+    "linear": lambda s: tuple(s[::-1]) if len(s) == 2 else None,
+    "conv1d": lambda s: (s[2], s[1], s[0]) if len(s) == 3 else None,
+    "conv2d": lambda s: (s[2], s[3], s[1], s[0]) if len(s) == 4 else None,
+    "conv3d": lambda s: (s[2], s[3], s[4], s[1], s[0]) if len(s) == 5 else None,
+    "flat": lambda s: (s[0],) if len(s) >= 1 and all(d == 1 for d in s[1:]) else None,
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    src: str
+    dst: str
+    kind: str = "none"
+
+    def __post_init__(self):
+        if self.kind not in _TRANSFORMS:
+            raise ValueError(f"rule {self.src!r}: unknown kind {self.kind!r}")
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.src
+
+    def pattern(self) -> re.Pattern:
+        parts = self.src.split("{i}")
+        return re.compile("^" + r"(\d+)".join(re.escape(p) for p in parts) + "$")
+
+    def name(self, i: int | None = None) -> str:
+        return self.src.replace("{i}", str(i)) if self.stacked else self.src
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not match what the model expects."""
+
+
+class KeyMap:
+    def __init__(self, rules: Iterable[Rule], ignore: Iterable[str] = ()):
+        self.rules = list(rules)
+        self.ignore = [re.compile(p) for p in ignore]
+        self._pats = [(r, r.pattern()) for r in self.rules]
+        dsts = [r.dst for r in self.rules]
+        dup = {d for d in dsts if dsts.count(d) > 1}
+        if dup:
+            raise ValueError(f"key map has several rules for {sorted(dup)}")
+
+    def __add__(self, other: "KeyMap") -> "KeyMap":
+        return KeyMap(self.rules + other.rules, [p.pattern for p in self.ignore + other.ignore])
+
+    def match(self, name: str):
+        for rule, pat in self._pats:
+            m = pat.match(name)
+            if m:
+                return rule, (int(m.group(1)) if rule.stacked else None)
+        return None, None
+
+    def rename(self, names: Iterable[str], target: "KeyMap") -> dict[str, str]:
+        """Map reference names under this map to the names ``target`` uses for the same parameter."""
+        by_dst = {r.dst: r for r in target.rules}
+        out = {}
+        for n in names:
+            rule, i = self.match(n)
+            if rule is None:
+                if any(p.search(n) for p in self.ignore):
+                    continue
+                raise KeyError(f"{n!r} is not covered by the key map")
+            t = by_dst[rule.dst]
+            if t.kind != rule.kind:
+                raise ValueError(f"{n!r}: layouts differ between the two formats ({rule.kind} vs {t.kind})")
+            out[n] = t.name(i)
+        return out
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, tree
+
+
+def _set(tree: dict, path: str, value):
+    keys = path.split(".")
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[keys[-1]] = value
+
+
+def _fmt(items, n=5):
+    items = list(items)
+    more = f", ... ({len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def load_params(
+    ckpt: Checkpoint | Mapping[str, np.ndarray],
+    keymap: KeyMap,
+    like,
+    dtype=None,
+    what: str = "model",
+):
+    """Build a vidax parameter tree from a checkpoint.
+
+    ``like``: a pytree (nested dicts) of arrays or ``jax.ShapeDtypeStruct`` giving every expected
+    parameter's shape. Tensors are read one at a time, transformed and cast on the host.
+    Raises :class:`CheckpointMismatchError` listing missing, unexpected and mis-shaped tensors.
+    """
+    expected = dict(_flatten(like))
+    by_dst = {r.dst: r for r in keymap.rules}
+    unexpected, misshaped = [], []
+    found: dict[str, dict] = {}
+    for name in ckpt:
+        rule, i = keymap.match(name)
+        if rule is None or rule.dst not in expected:
+            if not any(p.search(name) for p in keymap.ignore):
+                unexpected.append(name)
+            continue
+        t = ckpt[name]
+        shape = tuple(t.shape) if isinstance(t, LazyTensor) else tuple(np.shape(t))
+        want = tuple(expected[rule.dst].shape)
+        if rule.stacked:
+            if not want or i >= want[0]:
+                unexpected.append(name)
+                continue
+            want = want[1:]
+        got = _SHAPE[rule.kind](shape)
+        if got != want:
+            # report in the reference's layout
+            misshaped.append(f"{name} (got {list(shape)}, expected layout for {list(want)} [{rule.kind}])")
+            continue
+        found.setdefault(rule.dst, {})[i] = t
+    missing = []
+    for dst, leaf in expected.items():
+        rule = by_dst.get(dst)
+        if rule is None:
+            missing.append(f"<no rule for {dst}>")
+            continue
+        have = found.get(dst, {})
+        if rule.stacked:
+            missing.extend(rule.name(i) for i in range(leaf.shape[0]) if i not in have)
+        elif None not in have:
+            missing.append(rule.name())
+    if missing or unexpected or misshaped:
+        src = getattr(ckpt, "source", "checkpoint")
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {_fmt(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected: {_fmt(sorted(unexpected))}")
+        if misshaped:
+            parts.append(f"{len(misshaped)} mis-shaped: {_fmt(misshaped)}")
+        raise CheckpointMismatchError(f"{src} does not fit {what}: " + "; ".join(parts))
+
+    def read(t):
+        a = t.read() if isinstance(t, LazyTensor) else np.asarray(t)
+        return a
+
+    out: dict = {}
+    for dst, leaf in expected.items():
+        rule = by_dst[dst]
+        tgt = np.dtype(dtype) if dtype is not None else np.dtype(leaf.dtype)
+        fn = _TRANSFORMS[rule.kind]
+        if rule.stacked:
+            arr = np.empty(tuple(leaf.shape), tgt)
+            for i, t in found[dst].items():
+                arr[i] = fn(read(t)).astype(tgt)
+        else:
+            arr = np.ascontiguousarray(fn(read(found[dst][None])).astype(tgt))
+        _set(out, dst, arr)
+    return out
