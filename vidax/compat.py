@@ -14,12 +14,13 @@ from typing import Callable
 
 import numpy as np
 
-# Modules that register adapters (imported lazily on first use).
-_FAMILY_MODULES = (
-    "vidax.text.t5",
-    "vidax.models.wan.dit",
-    "vidax.models.wan.vae",
-)
+# Reference class -> the vidax module that registers its adapter (imported on first use).
+_PORTS = {
+    "T5EncoderModel": "vidax.text.t5",
+    "UMT5EncoderModel": "vidax.text.t5",
+    "WanTransformer3DModel": "vidax.models.wan.dit",
+    "AutoencoderKLWan": "vidax.models.wan.vae",
+}
 _ADAPTERS: dict[str, Callable] = {}
 
 
@@ -72,10 +73,7 @@ def load_pretrained(folder: str | Path, **kwargs) -> CompatModel:
     folder = Path(folder)
     cfg = read_config(folder)
     name = class_name(cfg)
-    for mod in _FAMILY_MODULES:
-        importlib.import_module(mod)
-    if name not in _ADAPTERS:
-        raise ValueError(
-            f"{folder}: model class {name!r} has no vidax port; supported: {sorted(_ADAPTERS)}"
-        )
+    if name not in _PORTS:
+        raise ValueError(f"{folder}: model class {name!r} has no vidax port; supported: {sorted(_PORTS)}")
+    importlib.import_module(_PORTS[name])
     return _ADAPTERS[name](cfg, folder, **kwargs)

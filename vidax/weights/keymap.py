@@ -42,6 +42,15 @@ _SHAPE = {
     "conv3d": lambda s: (s[2], s[3], s[4], s[1], s[0]) if len(s) == 5 else None,
     "flat": lambda s: (s[0],) if len(s) >= 1 and all(d == 1 for d in s[1:]) else None,
 }
+# vidax shape -> the reference shape it comes from (for error messages)
+_REF_SHAPE = {
+    "none": lambda s: tuple(s),
+    "linear": lambda s: tuple(s[::-1]),
+    "conv1d": lambda s: (s[2], s[1], s[0]),
+    "conv2d": lambda s: (s[3], s[2], s[0], s[1]),
+    "conv3d": lambda s: (s[4], s[3], s[0], s[1], s[2]),
+    "flat": lambda s: (s[0], "1..."),
+}
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,9 @@ def load_params(
         got = _SHAPE[rule.kind](shape)
         if got != want:
             # report in the reference's layout
-            misshaped.append(f"{name} (got {list(shape)}, expected layout for {list(want)} [{rule.kind}])")
+            exp = ", ".join(str(d) for d in _REF_SHAPE[rule.kind](want))
+            misshaped.append(f"{name} (shape {list(shape)}, expected [{exp}])")
+            found.setdefault(rule.dst, {})[i] = None
             continue
         found.setdefault(rule.dst, {})[i] = t
     missing = []
