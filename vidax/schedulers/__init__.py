@@ -1,1 +1,83 @@
-"""Noise schedulers."""
+"""Noise schedulers for flow-matching video models.
+
+    sched = make_scheduler("unipc", 50, flow_shift=3.0)        # or from_diffusers_config(cfg, 50)
+    state = sched.init_state(latents)
+    step = jax.jit(lambda st, v, i, x: sched.step(st, v, i, x))   # compiles once for all steps
+    for i, t in enumerate(sched.timesteps):                    # t: what the model receives
+        v = model(latents, t)
+        latents, state = step(state, v, jnp.int32(i), latents)
+
+Names: ``"flow_euler"`` (diffusers FlowMatchEulerDiscreteScheduler; honours
+``stochastic_sampling``), ``"flow_euler_sde"`` (the same with ``stochastic_sampling=True``; pass
+``noise=`` to ``step``) and ``"unipc"`` (UniPCMultistepScheduler, flow prediction, flow sigmas).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .flow_match import FlowMatchEuler, Scheduler
+from .unipc import UniPCMultistep
+
+SCHEDULERS = ("flow_euler", "flow_euler_sde", "unipc")
+
+_CLASS_NAMES = {
+    "FlowMatchEulerDiscreteScheduler": "flow_euler",
+    "UniPCMultistepScheduler": "unipc",
+}
+
+
+def make_scheduler(
+    name: str,
+    num_inference_steps: int,
+    *,
+    mu: float | None = None,
+    sigmas=None,
+    begin_index: int = 0,
+    **config,
+) -> Scheduler:
+    """Build a scheduler for ``num_inference_steps`` steps from diffusers-style config keys.
+
+    ``mu``: the resolution-dependent shift (only with ``use_dynamic_shifting=True``).
+    ``sigmas``: custom sigma schedule (diffusers' ``set_timesteps(sigmas=...)``).
+    ``begin_index``: first step actually run (video-to-video strength); multistep warm-up starts
+    there, as diffusers' does when the first ``step`` call is at that timestep.
+    Unsupported values raise ``ValueError`` naming the key; unknown keys are ignored with a warning.
+    """
+    if name == "flow_euler":
+        return FlowMatchEuler(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
+    if name == "flow_euler_sde":
+        if "stochastic_sampling" in config and not config["stochastic_sampling"]:
+            raise ValueError("stochastic_sampling=False contradicts scheduler 'flow_euler_sde'")
+        config["stochastic_sampling"] = True
+        return FlowMatchEuler(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
+    if name == "unipc":
+        return UniPCMultistep(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
+    raise ValueError(f"unknown scheduler {name!r}; expected one of {SCHEDULERS}")
+
+
+def from_diffusers_config(config, num_inference_steps: int, **kwargs) -> Scheduler:
+    """Build from a diffusers scheduler config: a dict, a ``scheduler_config.json`` path, or a
+    folder holding one. The class comes from ``_class_name``; ``kwargs`` override config keys
+    (e.g. ``flow_shift=5.0``) or pass ``mu`` / ``sigmas`` / ``begin_index``."""
+    if not isinstance(config, dict):
+        p = Path(config)
+        if p.is_dir():
+            p = p / "scheduler_config.json"
+        config = json.loads(p.read_text())
+    cls = config.get("_class_name")
+    if cls not in _CLASS_NAMES:
+        raise ValueError(f"unsupported scheduler _class_name={cls!r}; expected one of {sorted(_CLASS_NAMES)}")
+    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    cfg.update(kwargs)
+    return make_scheduler(_CLASS_NAMES[cls], num_inference_steps, **cfg)
+
+
+__all__ = [
+    "Scheduler",
+    "FlowMatchEuler",
+    "UniPCMultistep",
+    "make_scheduler",
+    "from_diffusers_config",
+    "SCHEDULERS",
+]
