@@ -1,0 +1,119 @@
+"""End-to-end Wan text-to-video against diffusers' WanPipeline, and the tiny preset."""
+import numpy as np
+import pytest
+import torch
+
+from tests.refutil import assert_parity, perturb
+
+DIT = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+           text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, rope_max_seq_len=64)
+VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+
+
+@pytest.fixture(scope="module")
+def ref_pipeline(tmp_path_factory):
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = perturb(WanTransformer3DModel(**DIT), seed=1)
+    vae = perturb(AutoencoderKLWan(**VAE), seed=2)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                    num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=sched)
+    folder = tmp_path_factory.mktemp("wan_pipe")
+    pipe.save_pretrained(folder)
+    return pipe, folder
+
+
+def _inputs(b=1, lt=16, f=9, h=32, w=32, seed=0):
+    rng = np.random.default_rng(seed)
+    cond = rng.standard_normal((b, lt, DIT["text_dim"])).astype(np.float32)
+    uncond = rng.standard_normal((b, lt, DIT["text_dim"])).astype(np.float32)
+    lat = rng.standard_normal((b, 16, (f - 1) // 4 + 1, h // 8, w // 8)).astype(np.float32)
+    return cond, uncond, lat
+
+
+@pytest.mark.parametrize("steps,guidance", [(4, 5.0), (3, 1.0)])
+def test_wan_pipeline_end_to_end(ref_pipeline, steps, guidance):
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = ref_pipeline
+    cond, uncond, lat = _inputs()
+    with torch.no_grad():
+        ref = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                   latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=guidance,
+                   height=32, width=32, num_frames=9, output_type="np").frames
+        ref_lat = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                       latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=guidance,
+                       height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+    vx = WanT2V(folder)
+    z = vx.sample(cond, uncond if guidance > 1 else None, latents=lat, steps=steps, guidance=guidance)
+    assert_parity(z, ref_lat, what=f"WanPipeline final latents ({steps} steps, guidance {guidance})")
+    video = vx.decode(z)
+    assert video.shape == ref.shape == (1, 9, 32, 32, 3)
+    inside = float(np.mean((ref > 0.01) & (ref < 0.99)))
+    assert inside > 0.5, f"only {inside:.0%} of reference pixels are unclamped; the comparison would be weak"
+    assert_parity(video, ref, what=f"WanPipeline frames ({steps} steps, guidance {guidance})")
+
+
+def test_tiny_preset_generates_deterministically():
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe = WanT2V("tiny")
+    a = pipe.generate("a red panda", seed=3, height=32, width=48, num_frames=5, steps=2, guidance=3.0)
+    b = pipe.generate("a red panda", seed=3, height=32, width=48, num_frames=5, steps=2, guidance=3.0)
+    c = pipe.generate("a red panda", seed=4, height=32, width=48, num_frames=5, steps=2, guidance=3.0)
+    assert a.shape == (1, 5, 32, 48, 3) and a.dtype == np.uint8
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a.astype(int) - c.astype(int)).mean() > 1.0
+
+
+def test_prompt_embeddings_are_zero_past_the_prompt():
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe = WanT2V("tiny")
+    e = pipe.encode_prompts(["short", "a much longer prompt with many more bytes in it"])
+    n0 = len("short") + 1  # bytes + eos
+    assert np.abs(e[0, :n0]).sum() > 0 and np.all(e[0, n0:] == 0)
+    assert np.abs(e[1, n0:]).sum() > 0
+
+
+@pytest.mark.parametrize("h,w,f,msg", [(30, 32, 9, "multiples of 16"), (32, 32, 8, r"4k\+1")])
+def test_size_validation(h, w, f, msg):
+    from vidax.models.wan.pipeline import WanT2V
+
+    with pytest.raises(ValueError, match=msg):
+        WanT2V("tiny").generate("x", height=h, width=w, num_frames=f, steps=1)
+
+
+def test_original_release_folder_end_to_end(ref_pipeline, tmp_path):
+    """The same run from a folder laid out like the original Wan2.1 release."""
+    import json
+
+    from vidax.models.wan import dit as wdit
+    from vidax.models.wan import vae as wvae
+    from vidax.models.wan.pipeline import WanT2V
+    from vidax.weights import save_safetensors
+
+    pipe, _ = ref_pipeline
+    sd = {k: v.detach().numpy() for k, v in pipe.transformer.state_dict().items()}
+    dcfg = wdit.WanDiTConfig.from_diffusers(dict(pipe.transformer.config))
+    ren = wdit.diffusers_keymap(dcfg).rename(sd, wdit.original_keymap(dcfg))
+    save_safetensors({ren[k]: v for k, v in sd.items()}, tmp_path / "diffusion_pytorch_model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "_class_name": "WanModel", "model_type": "t2v", "dim": 24, "ffn_dim": 48, "freq_dim": 32, "in_dim": 16,
+        "out_dim": 16, "num_heads": 2, "num_layers": 2, "text_dim": 32, "text_len": 512, "eps": 1e-6}))
+    vsd = pipe.vae.state_dict()
+    vcfg = wvae.WanVAEConfig.from_diffusers(dict(pipe.vae.config))
+    vren = wvae.diffusers_keymap(vcfg).rename(vsd, wvae.original_keymap(vcfg))
+    torch.save({vren[k]: v for k, v in vsd.items()}, tmp_path / "Wan2.1_VAE.pth")
+
+    cond, uncond, lat = _inputs(seed=5)
+    with torch.no_grad():
+        ref = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                   latents=torch.from_numpy(lat), num_inference_steps=3, guidance_scale=4.0,
+                   height=32, width=32, num_frames=9, output_type="np").frames
+    vx = WanT2V(tmp_path)
+    assert vx.layout == "original"
+    z = vx.sample(cond, uncond, latents=lat, steps=3, guidance=4.0, scheduler=vx.scheduler(3, "unipc", shift=3.0))
+    assert_parity(vx.decode(z), ref, what="original-release folder frames")
