@@ -42,19 +42,47 @@ def _resolve(impl, q, bias, mask):
     return "xla"
 
 
-def dense_attention(q, k, v, bias=None, mask=None, scale=None):
-    """Reference attention. ``bias``: additive, broadcastable to [B, H, Lq, Lk];
-    ``mask``: boolean (True = attend), broadcastable to [B, H, Lq, Lk]."""
-    d = q.shape[-1]
-    scale = d**-0.5 if scale is None else scale
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
-    logits = logits.astype(jnp.float32) * scale
+_Q_BLOCK = 256
+
+
+def _softmax_attend(q, k, v, bias, mask, scale):
+    """[B, H, Lq, D] x [B, H, Lk, D] -> [B, H, Lq, D]; normalises after the PV product."""
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32) * scale
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    w = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", w, v, precision=jax.lax.Precision.HIGHEST)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+    return (out.astype(jnp.float32) / den).astype(v.dtype)
+
+
+def dense_attention(q, k, v, bias=None, mask=None, scale=None, q_block: int = _Q_BLOCK):
+    """Reference attention (float32 softmax). ``bias``: additive, broadcastable to [B, H, Lq, Lk];
+    ``mask``: boolean (True = attend), broadcastable to [B, H, Lq, Lk].
+
+    Long query sequences are processed ``q_block`` queries at a time with ``lax.scan`` (same math;
+    the [Lq, Lk] score matrix is never materialised whole, which keeps it in cache on CPU and
+    bounds the temporary memory everywhere)."""
+    b, lq, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    per_query = any(t is not None and t.ndim >= 2 and t.shape[-2] != 1 for t in (bias, mask))
+    if lq <= 2 * q_block or per_query:
+        return _softmax_attend(qh, kh, vh, bias, mask, scale).transpose(0, 2, 1, 3)
+    nb = -(-lq // q_block)
+    pad = nb * q_block - lq
+    qp = jnp.pad(qh, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else qh
+    blocks = qp.reshape(b, h, nb, q_block, d).transpose(2, 0, 1, 3, 4)
+
+    def body(_, qb):
+        return None, _softmax_attend(qb, kh, vh, bias, mask, scale)
+
+    _, out = jax.lax.scan(body, None, blocks)
+    out = out.transpose(1, 0, 3, 2, 4).reshape(b, nb * q_block, h, d)
+    return out[:, :lq] if pad else out
 
 
 def attention(q, k, v, *, bias=None, mask=None, scale=None, impl: str | None = None):
