@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m vidax.demo
+	$(BIN)/vidax generate --model wan2.1-t2v-1.3b --preset tiny --store vidax-runs \
+		--prompt "A red panda paddling a canoe across a misty lake at sunrise"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests

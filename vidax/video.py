@@ -51,3 +51,22 @@ def read_mp4(path: str | os.PathLike) -> np.ndarray:
     w, h = meta["size"]
     frames = [np.frombuffer(fr, np.uint8).reshape(h, w, 3) for fr in reader]
     return np.stack(frames) if frames else np.zeros((0, h, w, 3), np.uint8)
+
+
+def write_png(image: np.ndarray, path: str | os.PathLike) -> Path:
+    """Write a uint8 RGB image [H, W, 3] as PNG (through ffmpeg)."""
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    h, w, _ = image.shape
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial.png")
+    cmd = [ffmpeg_exe(), "-y", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}",
+           "-i", "-", "-frames:v", "1", "-f", "image2", "-c:v", "png", str(tmp)]
+    proc = subprocess.run(cmd, input=np.ascontiguousarray(image).tobytes(), capture_output=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"ffmpeg failed writing {path}: {proc.stderr.decode(errors='replace').strip()}")
+    os.replace(tmp, path)
+    return path

@@ -76,6 +76,7 @@ class WanT2V:
     def __init__(self, source: str | Path = "tiny", *, dtype=np.float32):
         self.dtype = np.dtype(dtype)
         self.preset = PRESET_SOURCES.get(str(source)) if not Path(str(source)).exists() else None
+        self.preset_name = str(source) if self.preset is not None else None
         if self.preset is None:
             self.folder = Path(source)
             if not self.folder.is_dir():
@@ -168,27 +169,56 @@ class WanT2V:
 
     def sample(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, latents=None, seed: int = 0,
                height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50, guidance: float = 5.0,
-               scheduler=None, dit=None, on_step: Callable[[StepInfo, object, object], None] | None = None):
-        """Denoise. ``latents``: optional initial noise in the reference layout [B, C, F, H, W].
+               scheduler=None, dit=None, start: int = 0, state=None,
+               on_step: Callable[[StepInfo, object, object], None] | None = None):
+        """Denoise. ``latents``: the sample to start from in the reference layout [B, C, F, H, W]
+        (initial noise when ``start == 0``; drawn from ``seed`` when omitted). To resume at step
+        ``start``, pass the latents and scheduler ``state`` saved after step ``start - 1``.
+        ``on_step(info, x, state)`` sees channels-last latents after each step.
         Returns the final latents in the reference layout (numpy float32)."""
         params, cfg = dit or self.load_dit()
         sched = scheduler or self.scheduler(steps)
         if latents is None:
+            if start:
+                raise ValueError("resuming (start > 0) needs the latents saved at that step")
             x = self.initial_noise(self.latent_shape(cond.shape[0], height, width, num_frames, cfg), seed)
         else:
             x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
+        if state is not None:
+            state = jax.tree.map(jnp.asarray, state)
         model = partial(_dit_apply, cfg=cfg)
-        x, _ = denoise(model, params, sched, x, jnp.asarray(cond, params["patch"]["w"].dtype),
-                       None if uncond is None else jnp.asarray(uncond, params["patch"]["w"].dtype),
-                       guidance=guidance, seed=seed, on_step=on_step)
+        dt = params["patch"]["w"].dtype
+        x, _ = denoise(model, params, sched, x, jnp.asarray(cond, dt), None if uncond is None else jnp.asarray(uncond, dt),
+                       guidance=guidance, seed=seed, start=start, state=state, on_step=on_step)
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     def decode(self, latents: np.ndarray, vae=None) -> np.ndarray:
         """Latents [B, C, F, H, W] (as sampled, normalised) -> video in [0, 1], [B, F, H, W, 3]."""
         params, cfg = vae or self.load_vae()
         z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
-        video = np.asarray(wvae.decode(params, cfg, z))  # [B, 3, F, H, W] in [-1, 1]
-        return np.clip(video.transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0.0, 1.0)
+        return to_unit_range(wvae.decode(params, cfg, z))
+
+    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None):
+        """Decode latent frames ``start..stop-1`` given the cache left by frame ``start - 1``.
+        Returns ``(uint8 frames [B, T, H, W, 3], cache)``; chunked decodes concatenate bitwise to
+        the whole decode."""
+        params, cfg = vae or self.load_vae()
+        z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
+        if cache is not None:
+            cache = {k: jnp.asarray(v) for k, v in cache.items()}
+        px, cache = wvae.decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
+        return to_uint8(to_unit_range(px)), wvae.cache_to_numpy(cache)
+
+    def fingerprint(self, component: str) -> str:
+        """Identity of a component's weights (part of every stage key)."""
+        if self.preset is not None:
+            return f"preset:{self.preset_name}:{component}:{self.dtype.name}"
+        files = {
+            "text": ["text_encoder", "tokenizer"] if self.layout == "diffusers" else ["models_t5_*.pth", "google"],
+            "dit": ["transformer"] if self.layout == "diffusers" else ["config.json", "diffusion_pytorch_model*"],
+            "vae": ["vae"] if self.layout == "diffusers" else ["Wan2.1_VAE.pth"],
+        }[component]
+        return f"{component}:{self.dtype.name}:" + files_fingerprint(self.folder, files)
 
     def generate(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *, seed: int = 0,
                  height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50,
@@ -205,8 +235,30 @@ class WanT2V:
             uncond = self.encode_prompts(negs)
         lat = self.sample(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
                           guidance=guidance, scheduler=self.scheduler(steps, scheduler, shift), on_step=on_step)
-        video = self.decode(lat)
-        return np.round(video * 255).astype(np.uint8)
+        return to_uint8(self.decode(lat))
+
+
+def to_unit_range(pixels: np.ndarray) -> np.ndarray:
+    """VAE output [B, 3, T, H, W] in [-1, 1] -> [B, T, H, W, 3] in [0, 1] (the reference's postprocess)."""
+    return np.clip(np.asarray(pixels).transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0.0, 1.0)
+
+
+def to_uint8(video01: np.ndarray) -> np.ndarray:
+    return np.round(video01 * 255).astype(np.uint8)
+
+
+def files_fingerprint(folder: Path, patterns) -> str:
+    """Cheap content identity of checkpoint files: names, sizes and modification times."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for pat in patterns:
+        for p in sorted(folder.glob(pat)):
+            for f in sorted([p] if p.is_file() else p.rglob("*")):
+                if f.is_file():
+                    st = f.stat()
+                    h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
 
 
 def _dit_apply(params, x, t, ctx, *, cfg):
