@@ -121,27 +121,50 @@ def param_shapes(cfg: WanDiTConfig):
 
 
 # ----------------------------------------------------------------------------------- forward
-def _heads(x, n):
-    return x.reshape(*x.shape[:-1], n, -1)
+def _heads(x, head_dim):
+    """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
+    return x.reshape(*x.shape[:-1], -1, head_dim)
 
 
-def _block(cfg: WanDiTConfig, x, p, ctx, img_ctx, temb6, cos, sin, attn_impl):
-    """One transformer block. x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32."""
+def _block(cfg: WanDiTConfig, x, p, ctx, img_ctx, temb6, cos, sin, attn_impl, par=None):
+    """One transformer block. x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32.
+
+    ``par`` (a :class:`vidax.core.sharding.ParallelContext`, only inside ``shard_map``) makes the
+    same code run on one shard: local heads / FFN columns under TP (row-parallel layers reduce
+    across ``tp``, the q/k RMS norms reduce their sum of squares across ``tp``), local tokens under
+    SP (self-attention through Ulysses all_to_all). ``par=None`` is the plain single-device path."""
     dt = x.dtype
     eps = cfg.eps
+    if par is None:
+        def lin(path, q, h):
+            return nn.dense(q, h)
+
+        def rms(path, h, w):
+            return nn.rms_norm(h, w, eps)
+
+        self_attn = cross_attn = partial(attention, impl=attn_impl)
+    else:
+        def lin(path, q, h):
+            return par.dense("blocks." + path, q, h)
+
+        def rms(path, h, w):
+            return par.rms_norm("blocks." + path, h, w, eps)
+
+        self_attn, cross_attn = par.self_attention, par.cross_attention
+    hd = cfg.head_dim
     mod = p["sst"][None].astype(jnp.float32) + temb6  # [B, T, 6, D]
     shift1, scale1, gate1, shift2, scale2, gate2 = (mod[:, :, j] for j in range(6))
 
     # 1. self-attention (RoPE on q, k)
     h = (nn.layer_norm(x.astype(jnp.float32), eps=eps) * (1 + scale1) + shift1).astype(dt)
     a = p["attn1"]
-    q = nn.rms_norm(nn.dense(a["q"], h), a["norm_q"], eps)
-    k = nn.rms_norm(nn.dense(a["k"], h), a["norm_k"], eps)
-    v = nn.dense(a["v"], h)
-    q, k, v = _heads(q, cfg.num_heads), _heads(k, cfg.num_heads), _heads(v, cfg.num_heads)
+    q = rms("attn1.norm_q", lin("attn1.q", a["q"], h), a["norm_q"])
+    k = rms("attn1.norm_k", lin("attn1.k", a["k"], h), a["norm_k"])
+    v = lin("attn1.v", a["v"], h)
+    q, k, v = _heads(q, hd), _heads(k, hd), _heads(v, hd)
     q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
-    o = attention(q, k, v, impl=attn_impl).reshape(h.shape)
-    o = nn.dense(a["o"], o)
+    o = self_attn(q, k, v)
+    o = lin("attn1.o", a["o"], o.reshape(*o.shape[:2], -1))
     x = (x.astype(jnp.float32) + o * gate1).astype(dt)
 
     # 2. cross-attention to text (and image tokens, I2V)
@@ -150,19 +173,21 @@ def _block(cfg: WanDiTConfig, x, p, ctx, img_ctx, temb6, cos, sin, attn_impl):
     else:
         h = x
     c = p["attn2"]
-    q = _heads(nn.rms_norm(nn.dense(c["q"], h), c["norm_q"], eps), cfg.num_heads)
-    k = _heads(nn.rms_norm(nn.dense(c["k"], ctx), c["norm_k"], eps), cfg.num_heads)
-    v = _heads(nn.dense(c["v"], ctx), cfg.num_heads)
-    o = attention(q, k, v, impl=attn_impl).reshape(h.shape)
+    q = _heads(rms("attn2.norm_q", lin("attn2.q", c["q"], h), c["norm_q"]), hd)
+    k = _heads(rms("attn2.norm_k", lin("attn2.k", c["k"], ctx), c["norm_k"]), hd)
+    v = _heads(lin("attn2.v", c["v"], ctx), hd)
+    o = cross_attn(q, k, v)
+    o = o.reshape(*o.shape[:2], -1)
     if img_ctx is not None:
-        ki = _heads(nn.rms_norm(nn.dense(c["add_k"], img_ctx), c["norm_added_k"], eps), cfg.num_heads)
-        vi = _heads(nn.dense(c["add_v"], img_ctx), cfg.num_heads)
-        o = o + attention(q, ki, vi, impl=attn_impl).reshape(h.shape)
-    x = x + nn.dense(c["o"], o)
+        ki = _heads(rms("attn2.norm_added_k", lin("attn2.add_k", c["add_k"], img_ctx), c["norm_added_k"]), hd)
+        vi = _heads(lin("attn2.add_v", c["add_v"], img_ctx), hd)
+        oi = cross_attn(q, ki, vi)
+        o = o + oi.reshape(*oi.shape[:2], -1)
+    x = x + lin("attn2.o", c["o"], o)
 
     # 3. feed-forward
     h = (nn.layer_norm(x.astype(jnp.float32), eps=eps) * (1 + scale2) + shift2).astype(dt)
-    f = nn.dense(p["ffn"]["down"], nn.gelu_tanh(nn.dense(p["ffn"]["up"], h)))
+    f = lin("ffn.down", p["ffn"]["down"], nn.gelu_tanh(lin("ffn.up", p["ffn"]["up"], h)))
     return (x.astype(jnp.float32) + f.astype(jnp.float32) * gate2).astype(dt)
 
 
@@ -218,25 +243,272 @@ def rope_tables(cfg: WanDiTConfig, grid):
     return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
-def forward(params, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None):
-    """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
-    ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None. Returns [B, F, H, W, Cout]."""
-    dt = params["patch"]["w"].dtype
-    tokens, grid = patchify(cfg, x.astype(dt))
-    pt, ph, pw = cfg.patch_size
+def prologue(params, cfg: WanDiTConfig, tokens, t, ctx, img=None):
+    """Patch embedding + condition embeddings. ``tokens``: [B, L, pt*ph*pw*C] (compute dtype).
+    Returns ``(h, temb, temb6, ctx, img_ctx)``; per token, so it runs unchanged on a token shard."""
     h = nn.dense({"w": params["patch"]["w"].reshape(-1, cfg.dim), "b": params["patch"]["b"]}, tokens)
-    temb, temb6, ctx, img_ctx = embed_conditions(params, cfg, t, ctx.astype(dt), None if img is None else img.astype(dt))
-    cos, sin = rope_tables(cfg, grid)
+    temb, temb6, ctx, img_ctx = embed_conditions(params, cfg, t, ctx, img)
+    return h, temb, temb6, ctx, img_ctx
+
+
+def run_blocks(blocks, cfg: WanDiTConfig, h, ctx, img_ctx, temb6, cos, sin, attn_impl=None, par=None):
+    """``lax.scan`` of :func:`_block` over a stack of blocks (all of them, or one offload chunk)."""
 
     def body(carry, p):
-        return _block(cfg, carry, p, ctx, img_ctx, temb6, cos, sin, attn_impl), None
+        return _block(cfg, carry, p, ctx, img_ctx, temb6, cos, sin, attn_impl, par), None
 
-    h, _ = jax.lax.scan(body, h, params["blocks"])
+    h, _ = jax.lax.scan(body, h, blocks)
+    return h
+
+
+def epilogue(params, cfg: WanDiTConfig, h, temb):
+    """Output norm + modulation + projection, per token -> [B, L, pt*ph*pw*Cout]."""
+    dt = h.dtype
     mod = params["head_sst"][None].astype(jnp.float32) + temb[:, :, None, :]  # [B, T, 2, D]
     shift, scale = mod[:, :, 0], mod[:, :, 1]
     h = (nn.layer_norm(h.astype(jnp.float32), eps=cfg.eps) * (1 + scale) + shift).astype(dt)
-    y = nn.dense(params["head"], h)
-    return unpatchify(cfg, y, grid)
+    return nn.dense(params["head"], h)
+
+
+def forward(params, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None):
+    """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
+    ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None. Returns [B, F, H, W, Cout].
+
+    Single-device (or compiler-partitioned) path; for meshes and offloading see :class:`WanDiTRunner`."""
+    dt = params["patch"]["w"].dtype
+    tokens, grid = patchify(cfg, x.astype(dt))
+    h, temb, temb6, ctx, img_ctx = prologue(params, cfg, tokens, t, ctx.astype(dt), None if img is None else img.astype(dt))
+    cos, sin = rope_tables(cfg, grid)
+    h = run_blocks(params["blocks"], cfg, h, ctx, img_ctx, temb6, cos, sin, attn_impl)
+    return unpatchify(cfg, epilogue(params, cfg, h, temb), grid)
+
+
+# ----------------------------------------------------------------------------------- sharding
+# Parameter path (regex, dotted) -> one logical axis per dim. Unmatched parameters (embeddings,
+# head, modulation tables, LayerNorm affine) are replicated. Column-parallel: q/k/v, FFN up (and
+# cross-attention q/k/v, I2V add_k/add_v) split their output ("heads"/"ffn"); row-parallel: the
+# attention outputs and FFN down split their input, their biases stay whole (added once, after
+# the psum). The q/k RMS norms span all heads, so their weights split with the heads and the
+# sum of squares is reduced across tp.
+SHARDING_RULES = (
+    (r"blocks\.attn[12]\.[qkv]\.w", ("layers", "embed", "heads")),
+    (r"blocks\.attn[12]\.[qkv]\.b", ("layers", "heads")),
+    (r"blocks\.attn2\.add_[kv]\.w", ("layers", "embed_in", "heads")),
+    (r"blocks\.attn2\.add_[kv]\.b", ("layers", "heads")),
+    (r"blocks\.attn[12]\.norm_(q|k|added_k)", ("layers", "heads")),
+    (r"blocks\.attn[12]\.o\.w", ("layers", "heads", "embed")),
+    (r"blocks\.attn[12]\.o\.b", ("layers", "embed")),
+    (r"blocks\.ffn\.up\.w", ("layers", "embed", "ffn")),
+    (r"blocks\.ffn\.up\.b", ("layers", "ffn")),
+    (r"blocks\.ffn\.down\.w", ("layers", "ffn", "embed")),
+    (r"blocks\.ffn\.down\.b", ("layers", "embed")),
+)
+# Logical axis -> mesh axis under tensor parallelism (sequence parallelism keeps weights whole).
+TP_LOGICAL = {"heads": "tp", "ffn": "tp"}
+
+
+def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch: int | None = None):
+    """Divisibility rules of the Wan DiT on a (dp, tp, sp) mesh. The text (and image-token)
+    length has none: cross-attention keys are replicated over sp and split by heads over tp."""
+    from vidax.core.mesh import Divisible
+
+    r = [Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
+                   "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+         Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
+    if tokens is not None:
+        r.append(Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w patch tokens (and per-token timesteps)"))
+    if batch is not None:
+        r.append(Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+    return r
+
+
+class WanDiTRunner:
+    """The Wan DiT on a ``(dp, tp, sp)`` mesh, with the block weights resident or offloaded.
+
+    ``mesh``: a Mesh (axes dp/tp/sp), a spec like ``"tp=2,sp=2"``, or None (one device).
+    ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh implies). TP shards the
+    weights by :data:`SHARDING_RULES`; SP shards tokens (Ulysses); the batch is always split over
+    dp (CFG-parallel when it is the 2B conditional+unconditional batch).
+    ``offload_chunk_size``: None keeps the blocks resident; an int (dividing num_layers) or "all"
+    streams them from host memory through :class:`vidax.core.offload.OffloadRunner`.
+
+    Model-level divisibility is checked here, input-level (tokens, batch) on every call, both
+    before anything is placed or compiled. ``params``: host numpy tree (or arrays)."""
+
+    def __init__(self, params, cfg: WanDiTConfig, mesh=None, parallelism: str | None = None, *,
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 naive_row_bias: bool = False, local_norm: bool = False, track_memory: bool = False):
+        from vidax.core import mesh as vmesh
+        from vidax.core import sharding as vsh
+
+        self.cfg, self.attn_impl = cfg, attn_impl
+        self.mesh = vmesh.make_mesh(mesh) if not isinstance(mesh, jax.sharding.Mesh) else vmesh.ensure_axes(mesh)
+        if mesh is None:
+            self.mesh = vmesh.single_device_mesh()
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        mapping = vsh.logical_mapping(self.parallelism, TP_LOGICAL)
+        self.par = vsh.ParallelContext.create(SHARDING_RULES, mapping, self.mesh, attn_impl=attn_impl,
+                                              naive_row_bias=naive_row_bias, local_norm=local_norm)
+        self.specs = vsh.param_specs(params, SHARDING_RULES, mapping)
+        vsh.check_param_divisibility(params, self.specs, self.mesh)
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        self.rest_specs = {k: v for k, v in self.specs.items() if k != "blocks"}
+        self.block_specs = self.specs["blocks"]
+        self.rest = vsh.place(rest, vsh.named_shardings(self.mesh, self.rest_specs))
+        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
+        self.dtype = np.dtype(params["patch"]["w"].dtype)
+        self._rope: dict = {}
+        self.offload = None
+        if offload_chunk_size is None:
+            self.blocks = vsh.place(params["blocks"], block_shardings)
+            self._fwd = jax.jit(self._resident)
+        else:
+            from vidax.core.offload import OffloadRunner
+
+            self.blocks = None
+            self.offload = OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            self.offload.add_stack("blocks", params["blocks"], self._chunk, offload_chunk_size, block_shardings)
+            self._pre = jax.jit(self._prologue)
+            self._post = jax.jit(self._epilogue, static_argnums=(3,))
+
+    # ------------------------------------------------------------------ specs and checks
+    def check_inputs(self, x_shape, t_shape=None) -> None:
+        from vidax.core.mesh import check_divisible
+
+        b, f, h, w, _ = x_shape
+        pt, ph, pw = self.cfg.patch_size
+        if f % pt or h % ph or w % pw:
+            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch_size}")
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        if t_shape is not None and len(t_shape) == 2 and t_shape[1] not in (1, tokens):
+            raise ValueError(f"per-token timesteps: t has {t_shape[1]} entries per sample, the latents give {tokens} tokens")
+        check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
+
+    @staticmethod
+    def _act_specs(acts):
+        from jax.sharding import PartitionSpec as P
+
+        per_tok = lambda a: a.ndim >= 2 and a.shape[1] > 1  # [B, T, ...] with T = L tokens
+        specs = {}
+        for k, a in acts.items():
+            if k in ("tokens", "h", "y"):
+                specs[k] = P("dp", "sp", None)
+            elif k in ("cos", "sin"):
+                specs[k] = P("sp", None)
+            elif k == "t":
+                specs[k] = P("dp", "sp") if a.ndim == 2 and a.shape[1] > 1 else P("dp")
+            elif k in ("temb", "temb6"):
+                specs[k] = P("dp", "sp" if per_tok(a) else None, *([None] * (a.ndim - 2)))
+            else:  # ctx, img, img_ctx: replicated over tp and sp
+                specs[k] = P("dp", *([None] * (a.ndim - 1)))
+        return specs
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def rope(self, grid):
+        """RoPE tables for a token grid, placed token-sharded over sp (cached)."""
+        if grid not in self._rope:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            cos, sin = rope_tables(self.cfg, grid)
+            s = NamedSharding(self.mesh, P("sp", None))
+            self._rope[grid] = (jax.device_put(cos, s), jax.device_put(sin, s))
+        return self._rope[grid]
+
+    def _inputs(self, x, t, ctx, img):
+        dt = self.dtype
+        tokens, grid = patchify(self.cfg, x.astype(dt))
+        a = {"tokens": tokens, "t": jnp.asarray(t, jnp.float32), "ctx": ctx.astype(dt)}
+        if img is not None:
+            a["img"] = img.astype(dt)
+        return a, grid
+
+    # ------------------------------------------------------------------ resident
+    def _resident(self, rest, blocks, x, t, ctx, img, cos, sin):
+        from jax.sharding import PartitionSpec as P
+
+        from vidax.core.sharding import with_constraint
+
+        cfg, par = self.cfg, self.par
+        acts, grid = self._inputs(x, t, ctx, img)
+        acts.update(cos=cos, sin=sin)
+
+        def inner(rest, blocks, a):
+            h, temb, temb6, c, ic = prologue(rest, cfg, a["tokens"], a["t"], a["ctx"], a.get("img"))
+            h = run_blocks(blocks, cfg, h, c, ic, temb6, a["cos"], a["sin"], self.attn_impl, par)
+            return epilogue(rest, cfg, h, temb)
+
+        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, blocks, acts)
+        y = with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
+        return unpatchify(cfg, y, grid)
+
+    # ------------------------------------------------------------------ offloaded
+    def _prologue(self, rest, x, t, ctx, img):
+        cfg = self.cfg
+        acts, _ = self._inputs(x, t, ctx, img)
+
+        def inner(rest, a):
+            h, temb, temb6, c, ic = prologue(rest, cfg, a["tokens"], a["t"], a["ctx"], a.get("img"))
+            out = {"h": h, "temb": temb, "temb6": temb6, "ctx": c}
+            if ic is not None:
+                out["img_ctx"] = ic
+            return out
+
+        shapes = jax.eval_shape(lambda r, a: prologue(r, cfg, a["tokens"], a["t"], a["ctx"], a.get("img")), rest, acts)
+        out_shapes = {"h": shapes[0], "temb": shapes[1], "temb6": shapes[2], "ctx": shapes[3]}
+        if shapes[4] is not None:
+            out_shapes["img_ctx"] = shapes[4]
+        specs = self._act_specs(out_shapes)
+        return self._smap(inner, (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
+
+    def _chunk(self, blocks, h, consts):
+        from jax.sharding import PartitionSpec as P
+
+        cfg, par = self.cfg, self.par
+
+        def inner(blocks, h, c):
+            return run_blocks(blocks, cfg, h, c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"], self.attn_impl, par)
+
+        return self._smap(inner, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)), P("dp", "sp", None))(blocks, h, consts)
+
+    def _epilogue(self, rest, h, temb, grid):
+        from jax.sharding import PartitionSpec as P
+
+        from vidax.core.sharding import with_constraint
+
+        cfg = self.cfg
+        specs = self._act_specs({"h": h, "temb": temb})
+        y = self._smap(lambda r, h, te: epilogue(r, cfg, h, te), (self.rest_specs, specs["h"], specs["temb"]),
+                       P("dp", "sp", None))(rest, h, temb)
+        y = with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(cfg, y, grid)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, x, t, ctx, img=None):
+        """Same contract as :func:`forward` (channels-last latents, ``t`` [B] or [B, L])."""
+        x = jnp.asarray(x)
+        t = jnp.asarray(t, jnp.float32)
+        self.check_inputs(x.shape, t.shape)
+        pt, ph, pw = self.cfg.patch_size
+        grid = (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)
+        cos, sin = self.rope(grid)
+        if self.offload is None:
+            return self._fwd(self.rest, self.blocks, x, t, ctx, img, cos, sin)
+        a = self._pre(self.rest, x, t, ctx, img)
+        consts = {k: v for k, v in a.items() if k not in ("h", "temb")}
+        consts.update(cos=cos, sin=sin)
+        h = self.offload.run("blocks", a["h"], consts)
+        return self._post(self.rest, h, a["temb"], grid)
+
+    def lower(self, x, t, ctx, img=None):
+        """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
+        x, t = jnp.asarray(x), jnp.asarray(t, jnp.float32)
+        self.check_inputs(x.shape, t.shape)
+        pt, ph, pw = self.cfg.patch_size
+        cos, sin = self.rope((x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw))
+        return self._fwd.lower(self.rest, self.blocks, x, t, ctx, img, cos, sin)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -376,9 +648,13 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
 
 # ----------------------------------------------------------------------------------- compat
 class _WanDiTCompat(compat.CompatModel):
-    def __init__(self, config, params, cfg):
+    def __init__(self, config, params, cfg, runner: WanDiTRunner | None = None):
         super().__init__("WanTransformer3DModel", config, params, cfg)
-        self._fwd = jax.jit(partial(forward, cfg=cfg))
+        self.runner = runner
+        if runner is None:
+            self._fwd = jax.jit(partial(forward, cfg=cfg))
+        else:
+            self._fwd = lambda params, x, t, ctx, img: runner(x, t, ctx, img)
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, **_):
         x = jnp.asarray(np.asarray(hidden_states, np.float32)).transpose(0, 2, 3, 4, 1)
@@ -391,6 +667,22 @@ class _WanDiTCompat(compat.CompatModel):
 
 
 @compat.register("WanTransformer3DModel")
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
-    params, cfg = load_dit(folder, WanDiTConfig.from_diffusers(config), dtype=dtype)
-    return _WanDiTCompat(config, jax.tree.map(jnp.asarray, params), cfg)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
+    cfg = WanDiTConfig.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        params, cfg = load_dit(folder, cfg, dtype=dtype)
+        return _WanDiTCompat(config, jax.tree.map(jnp.asarray, params), cfg)
+    from vidax.core import mesh as vmesh
+    from vidax.core import offload, sharding
+
+    # fail on an impossible layout before reading a single tensor
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    sharding.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        offload.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
+    params, cfg = load_dit(folder, cfg, dtype=dtype)  # host numpy; placed shard by shard below
+    runner = WanDiTRunner(params, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                          attn_impl=attn_impl)
+    return _WanDiTCompat(config, None, cfg, runner)

@@ -438,33 +438,102 @@ def original_keymap(cfg: WanVAEConfig) -> KeyMap:
 
 
 # ----------------------------------------------------------------------------------- layers
+CONV_IMPLS = ("fold", "native")
+
+
+def _conv_impl(conv_impl: str | None) -> str:
+    """How the convs over time run (see :func:`_time_conv`): ``"fold"`` (the default on CPU) or
+    ``"native"`` (the default elsewhere)."""
+    if conv_impl is None:
+        return "fold" if jax.default_backend() == "cpu" else "native"
+    if conv_impl not in CONV_IMPLS:
+        raise ValueError(f"conv_impl must be one of {CONV_IMPLS} or None, got {conv_impl!r}")
+    return conv_impl
+
+
 class _Ctx:
     """Per-chunk trace-time state: the incoming cache (None on the first chunk) and the new one."""
 
-    def __init__(self, old: dict | None, attn_impl):
-        self.old, self.new, self.attn_impl = old, {}, attn_impl
+    def __init__(self, old: dict | None, attn_impl, conv_impl: str = "native"):
+        self.old, self.new, self.attn_impl, self.conv_impl = old, {}, attn_impl, conv_impl
 
     @property
     def first(self) -> bool:
         return self.old is None
 
 
+def _pointwise(p, x):
+    """A 1x1(x1) conv as a matmul over the channel axis (channels-last)."""
+    w = p["w"]
+    y = jnp.matmul(x, w.reshape(w.shape[-2], w.shape[-1]).astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    return y + p["b"].astype(y.dtype) if "b" in p else y
+
+
+def _per_frame(fn, x):
+    """Apply a 2-D (``[N, H, W, C]``) function to every frame of ``x`` [B, T, H, W, C]."""
+    b, t = x.shape[:2]
+    y = fn(x.reshape(b * t, *x.shape[2:]))
+    return y.reshape(b, t, *y.shape[1:])
+
+
+def _tail(old, x, n: int):
+    """The last ``n`` frames of ``[old, x]`` (concatenated on the frame axis); ``old=None``: zeros."""
+    t = x.shape[1]
+    if t >= n:
+        return x[:, t - n:]
+    if old is None:
+        old = jnp.zeros((x.shape[0], n, *x.shape[2:]), x.dtype)
+    return jnp.concatenate([old[:, old.shape[1] - (n - t):].astype(x.dtype), x], axis=1)
+
+
+def _time_conv(ctx: _Ctx, p, old, x, stride: int = 1):
+    """VALID conv over time of ``[old, x]`` (concatenated on the frame axis; ``old=None``: kt-1 zero
+    frames), 'same' zero padding in space.
+
+    ``"native"`` runs it as one 3-D conv. ``"fold"`` folds the kt time taps into the channel axis
+    (one copy of the input, kt times wider) and runs one 2-D conv (a matmul for 1x1 spatial
+    kernels) per frame: XLA's CPU backend has a fast 2-D conv and dot but a slow generic 3-D conv.
+    With ``old=None`` the taps that only ever see the zero frames are left out."""
+    kt, kh, kw, cin, cout = p["w"].shape
+    sp = [(kh // 2, kh // 2), (kw // 2, kw // 2)]
+    n_old = kt - 1 if old is None else old.shape[1]
+    if ctx.conv_impl == "native":
+        if old is None:
+            return nn.conv(p, x, stride=(stride, 1, 1), padding=[(n_old, 0), *sp])
+        return nn.conv(p, jnp.concatenate([old.astype(x.dtype), x], axis=1), stride=(stride, 1, 1),
+                       padding=[(0, 0), *sp])
+    tout = (n_old + x.shape[1] - kt) // stride + 1
+    span = stride * (tout - 1) + 1
+    k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
+    frames = None
+    xs = []
+    for k in range(k0, kt):
+        if k >= n_old:
+            xs.append(x[:, k - n_old: k - n_old + span: stride])
+            continue
+        if frames is None:
+            head = jnp.zeros((x.shape[0], n_old, *x.shape[2:]), x.dtype) if old is None else old.astype(x.dtype)
+            frames = jnp.concatenate([head, x], axis=1)
+        xs.append(frames[:, k: k + span: stride])
+    xc = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # [B, tout, H, W, (kt - k0) cin]
+    w = p["w"][k0:].transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * cin, cout)
+    q = {"w": w, "b": p["b"]} if "b" in p else {"w": w}
+    if kh == kw == 1:
+        return _pointwise(q, xc)
+    return _per_frame(lambda y: nn.conv(q, y, padding=sp), xc)
+
+
 def _causal_conv(ctx: _Ctx, name: str, p, x):
     """Causal conv over time (kernel kt, cache kt-1 frames), 'same' zero padding in space."""
     kt, kh, kw = p["w"].shape[:3]
-    sp = [(kh // 2, kh // 2), (kw // 2, kw // 2)]
     if kt == 1:
-        return nn.conv(p, x, padding=[(0, 0), *sp])
-    n = kt - 1
-    if ctx.first:
-        # no cache yet: zero padding in front (= a zero-filled cache)
-        y = nn.conv(p, x, padding=[(n, 0), *sp])
-        prev = jnp.concatenate([jnp.zeros((x.shape[0], n, *x.shape[2:]), x.dtype), x], axis=1)
-    else:
-        prev = jnp.concatenate([ctx.old[name].astype(x.dtype), x], axis=1)
-        y = nn.conv(p, prev, padding=[(0, 0), *sp])
-    ctx.new[name] = prev[:, -n:]
-    return y
+        if kh == kw == 1:
+            return _pointwise(p, x)
+        return _per_frame(lambda y: nn.conv(p, y, padding=[(kh // 2, kh // 2), (kw // 2, kw // 2)]), x)
+    # no cache on the first chunk: zero padding in front (= a zero-filled cache)
+    old = None if ctx.first else ctx.old[name]
+    ctx.new[name] = _tail(old, x, kt - 1)
+    return _time_conv(ctx, p, old, x)
 
 
 def _norm(gamma, x):
@@ -472,7 +541,7 @@ def _norm(gamma, x):
 
 
 def _res_block(ctx: _Ctx, name: str, p, x):
-    h = nn.conv(p["shortcut"], x) if "shortcut" in p else x
+    h = _pointwise(p["shortcut"], x) if "shortcut" in p else x
     y = jax.nn.silu(_norm(p["norm1"], x))
     y = _causal_conv(ctx, f"{name}.conv1", p["conv1"], y)
     y = jax.nn.silu(_norm(p["norm2"], y))
@@ -483,34 +552,49 @@ def _res_block(ctx: _Ctx, name: str, p, x):
 def _attn_block(ctx: _Ctx, p, x):
     """Single-head self-attention over each frame's pixels."""
     b, t, h, w, c = x.shape
-    y = _norm(p["norm"], x).reshape(b * t, h, w, c)
-    qkv = nn.conv(p["qkv"], y).reshape(b * t, h * w, 3, 1, c)
+    y = _norm(p["norm"], x).reshape(b * t, h * w, c)
+    qkv = _pointwise(p["qkv"], y).reshape(b * t, h * w, 3, 1, c)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     # the single head has the full channel width (384 for Wan2.1): fused kernels rarely take it
     impl = ctx.attn_impl or ("xla" if c > 128 else None)
-    o = attention(q, k, v, impl=impl).reshape(b * t, h, w, c)
-    o = nn.conv(p["proj"], o).reshape(b, t, h, w, c)
-    return x + o
-
-
-def _frames(x):
-    b, t = x.shape[:2]
-    return x.reshape(b * t, *x.shape[2:]), (b, t)
+    o = attention(q, k, v, impl=impl).reshape(b, t, h, w, c)
+    return x + _pointwise(p["proj"], o)
 
 
 def _downsample(ctx: _Ctx, name: str, p, x, temporal: bool):
-    y, (b, t) = _frames(x)
-    y = nn.conv(p["conv"], y, stride=2, padding=[(0, 1), (0, 1)])  # ZeroPad2d((0,1,0,1)) + stride 2
-    y = y.reshape(b, t, *y.shape[1:])
+    # ZeroPad2d((0,1,0,1)) + stride 2
+    y = _per_frame(lambda f: nn.conv(p["conv"], f, stride=2, padding=[(0, 1), (0, 1)]), x)
     if not temporal:
         return y
     key = f"{name}.time_conv"
-    if ctx.first:
-        ctx.new[key] = y[:, -1:]  # the reference skips the time conv on the first chunk
-        return y
-    prev = jnp.concatenate([ctx.old[key].astype(y.dtype), y], axis=1)
+    old = None if ctx.first else ctx.old[key]
     ctx.new[key] = y[:, -1:]
-    return nn.conv(p["time_conv"], prev, stride=(2, 1, 1), padding="VALID")
+    if ctx.first:
+        return y  # the reference skips the time conv on the first chunk
+    return _time_conv(ctx, p["time_conv"], old, y, stride=2)
+
+
+def _up_taps(w, axis: int):
+    """Nearest 2x upsampling then a 3-tap 'same' conv along ``axis`` = per output phase a 2-tap conv
+    of the original: phase 0 sees offsets (-1, 0) with (w0, w1 + w2), phase 1 offsets (0, +1) with
+    (w0 + w1, w2)."""
+    w0, w1, w2 = (jax.lax.index_in_dim(w, i, axis) for i in range(3))
+    return jnp.concatenate([w0, w1 + w2], axis), jnp.concatenate([w0 + w1, w2], axis)
+
+
+def _upsample_conv(p, y):
+    """Nearest 2x upsampling followed by the 3x3 'same' conv ``p``, on frames ``y`` [N, h, w, C], as
+    four 2x2 convs of ``y`` (one per output pixel phase; 16 instead of 36 taps per input pixel, and
+    no upsampled copy of the input), interleaved into [N, 2h, 2w, C']."""
+    n, h, w, _ = y.shape
+    rows = _up_taps(p["w"], 0)
+    outs = []
+    for a in range(2):
+        cols = _up_taps(rows[a], 1)
+        for c in range(2):
+            outs.append(nn.conv({"w": cols[c]}, y, padding=[(1 - a, a), (1 - c, c)]))
+    o = jnp.stack(outs).reshape(2, 2, n, h, w, -1).transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * h, 2 * w, -1)
+    return o + p["b"].astype(o.dtype)
 
 
 def _upsample(ctx: _Ctx, name: str, p, x, temporal: bool):
@@ -520,17 +604,13 @@ def _upsample(ctx: _Ctx, name: str, p, x, temporal: bool):
             # the reference skips the time conv on the first chunk and starts the next one from zeros
             ctx.new[key] = jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
         else:
-            prev = jnp.concatenate([ctx.old[key].astype(x.dtype), x], axis=1)
-            ctx.new[key] = prev[:, -2:]
-            y = nn.conv(p["time_conv"], prev, padding="VALID")  # [B, T, H, W, 2C]
+            old = ctx.old[key]
+            ctx.new[key] = _tail(old, x, 2)
+            y = _time_conv(ctx, p["time_conv"], old, x)  # [B, T, H, W, 2C]
             b, t, h, w, c2 = y.shape
             # channels [0, C) are each pair's first frame, [C, 2C) its second
             x = y.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
-    y, (b, t) = _frames(x)
-    n, h, w, c = y.shape
-    y = jnp.broadcast_to(y[:, :, None, :, None, :], (n, h, 2, w, 2, c)).reshape(n, 2 * h, 2 * w, c)  # nearest 2x
-    y = nn.conv(p["conv"], y, padding=[(1, 1), (1, 1)])
-    return y.reshape(b, t, *y.shape[1:])
+    return _per_frame(lambda f: _upsample_conv(p["conv"], f), x)
 
 
 def _avg_down(x, cout: int, ft: int, fs: int):
@@ -632,21 +712,21 @@ def _compute_dtype(params):
     return params["decoder"]["conv_in"]["w"].dtype
 
 
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl"))
-def _decode_chunk_jit(params, z, cache, *, cfg, first, attn_impl):
-    ctx = _Ctx(None if first else cache, attn_impl)
+@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
+def _decode_chunk_jit(params, z, cache, *, cfg, first, attn_impl, conv_impl):
+    ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
     z = z.transpose(0, 2, 3, 4, 1).astype(_compute_dtype(params))
-    x = nn.conv(params["post_quant_conv"], z)  # 1x1x1: per chunk = on the whole latent
+    x = _pointwise(params["post_quant_conv"], z)  # 1x1x1: per chunk = on the whole latent
     x = unpatchify(_decoder(cfg, ctx, params["decoder"], x), cfg.patch)
     return jnp.clip(x, -1.0, 1.0).transpose(0, 4, 1, 2, 3), ctx.new
 
 
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl"))
-def _encode_chunk_jit(params, x, cache, *, cfg, first, attn_impl):
-    ctx = _Ctx(None if first else cache, attn_impl)
+@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
+def _encode_chunk_jit(params, x, cache, *, cfg, first, attn_impl, conv_impl):
+    ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
     x = patchify(x.transpose(0, 2, 3, 4, 1).astype(_compute_dtype(params)), cfg.patch)
     h = _encoder(cfg, ctx, params["encoder"], x)
-    return nn.conv(params["quant_conv"], h).transpose(0, 4, 1, 2, 3), ctx.new
+    return _pointwise(params["quant_conv"], h).transpose(0, 4, 1, 2, 3), ctx.new
 
 
 def _check_chunk(first, cache, frames, want_first, want_later, what):
@@ -662,25 +742,29 @@ def _device(a):
     return jax.device_put(a) if isinstance(a, np.ndarray) else a
 
 
-def decode_chunk(params, cfg: WanVAEConfig, z_chunk, cache, first: bool, *, attn_impl=None):
+def decode_chunk(params, cfg: WanVAEConfig, z_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
     """Decode one latent frame ``z_chunk`` [B, z_dim, 1, h, w] (VAE latents: denormalised).
 
     ``first``: whether it is the video's first latent frame (then ``cache`` is ignored and may be
     None). Returns ``(pixels [B, C, t, H, W] clamped to [-1, 1] (device array), cache)``, t = 1 for
     the first chunk and ``cfg.temporal_ratio`` after; pass the cache on to the next chunk.
+
+    ``conv_impl``: how the convs over time run, ``"fold"`` (time taps folded into channels, 2-D
+    convs: fast on CPU) or ``"native"`` (3-D convs); None: ``"fold"`` on CPU, ``"native"`` elsewhere.
+    Both give the same result up to float rounding; the cache is the same either way.
     """
     _check_chunk(first, cache, z_chunk.shape[2], 1, 1, "decode_chunk")
     return _decode_chunk_jit(params, _device(z_chunk), None if first else cache,
-                             cfg=cfg, first=bool(first), attn_impl=attn_impl)
+                             cfg=cfg, first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
 
 
-def encode_chunk(params, cfg: WanVAEConfig, x_chunk, cache, first: bool, *, attn_impl=None):
+def encode_chunk(params, cfg: WanVAEConfig, x_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
     """Encode one chunk of video frames ``x_chunk`` [B, C, t, H, W] (t = 1 for the first chunk, 4
     after; see :func:`encode_chunk_frames`). Returns ``(moments [B, 2 z_dim, f, h, w] (mean, then
-    logvar, unclamped; device array), cache)``."""
+    logvar, unclamped; device array), cache)``. ``conv_impl``: as for :func:`decode_chunk`."""
     _check_chunk(first, cache, x_chunk.shape[2], 1, ENCODE_CHUNK_FRAMES, "encode_chunk")
     return _encode_chunk_jit(params, _device(x_chunk), None if first else cache,
-                             cfg=cfg, first=bool(first), attn_impl=attn_impl)
+                             cfg=cfg, first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
 
 
 def num_encode_chunks(num_frames: int) -> int:
@@ -693,7 +777,7 @@ def encode_chunk_frames(i: int) -> slice:
 
 
 def decode(params, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
-           return_cache: bool = False, attn_impl=None):
+           return_cache: bool = False, attn_impl=None, conv_impl=None):
     """Decode VAE latents ``z`` [B, z_dim, F, h, w] (denormalised: see :func:`denormalize_latents`) to
     pixels [B, C, T, H, W] in [-1, 1] (host numpy), T = 1 + temporal_ratio * (F - 1) for a full
     decode: ``AutoencoderKLWan.decode(z).sample``.
@@ -706,13 +790,13 @@ def decode(params, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = N
         raise ValueError("decode(start > 0) needs the cache left by the previous chunk")
     outs = []
     for i in range(start, stop):
-        px, cache = decode_chunk(params, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl)
+        px, cache = decode_chunk(params, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl, conv_impl=conv_impl)
         outs.append(px)
     pixels = np.concatenate([np.asarray(o) for o in outs], axis=2) if outs else None
     return (pixels, cache) if return_cache else pixels
 
 
-def encode(params, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None):
+def encode(params, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None, conv_impl=None):
     """Encode a video ``x`` [B, C, F, H, W] (values in [-1, 1]) to the latent distribution's mean
     [B, z_dim, f, h, w] (host numpy; ``AutoencoderKLWan.encode(x).latent_dist.mean``); with
     ``return_logvar`` also its log-variance (clamped to [-30, 20] as the reference does). Frames past
@@ -721,7 +805,7 @@ def encode(params, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_im
     cache, outs = None, []
     for i in range(num_encode_chunks(x.shape[2])):
         xc = x[:, :, encode_chunk_frames(i)]
-        m, cache = encode_chunk(params, cfg, xc, cache, first=i == 0, attn_impl=attn_impl)
+        m, cache = encode_chunk(params, cfg, xc, cache, first=i == 0, attn_impl=attn_impl, conv_impl=conv_impl)
         outs.append(m)
     moments = np.concatenate([np.asarray(o) for o in outs], axis=2)
     mean, logvar = moments[:, : cfg.z_dim], moments[:, cfg.z_dim:]
@@ -739,7 +823,7 @@ def decode_cache_spec(params, cfg: WanVAEConfig, batch: int, height: int, width:
     """Shapes/dtypes of the decode cache for latents of spatial size (height, width); no compile."""
     dt = _compute_dtype(params)
     z = jax.ShapeDtypeStruct((batch, cfg.z_dim, 1, height, width), dt)
-    return jax.eval_shape(partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None), params, z, None)[1]
+    return jax.eval_shape(partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl=_conv_impl(None)), params, z, None)[1]
 
 
 # ----------------------------------------------------------------------------------- loading

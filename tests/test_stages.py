@@ -1,0 +1,253 @@
+"""Staged, resumable runs: store, keys, commit records, resume, rerun, validation, CLI."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages import cli
+from stages import run as R
+from stages.request import Request, validate
+from stages.store import RunStore, read_array
+from vidax.video import read_mp4
+
+REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
+           num_frames=9, steps=4, guidance=4.0, seed=7, checkpoint_every=1)
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _gen(store_url, run_id="r1", **over):
+    req = validate(Request(**{**REQ, **over}))
+    run = RunStore(store_url).run(run_id)
+    logs = []
+    res = R.generate(run, req, log=logs.append)
+    return run, req, {r.stage: r.status for r in res}, logs
+
+
+def _frames(run, req):
+    return np.concatenate([read_array(run.group(f"decode/{k}.zarr"), "frames") for k in range(len(R.decode_ranges(req)))], 1)
+
+
+def test_end_to_end_file_store(tmp_path):
+    run, req, st, _ = _gen(f"file://{tmp_path}")
+    assert list(st) == ["encode", "sample", "decode/0", "decode/1", "decode/2", "mux"]
+    assert set(st.values()) == {"ran"}
+    video = read_mp4(tmp_path / "runs/r1/video.mp4")
+    assert video.shape == (9, 32, 48, 3)
+    assert (tmp_path / "runs/r1/preview.png").stat().st_size > 0
+    # stored arrays carry dimension names and attributes; records name every output with a checksum
+    lat = run.group("sample.zarr")["latents"]
+    assert lat.metadata.dimension_names == ("batch", "channel", "frame", "height", "width")
+    assert lat.attrs["logical_dtype"] == "float32" and lat.shape == (1, 16, 3, 4, 6)
+    rec = run.record("decode/1")
+    assert rec["key"] and rec["hardware"] and any(k.startswith("decode/1.zarr::cache/") for k in rec["outputs"])
+    m = run.read_json("manifest.json")
+    assert [s["status"] for s in m["stages"]] == ["done"] * 6
+    # the mp4 holds the decoded frames in order (H.264 + 4:2:0 chroma is lossy: compare luma)
+    luma = lambda a: a.astype(float) @ [0.299, 0.587, 0.114]
+    y_video, y_frames = luma(video), luma(_frames(run, req)[0])
+    assert np.abs(y_video - y_frames).mean() < 8
+    assert np.corrcoef(y_video.ravel(), y_frames.ravel())[0, 1] > 0.95
+
+
+def test_bfloat16_embeddings_stored_losslessly(tmp_path):
+    import ml_dtypes
+
+    run, req, st, _ = _gen(f"file://{tmp_path}", dtype="bfloat16", steps=1)
+    g = run.group("encode.zarr")
+    assert g["prompt_embeds"].dtype == np.uint16 and g["prompt_embeds"].attrs["logical_dtype"] == "bfloat16"
+    e = read_array(g, "prompt_embeds")
+    assert e.dtype == ml_dtypes.bfloat16
+    pipe = R.make_pipeline(req)
+    ref = pipe.encode_prompts(req.prompts).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(e.view(np.uint16), ref.view(np.uint16))
+
+
+def test_repeat_skips_everything_and_steps_change_reruns_from_sample(tmp_path):
+    url = f"file://{tmp_path}"
+    run, req, _, _ = _gen(url)
+    finished = {s: run.record(s)["finished"] for s in R.stage_names(req)}
+    time.sleep(1.1)
+    _, _, st, _ = _gen(url)
+    assert set(st.values()) == {"skipped"}
+    assert {s: run.record(s)["finished"] for s in R.stage_names(req)} == finished
+    _, _, st, _ = _gen(url, steps=5)
+    assert st["encode"] == "skipped"
+    assert all(v == "ran" for k, v in st.items() if k != "encode")
+
+
+def test_sigkill_during_sampling_resumes_bitwise(tmp_path):
+    url = f"file://{tmp_path / 'killed'}"
+    args = [sys.executable, "-m", "stages.cli", "generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48",
+            "--frames", "9", "--steps", "6", "--guidance", "4", "--seed", "7", "--checkpoint-every", "2",
+            "--scheduler", "flow_euler_sde", "--run-id", "k1", "--store", url]
+    env = {**ENV, "VIDAX_FAULTS": "sample:kill_after_step=4"}
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    run = RunStore(url).run("k1")
+    assert run.record("sample") is None  # sampling never committed
+    ck = [n for n in run.group("sample.zarr").group_keys() if n.startswith("ckpt_")]
+    assert ck == ["ckpt_00004"]
+    # resume (another process, no fault) and compare with an uninterrupted run
+    p = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resuming from the step checkpoint at step 4/6" in p.stdout
+    assert run.record("sample")["details"]["resumed_from_step"] == 4
+    assert run.record("encode")["finished"] < run.record("sample")["started"]
+    clean_url = f"file://{tmp_path / 'clean'}"
+    args_clean = [a if a != url else clean_url for a in args]
+    p = subprocess.run(args_clean, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    a = read_array(run.group("sample.zarr"), "latents")
+    b = read_array(RunStore(clean_url).run("k1").group("sample.zarr"), "latents")
+    assert a.tobytes() == b.tobytes()
+
+
+def test_corrupt_or_deleted_decode_stage_rerun_alone(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    run, req, _, _ = _gen(url)
+    before = _frames(run, req)
+    finished = {s: run.record(s)["finished"] for s in R.stage_names(req)}
+    time.sleep(1.1)
+    # corrupt decode/1's frames (record stays: the checksum catches it)
+    g = run.group("decode/1.zarr", "a")
+    g["frames"][0, 0, 0, 0, 0] = (int(g["frames"][0, 0, 0, 0, 0]) + 1) % 256
+    assert cli.main(["status", "r1", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "decode/1  corrupt" in out and "decode/0  done" in out
+    assert cli.main(["rerun", "r1", "--stage", "decode/1", "--store", url]) == 0
+    changed = [s for s in R.stage_names(req) if run.record(s)["finished"] != finished[s]]
+    assert changed == ["decode/1"]
+    np.testing.assert_array_equal(_frames(run, req), before)
+    # delete decode/2 entirely: status says missing; generate recomputes only it
+    run.delete("decode/2.zarr")
+    cli.main(["status", "r1", "--store", url])
+    assert "decode/2  corrupt" in capsys.readouterr().out
+    _, _, st, _ = _gen(url)
+    assert [s for s, v in st.items() if v == "ran"] == ["decode/2"]
+    np.testing.assert_array_equal(_frames(run, req), before)
+
+
+def test_stage_command_runs_one_stage_and_checks_inputs(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    run, req, _, _ = _gen(url)
+    run.delete_record("decode/0")
+    assert cli.main(["stage", "r1", "decode/1", "--store", url]) == 0  # decode/1 itself is committed
+    assert "up to date" in capsys.readouterr().out
+    assert cli.main(["rerun", "r1", "--stage", "decode/1", "--store", url]) == 1
+    assert "needs decode/0, which is not committed" in capsys.readouterr().err
+    assert cli.main(["stage", "r1", "decode/0", "--store", url]) == 0
+    assert R.committed(run, "decode/0", R.stage_keys(req, R.make_pipeline(req))["decode/0"])
+
+
+def test_no_device_arrays_survive_a_stage(tmp_path):
+    import gc
+
+    import jax
+
+    req = validate(Request(**REQ))
+    run = RunStore(f"file://{tmp_path}").run("live")
+    pipe = R.make_pipeline(req)
+    keys = R.stage_keys(req, pipe)
+    gc.collect()
+    baseline = {id(a) for a in jax.live_arrays()}
+    for stage in keys:
+        R.run_stage(run, req, pipe, stage, keys, log=lambda m: None)
+        gc.collect()
+        alive = [a for a in jax.live_arrays() if id(a) not in baseline]
+        assert not alive, f"after {stage}: {len(alive)} device arrays alive, e.g. {[a.shape for a in alive[:5]]}"
+
+
+# ------------------------------------------------------------------ validation
+def _cli_fails(tmp_path, capsys, args, field, text):
+    store = tmp_path / "store"
+    rc = cli.main(["generate", "--store", str(store), *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err.count("\n") == 0, f"expected one line, got: {err}"
+    assert err.startswith(f"vidax: error: {field}:"), err
+    assert text in err, err
+    assert not (store / "runs").exists(), "nothing may be committed for an invalid request"
+
+
+@pytest.mark.parametrize("args,field,text", [
+    (["--prompt", "x", "--model", "wan9"], "model", "available: wan2.1-t2v-1.3b"),
+    (["--prompt", "x", "--height", "40"], "height", "multiple of 16"),
+    (["--prompt", "x", "--width", "0"], "width", "multiple of 16"),
+    (["--prompt", "x", "--frames", "8"], "num_frames", "4k+1 (e.g. 9)"),
+    (["--prompt", "   "], "prompt", "non-empty"),
+    (["--prompt", "x", "--run-id", "../evil"], "run_id", "letters, digits"),
+    (["--prompt", "x", "--run-id", "a/b"], "run_id", "letters, digits"),
+    (["--prompt", "x", "--preset", "huge"], "preset", "presets: tiny"),
+    (["--prompt", "x", "--decode-stages", "9"], "decode_stages", "between 1 and 3"),
+])
+def test_validation_errors(tmp_path, capsys, args, field, text):
+    _cli_fails(tmp_path, capsys, args, field, text)
+
+
+def test_unwritable_store(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    blocker = tmp_path / "ro" / "file"
+    blocker.write_text("not a folder")
+    rc = cli.main(["generate", "--prompt", "x", "--store", str(blocker / "sub")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("vidax: error: store: cannot write to store"), err
+
+
+def test_unreachable_gcs_store(tmp_path, capsys, monkeypatch):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    rc = cli.main(["generate", "--prompt", "x", "--store", "gs://bucket/prefix"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("vidax: error: store: cannot write to store gs://bucket/prefix"), err
+
+
+# ------------------------------------------------------------------ GCS (emulator)
+@pytest.fixture(scope="module")
+def gcs_emulator():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    exe = Path(sys.executable).with_name("gcp-storage-emulator")
+    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
+                             "vidax-test", "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("gcp-storage-emulator did not start")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_end_to_end_gcs(gcs_emulator, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    url = "gs://vidax-test/team/runs-store"
+    args = ["generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48", "--frames", "9", "--steps", "3",
+            "--run-id", "g1", "--store", url]
+    assert cli.main(args) == 0
+    assert "video: gs://vidax-test/team/runs-store/runs/g1/video.mp4" in capsys.readouterr().out
+    run = RunStore(url).run("g1")
+    run.get_file("video.mp4", tmp_path / "v.mp4")
+    assert read_mp4(tmp_path / "v.mp4").shape == (9, 32, 48, 3)
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("up to date, skipped") == 6
+    assert cli.main(["ls", "--store", url]) == 0
+    assert "g1" in capsys.readouterr().out
