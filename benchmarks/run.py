@@ -173,7 +173,8 @@ def main(argv=None):
 
     torch.set_num_threads(os.cpu_count() or 1)
     peak = matmul_peak()
-    fns = {"dit": bench_dit, "vae": bench_vae, "text": bench_text}
+    fns = {"dit": bench_dit, "vae": bench_vae, "text": bench_text,
+           "scale": lambda r: __import__("benchmarks.scale", fromlist=["bench_entry"]).bench_entry(r)}
     rows = []
     for k in a.only:
         print(f"benchmarking {k} ...", file=sys.stderr, flush=True)

@@ -1,1 +1,1 @@
-"""Prefect flows over the vidax stages."""
+"""Prefect flows over the vidax stages (see flows/flows.py); `vidax submit` lives in flows/cli.py."""

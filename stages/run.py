@@ -150,6 +150,7 @@ class StageResult:
 
 
 Log = Callable[[str], None]
+Progress = Callable[[str, float], None]  # (stage, fraction done)
 
 
 def _fault(stage: str, what: str) -> str | None:
@@ -190,7 +191,7 @@ def _ckpt_groups(run: Run):
     return g, names
 
 
-def run_sample(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
+def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progress | None = None) -> dict:
     import jax
 
     enc = run.group("encode.zarr")
@@ -227,6 +228,8 @@ def run_sample(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
     def on_step(info, x, st):
         log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.2f}s")
         done = info.index + 1
+        if progress is not None:
+            progress("sample", done / info.total)
         if done % every == 0 and done < info.total:
             name = f"ckpt_{done:05d}"
             c = g.create_group(name, overwrite=True)
@@ -299,7 +302,8 @@ def run_mux(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
     return out
 
 
-def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], log: Log) -> StageResult:
+def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], log: Log,
+              progress: Progress | None = None) -> StageResult:
     """Run one stage unconditionally (inputs must be committed) and commit it."""
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
@@ -313,8 +317,10 @@ def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], lo
     kind = stage.split("/")[0]
     if kind == "decode":
         outputs = run_decode(run, req, pipe, keys[stage], log, int(stage.split("/")[1]))
+    elif kind == "sample":
+        outputs = run_sample(run, req, pipe, keys[stage], log, progress)
     else:
-        outputs = {"encode": run_encode, "sample": run_sample, "mux": run_mux}[kind](run, req, pipe, keys[stage], log)
+        outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
     gc.collect()
     seconds = time.perf_counter() - t0
@@ -350,7 +356,7 @@ def write_manifest(run: Run, req: Request, keys: dict[str, str]) -> dict:
     return m
 
 
-def generate(run: Run, req: Request, log: Log = print, pipe=None) -> list[StageResult]:
+def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Progress | None = None) -> list[StageResult]:
     """Run every stage that is not already committed with a matching key, in order."""
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
@@ -363,7 +369,7 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None) -> list[StageR
                                        (run.record(stage) or {}).get("hardware", "")))
             log(f"[{stage}] up to date, skipped")
             continue
-        results.append(run_stage(run, req, pipe, stage, keys, log))
+        results.append(run_stage(run, req, pipe, stage, keys, log, progress))
         write_manifest(run, req, keys)
     write_manifest(run, req, keys)
     return results

@@ -22,6 +22,8 @@ _PORTS = {
     "AutoencoderKLWan": "vidax.models.wan.vae",
 }
 _ADAPTERS: dict[str, Callable] = {}
+# Ports whose adapter accepts mesh= / parallelism= / offload_chunk_size= (see vidax.core.sharding).
+_SCALABLE = {"WanTransformer3DModel"}
 
 
 def register(*class_names: str):
@@ -69,11 +71,20 @@ def class_name(cfg: dict) -> str | None:
     return arch[0] if arch else None
 
 
-def load_pretrained(folder: str | Path, **kwargs) -> CompatModel:
+def load_pretrained(folder: str | Path, *, mesh=None, parallelism: str | None = None, offload_chunk_size=None,
+                    **kwargs) -> CompatModel:
+    """Load a reference folder. For ``WanTransformer3DModel``: ``mesh`` (a ``Mesh`` with axes
+    dp/tp/sp or a spec like ``"tp=2,sp=2"``), ``parallelism`` ("tp" | "sp" | "tp+sp"; default: what
+    the mesh implies) and ``offload_chunk_size`` (blocks streamed from host memory per chunk, or
+    "all"; ``prefetch=False`` turns the transfer/compute overlap off). Outputs stay numpy."""
     folder = Path(folder)
     cfg = read_config(folder)
     name = class_name(cfg)
     if name not in _PORTS:
         raise ValueError(f"{folder}: model class {name!r} has no vidax port; supported: {sorted(_PORTS)}")
+    scale = {k: v for k, v in (("mesh", mesh), ("parallelism", parallelism), ("offload_chunk_size", offload_chunk_size))
+             if v is not None}
+    if scale and name not in _SCALABLE:
+        raise ValueError(f"{name}: {sorted(scale)} not supported (mesh / parallelism / offloading: {sorted(_SCALABLE)})")
     importlib.import_module(_PORTS[name])
-    return _ADAPTERS[name](cfg, folder, **kwargs)
+    return _ADAPTERS[name](cfg, folder, **scale, **kwargs)

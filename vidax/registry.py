@@ -14,10 +14,16 @@ class Recipe:
     spatial_factor: int = 16  # VAE 8x * patch 2x
     temporal_factor: int = 4  # num_frames = 4k + 1
     description: str = ""
+    # job variables per stage kind and preset, for routing stages to sized work pools
+    # (preset None = real checkpoints); merged into run_deployment(..., job_variables=...)
+    stage_jobs: dict = field(default_factory=dict)
 
     def pipeline_class(self):
         mod, cls = self.pipeline.split(":")
         return getattr(importlib.import_module(mod), cls)
+
+    def job_variables(self, stage_kind: str, preset: str | None) -> dict:
+        return dict(self.stage_jobs.get(preset, {}).get(stage_kind, {}))
 
     def settings(self, preset: str | None, **overrides) -> dict:
         """Defaults for this model (and preset), with non-None overrides applied."""
@@ -28,6 +34,15 @@ class Recipe:
 
 
 # Small sizes for the seeded random-weight presets, so a first run takes seconds.
+# Which deployment (and so which work pool) runs each stage kind; prefect.yaml binds them to pools.
+STAGE_DEPLOYMENTS = {"encode": "vidax-stage/encode", "sample": "vidax-stage/sample",
+                     "decode": "vidax-stage/decode", "mux": "vidax-stage/mux"}
+
+
+def _tpu(accelerator: str, topology: str, chips: int) -> dict:
+    return {"tpu_accelerator": accelerator, "tpu_topology": topology, "tpu_chips": chips}
+
+
 PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8)}
 
 MODELS = {
@@ -37,11 +52,17 @@ MODELS = {
             "wan2.1-t2v-1.3b", "vidax.models.wan.pipeline:WanT2V", ("tiny", "1.3b"),
             dict(height=480, width=832, num_frames=81, steps=50, guidance=5.0, shift=3.0, fps=16, scheduler="unipc"),
             description="Wan2.1 text-to-video, 1.3B (480p)",
+            stage_jobs={None: {"encode": _tpu("tpu-v5-lite-podslice", "2x2", 4),
+                               "sample": _tpu("tpu-v5-lite-podslice", "2x4", 8),
+                               "decode": _tpu("tpu-v5-lite-podslice", "2x2", 4)}},
         ),
         Recipe(
             "wan2.1-t2v-14b", "vidax.models.wan.pipeline:WanT2V", ("tiny", "14b"),
             dict(height=720, width=1280, num_frames=81, steps=50, guidance=5.0, shift=5.0, fps=16, scheduler="unipc"),
             description="Wan2.1 text-to-video, 14B (720p)",
+            stage_jobs={None: {"encode": _tpu("tpu-v5-lite-podslice", "2x4", 8),
+                               "sample": _tpu("tpu-v5p-slice", "2x2x4", 16),
+                               "decode": _tpu("tpu-v5-lite-podslice", "2x4", 8)}},
         ),
     ]
 }

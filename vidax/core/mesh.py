@@ -57,12 +57,8 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
 
 
 def _distributed_initialized() -> bool:
-    try:
-        from jax._src import distributed  # no public query in jax; read-only use
-
-        return distributed.global_state.client is not None
-    except Exception:  # pragma: no cover - layout of a private module changed
-        return False
+    probe = getattr(jax.distributed, "is_initialized", None)
+    return bool(probe()) if probe is not None else False
 
 
 # ----------------------------------------------------------------------------------- specs
@@ -202,9 +198,8 @@ def check_divisible(rules: Sequence[Divisible], mesh: Mesh | Mapping[str, int] |
             continue
         # blame the largest axis of the rule that is > 1 (the one most likely chosen by hand)
         blamed = max((a for a in r.axes if sizes[a] > 1), key=lambda a: sizes[a])
-        others = {a: sizes[a] for a in r.axes if a != blamed}
-        ax_desc = "*".join(r.axes)
-        lhs = f"{blamed}={sizes[blamed]}" if not others else f"{ax_desc}={'*'.join(str(sizes[a]) for a in r.axes)}"
+        others = {a: sizes[a] for a in r.axes if a != blamed and sizes[a] > 1}
+        lhs = f"{blamed}={sizes[blamed]}" if not others else f"{'*'.join(r.axes)}={'*'.join(str(sizes[a]) for a in r.axes)}"
         valid = valid_sizes(blamed, rules, sizes, max_devices)
         ctx = f" (with {', '.join(f'{a}={v}' for a, v in others.items())})" if others else ""
         why = f" ({r.why})" if r.why else ""

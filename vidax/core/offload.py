@@ -21,6 +21,7 @@ of each device's own shard), and runs them through ONE compiled chunk function::
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -113,6 +114,8 @@ class Pool:
 
 @dataclass
 class OffloadStats:
+    """Of the last :meth:`OffloadRunner.run`."""
+
     peak_resident_chunks: int = 0  # chunk buffers alive at once (by construction)
     peak_device_bytes: int = 0  # measured (track_memory=True): largest per-device live bytes
     baseline_device_bytes: int = 0  # measured before the last run
@@ -196,14 +199,19 @@ class OffloadRunner:
             st.peak_device_bytes = max(st.peak_device_bytes, b)
 
     def run(self, name: str, carry, *consts):
-        """``carry = chunk_fn(chunk_i, carry, *consts)`` for every chunk of stack ``name``, in order."""
+        """``carry = chunk_fn(chunk_i, carry, *consts)`` for every chunk of stack ``name``, in order.
+
+        The caller's ``carry`` is copied once into a committed buffer (the chunk program donates
+        its carry, and every call must see the same argument shardings); ``consts`` are shared."""
         pool = self.pools[name]
         pool.runs += 1
         n = pool.num_chunks
+        carry = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False) if isinstance(a, jax.Array) else a, carry)
+        self.stats = OffloadStats()  # per run
         if self.track_memory:
+            gc.collect()  # unreachable arrays of earlier work must not blur the baseline
             jax.block_until_ready(carry)
-            self.stats.baseline_device_bytes = device_bytes_in_use()
-            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.stats.baseline_device_bytes)
+            self.stats.baseline_device_bytes = self.stats.peak_device_bytes = device_bytes_in_use()
         with warnings.catch_warnings():
             # chunk parameters cannot alias the carry output; donating them still releases them early
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")

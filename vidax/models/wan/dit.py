@@ -342,9 +342,7 @@ class WanDiTRunner:
         from vidax.core import sharding as vsh
 
         self.cfg, self.attn_impl = cfg, attn_impl
-        self.mesh = vmesh.make_mesh(mesh) if not isinstance(mesh, jax.sharding.Mesh) else vmesh.ensure_axes(mesh)
-        if mesh is None:
-            self.mesh = vmesh.single_device_mesh()
+        self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
         vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
         mapping = vsh.logical_mapping(self.parallelism, TP_LOGICAL)
@@ -502,6 +500,22 @@ class WanDiTRunner:
         h = self.offload.run("blocks", a["h"], consts)
         return self._post(self.rest, h, a["temb"], grid)
 
+    @property
+    def params(self):
+        """The placed parameters (resident runner): pass them to :meth:`apply`."""
+        if self.offload is not None:
+            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
+        return {"rest": self.rest, "blocks": self.blocks}
+
+    def apply(self, params, x, t, ctx, img=None):
+        """Traceable ``model_fn(params, x, t, ctx)`` for :func:`vidax.core.sampling.make_step`
+        (params = :attr:`params`; they stay arguments, never baked-in constants). With dp > 1 the
+        2B classifier-free-guidance batch runs conditional / unconditional on separate devices."""
+        self.check_inputs(x.shape, jnp.shape(t))
+        pt, ph, pw = self.cfg.patch_size
+        cos, sin = rope_tables(self.cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw))
+        return self._resident(params["rest"], params["blocks"], x, t, ctx, img, cos, sin)
+
     def lower(self, x, t, ctx, img=None):
         """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
         x, t = jnp.asarray(x), jnp.asarray(t, jnp.float32)
@@ -654,6 +668,7 @@ class _WanDiTCompat(compat.CompatModel):
         if runner is None:
             self._fwd = jax.jit(partial(forward, cfg=cfg))
         else:
+            self.params = None if runner.offload is not None else runner.params
             self._fwd = lambda params, x, t, ctx, img: runner(x, t, ctx, img)
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None, **_):

@@ -486,6 +486,20 @@ def _tail(old, x, n: int):
     return jnp.concatenate([old[:, old.shape[1] - (n - t):].astype(x.dtype), x], axis=1)
 
 
+def _tap(old, x, k: int, n_old: int, span: int, stride: int):
+    """Frames ``k, k + stride, ... < k + span`` of ``[old, x]`` (``old=None``: ``n_old`` zero frames),
+    taken from ``old`` and ``x`` directly (the concatenation itself is never materialised)."""
+    idx = range(k, k + span, stride)
+    n_in_old = sum(1 for j in idx if j < n_old)
+    parts = []
+    if n_in_old:
+        parts.append(jnp.zeros((x.shape[0], n_in_old, *x.shape[2:]), x.dtype) if old is None
+                     else old[:, k: min(n_old, k + span): stride].astype(x.dtype))
+    if n_in_old < len(idx):
+        parts.append(x[:, idx[n_in_old] - n_old: k + span - n_old: stride])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
 def _time_conv(ctx: _Ctx, p, old, x, stride: int = 1):
     """VALID conv over time of ``[old, x]`` (concatenated on the frame axis; ``old=None``: kt-1 zero
     frames), 'same' zero padding in space.
@@ -505,16 +519,7 @@ def _time_conv(ctx: _Ctx, p, old, x, stride: int = 1):
     tout = (n_old + x.shape[1] - kt) // stride + 1
     span = stride * (tout - 1) + 1
     k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
-    frames = None
-    xs = []
-    for k in range(k0, kt):
-        if k >= n_old:
-            xs.append(x[:, k - n_old: k - n_old + span: stride])
-            continue
-        if frames is None:
-            head = jnp.zeros((x.shape[0], n_old, *x.shape[2:]), x.dtype) if old is None else old.astype(x.dtype)
-            frames = jnp.concatenate([head, x], axis=1)
-        xs.append(frames[:, k: k + span: stride])
+    xs = [_tap(old, x, k, n_old, span, stride) for k in range(k0, kt)]
     xc = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # [B, tout, H, W, (kt - k0) cin]
     w = p["w"][k0:].transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * cin, cout)
     q = {"w": w, "b": p["b"]} if "b" in p else {"w": w}

@@ -1,0 +1,55 @@
+"""The ``vidax`` console script: the stage commands plus ``vidax submit`` (Prefect event)."""
+from __future__ import annotations
+
+import sys
+
+from stages import cli as stage_cli
+
+PROMPTS_UPLOADED = "vidax.prompts.uploaded"
+
+
+def submit(url: str, store: str | None = None, mode: str | None = None) -> str:
+    """Emit ``vidax.prompts.uploaded`` for a prompt file; the ``generate-batch`` deployment's
+    trigger starts a batch run for it. Returns the event id."""
+    import hashlib
+
+    import fsspec
+    from prefect.events import emit_event
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        raise stage_cli.RequestError("file", f"{url!r} does not exist")
+    resource = {"prefect.resource.id": f"vidax.prompts.{hashlib.sha256(url.encode()).hexdigest()[:16]}",
+                "vidax.url": url if "://" in url else f"file://{fs._strip_protocol(path)}"}
+    if store:
+        resource["vidax.store"] = store
+    if mode:
+        resource["vidax.mode"] = mode
+    ev = emit_event(event=PROMPTS_UPLOADED, resource=resource)
+    if ev is None:
+        raise RuntimeError("the event was not sent: is PREFECT_API_URL set to a Prefect server?")
+    return str(ev.id)
+
+
+def main(argv=None) -> int:
+    ap = stage_cli.build_parser()
+    sub = next(a for a in ap._actions if a.dest == "cmd")
+    s = sub.add_parser("submit", help="announce a prompt file: the generate-batch deployment's trigger runs it")
+    s.add_argument("file", help="prompt file URL (.txt, .jsonl, .csv; local path, gs://, ...)")
+    s.add_argument("--store", default=None, help="run store for the batch (default: the deployment's)")
+    s.add_argument("--mode", choices=["local", "distributed"], default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["submit"]:
+        a = ap.parse_args(argv)
+        try:
+            eid = submit(a.file, a.store, a.mode)
+        except stage_cli.RequestError as e:
+            print(f"vidax: error: {e}", file=sys.stderr)
+            return 2
+        print(f"submitted {a.file} (event {eid}); the generate-batch deployment will pick it up")
+        return 0
+    return stage_cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Prefect flows over the vidax stages.
+
+- ``vidax-generate``: one request; every stage a task (local mode) or a child flow run of the
+  per-stage deployment routed to a sized work pool (distributed mode);
+- ``vidax-generate-batch``: a prompt file (any fsspec URL), lines validated first, prompts run with a
+  concurrency limit, a failing prompt does not sink the others;
+- ``vidax-rerun-stage``: recompute one stage of an existing run, then finish whatever is left;
+- ``vidax-stage``: one stage of an existing run (what each per-stage deployment runs).
+
+Only store URLs and run ids pass between flows; the data flows through the run store.
+"""
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+from prefect.events import emit_event
+from prefect.states import Failed
+from prefect.tasks import exponential_backoff
+
+from stages import run as R
+from stages.request import Request, validate, validate_run_id
+from stages.store import RunStore, StoreError
+from vidax import registry
+
+from .batch import parse_prompt_file
+
+TRANSIENT = (ConnectionError, TimeoutError, StoreError)
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Storage hiccups worth retrying: connection/timeouts and HTTP 429/5xx from object stores."""
+    if exc is None:
+        return False
+    if isinstance(exc, TRANSIENT):
+        return True
+    code = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(code, int) and (code == 429 or 500 <= code < 600):
+        return True
+    return type(exc).__name__ in ("ClientConnectionError", "ServerDisconnectedError", "ClientOSError")
+
+
+def _retry_transient(task_, task_run, state) -> bool:
+    try:
+        state.result()
+    except Exception as e:  # noqa: BLE001
+        return is_transient(e)
+    return False
+
+
+def _artifact_key(*parts: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:120]
+
+
+def _stage_cache_key(context, parameters) -> str:
+    return f"vidax-stage-{parameters['key']}"
+
+
+@task(name="vidax-stage-task", task_run_name="{stage}", retries=3, retry_delay_seconds=exponential_backoff(2),
+      retry_condition_fn=_retry_transient, cache_key_fn=_stage_cache_key, persist_result=True,
+      cache_expiration=timedelta(days=30))
+def stage_task(store: str, run_id: str, stage: str, key: str, force: bool = False) -> dict:
+    """Run one stage in this process (skipping it if already committed with this key)."""
+    logger = get_run_logger()
+    run = RunStore(store).run(run_id)
+    req = R.load_request(run)
+    pipe = R.make_pipeline(req)
+    keys = R.stage_keys(req, pipe)
+    if keys.get(stage) != key:
+        raise R.StageError(f"{stage}: the run's request changed since this task was planned")
+    if not force and R.committed(run, stage, key):
+        logger.info("%s is already committed (key %s): skipped", stage, key[:12])
+        rec = run.record(stage)
+        return {"stage": stage, "key": key, "status": "skipped", "seconds": rec["seconds"], "hardware": rec["hardware"]}
+    progress_id = {}
+
+    def progress(which, frac):
+        if which not in progress_id:
+            progress_id[which] = create_progress_artifact(
+                progress=0.0, key=_artifact_key("vidax", run_id, which, "progress"),
+                description=f"{which} progress of run {run_id}")
+        update_progress_artifact(progress_id[which], progress=round(100 * frac, 1))
+
+    res = R.run_stage(run, req, pipe, stage, keys, log=logger.info, progress=progress)
+    R.write_manifest(run, req, keys)
+    return {"stage": stage, "key": key, "status": res.status, "seconds": round(res.seconds, 3), "hardware": res.hardware}
+
+
+def _emit_stage_failed(store: str, run_id: str, stage: str, error: str, attempt: int) -> None:
+    emit_event(
+        event="vidax.stage.failed",
+        resource={"prefect.resource.id": f"vidax.run.{run_id}.{stage}", "vidax.store": store, "vidax.run_id": run_id,
+                  "vidax.stage": stage, "vidax.stage_kind": stage.split("/")[0], "vidax.attempt": str(attempt)},
+        payload={"error": error[:2000]},
+    )
+
+
+def _run_local(store: str, run_id: str, stage: str, key: str, force: bool = False) -> dict:
+    run = RunStore(store).run(run_id)
+    fresh = not force and R.committed(run, stage, key)
+    return stage_task.with_options(refresh_cache=not fresh)(store, run_id, stage, key, force)
+
+
+def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: dict, attempt: int) -> dict:
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    kind = stage.split("/")[0]
+    name = registry.STAGE_DEPLOYMENTS[kind]
+    fr = run_deployment(
+        name, parameters={"store": store, "run_id": run_id, "stage": stage}, job_variables=job_variables or None,
+        idempotency_key=f"{flow_run.id}:{stage}:{key}:attempt-{attempt}", timeout=None, as_subflow=True,
+    )
+    state = fr.state
+    if state is None or not state.is_completed():
+        raise R.StageError(f"{stage}: child flow run {fr.name} ({name}) ended "
+                           f"{state.type.value if state else 'without a state'}: {state.message if state else ''}")
+    return {"stage": stage, "key": key, "status": "ran", "flow_run": str(fr.id)}
+
+
+def _report(run, req: Request, results: list[dict]) -> None:
+    keys_rows = []
+    for r in results:
+        rec = run.record(r["stage"]) or {}
+        keys_rows.append({"stage": r["stage"], "status": r.get("status", ""), "seconds": rec.get("seconds"),
+                          "hardware": rec.get("hardware", ""), "key": r["key"][:12]})
+    create_table_artifact(keys_rows, key=_artifact_key("vidax", run.run_id, "stages"),
+                          description=f"Stages of run {run.run_id}: timing, hardware, key")
+    videos = "\n".join(f"- video: `{run.url(n)}`" for n in R.video_names(len(req.prompts)))
+    previews = "\n".join(f"- preview: `{run.url(n.replace('video', 'preview').replace('.mp4', '.png'))}`"
+                         for n in R.video_names(len(req.prompts)))
+    create_markdown_artifact(
+        f"# vidax run `{run.run_id}`\n\n{req.model}, {req.width}x{req.height}, {req.num_frames} frames, "
+        f"{req.steps} steps, seed {req.seed}\n\n> {req.prompts[0]}\n\n{videos}\n{previews}\n",
+        key=_artifact_key("vidax", run.run_id, "output"), description=f"Output of run {run.run_id}")
+
+
+@flow(name="vidax-generate", log_prints=True)
+def generate(request: dict, store: str = "vidax-runs", run_id: str | None = None, mode: str = "local",
+             job_variables: dict | None = None) -> dict:
+    """Generate one video. ``mode="local"`` runs every stage in this process; ``"distributed"``
+    launches each stage as a run of its per-stage deployment (sized work pool) and checks it."""
+    from prefect.runtime import flow_run
+
+    logger = get_run_logger()
+    req = validate(Request.from_json(request))
+    if mode not in ("local", "distributed"):
+        raise ValueError(f"mode: {mode!r}; choose local or distributed")
+    run_id = validate_run_id(run_id) if run_id else req.default_run_id()
+    rs = RunStore(store)
+    rs.check_writable()
+    run = rs.run(run_id)
+    pipe = R.make_pipeline(req)
+    keys = R.stage_keys(req, pipe)
+    run.write_json("request.json", req.to_json())
+    recipe = registry.get(req.model)
+    attempt = flow_run.run_count or 1
+    logger.info("run %s in %s: %s stages, mode %s", run_id, rs.url, len(keys), mode)
+    results = []
+    for stage in keys:
+        try:
+            if mode == "local":
+                results.append(_run_local(rs.url, run_id, stage, keys[stage]))
+            else:
+                kind = stage.split("/")[0]
+                jv = {**recipe.job_variables(kind, req.preset), **(job_variables or {}).get(kind, {})}
+                if R.committed(run, stage, keys[stage]):
+                    results.append({"stage": stage, "key": keys[stage], "status": "skipped"})
+                else:
+                    results.append(_run_remote(rs.url, run_id, stage, keys[stage], jv, attempt))
+        except Exception as e:
+            if mode == "local":  # in distributed mode the stage's own flow run reports it
+                _emit_stage_failed(rs.url, run_id, stage, str(e), attempt)
+            R.write_manifest(run, req, keys)
+            raise
+    R.write_manifest(run, req, keys)
+    _report(run, req, results)
+    videos = [run.url(n) for n in R.video_names(len(req.prompts))]
+    for v in videos:
+        logger.info("video: %s", v)
+    return {"run_id": run_id, "store": rs.url, "videos": videos, "stages": results}
+
+
+@flow(name="vidax-stage", log_prints=True)
+def stage(store: str, run_id: str, stage: str, force: bool = False) -> dict:
+    """Run one stage of an existing run (the per-stage deployments run this)."""
+    from prefect.runtime import flow_run
+
+    run = RunStore(store).run(validate_run_id(run_id))
+    req = R.load_request(run)
+    keys = R.stage_keys(req, R.make_pipeline(req))
+    if stage not in keys:
+        raise R.StageError(f"unknown stage {stage!r}; run {run_id} has {', '.join(keys)}")
+    try:
+        return _run_local(store, run_id, stage, keys[stage], force)
+    except Exception as e:
+        _emit_stage_failed(store, run_id, stage, str(e), flow_run.run_count or 1)
+        raise
+
+
+@flow(name="vidax-rerun-stage", log_prints=True)
+def rerun_stage(store: str, run_id: str, stage: str) -> dict:
+    """Recompute one stage of an existing run, then run any later stage that is not committed."""
+    logger = get_run_logger()
+    run = RunStore(store).run(validate_run_id(run_id))
+    req = R.load_request(run)
+    keys = R.stage_keys(req, R.make_pipeline(req))
+    if stage not in keys:
+        raise R.StageError(f"unknown stage {stage!r}; run {run_id} has {', '.join(keys)}")
+    results = [_run_local(store, run_id, stage, keys[stage], force=True)]
+    names = list(keys)
+    for later in names[names.index(stage) + 1:]:
+        results.append(_run_local(store, run_id, later, keys[later]))
+    R.write_manifest(run, req, keys)
+    _report(run, req, results)
+    logger.info("run %s complete: %s", run_id, ", ".join(run.url(n) for n in R.video_names(len(req.prompts))))
+    return {"run_id": run_id, "stages": results}
+
+
+@task(name="vidax-prompt", task_run_name="line {line}")
+def prompt_task(request: dict, store: str, line: int, mode: str) -> dict:
+    return generate(request=request, store=store, mode=mode)
+
+
+@flow(name="vidax-generate-batch", log_prints=True)
+def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = None, concurrency: int = 2,
+                   mode: str = ""):
+    """Generate one video per line of a prompt file (.txt / .jsonl / .csv at any fsspec URL).
+    Empty ``store`` / ``mode`` (e.g. from an event that names none) mean $VIDAX_STORE (default
+    ``vidax-runs``) and local."""
+    logger = get_run_logger()
+    store = store or os.environ.get("VIDAX_STORE", "vidax-runs")
+    mode = mode or "local"
+    lines = parse_prompt_file(prompt_file, defaults)
+    bad = [b for b in lines if b.error]
+    for b in bad:
+        logger.error("%s line %d rejected: %s", prompt_file, b.line, b.error)
+    good = [b for b in lines if b.request is not None]
+    logger.info("%d prompts to run, %d lines rejected, concurrency %d", len(good), len(bad), concurrency)
+    rows = [{"line": b.line, "prompt": "", "status": "rejected", "run": "", "output / error": b.error} for b in bad]
+    for i in range(0, len(good), max(1, concurrency)):
+        wave = good[i:i + max(1, concurrency)]
+        futs = [(b, prompt_task.submit(b.request.to_json(), store, b.line, mode)) for b in wave]
+        for b, f in futs:
+            f.wait()
+            st = f.state
+            if st.is_completed():
+                res = f.result()
+                rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "done", "run": res["run_id"],
+                             "output / error": ", ".join(res["videos"])})
+            else:
+                err = st.message or "failed"
+                logger.error("line %d failed: %s", b.line, err)
+                rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "failed", "run": "",
+                             "output / error": err[:300]})
+    rows.sort(key=lambda r: r["line"])
+    create_table_artifact(rows, key=_artifact_key("vidax-batch", prompt_file.rsplit("/", 1)[-1]),
+                          description=f"Batch summary for {prompt_file}")
+    summary = {"file": prompt_file, "rows": rows, "done": sum(r["status"] == "done" for r in rows),
+               "failed": [r["line"] for r in rows if r["status"] == "failed"],
+               "rejected": [r["line"] for r in rows if r["status"] == "rejected"]}
+    if summary["failed"] or summary["rejected"]:
+        return Failed(message=f"{summary['done']} done; failed lines {summary['failed']}; rejected lines "
+                              f"{summary['rejected']}", data=summary)
+    return summary

@@ -1,0 +1,100 @@
+"""A real Prefect server (SQLite, loopback, free port) and process workers for the flow tests.
+
+Import this module only from test files that need Prefect: it points PREFECT_* settings at a
+temporary home before Prefect is imported.
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class PrefectServer:
+    def __init__(self):
+        self.home = Path(tempfile.mkdtemp(prefix="vidax-prefect-"))
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_URL": self.api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(self.port),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home}/prefect.db",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.procs = []
+
+    def start(self):
+        log = open(self.home / "server.log", "w")
+        p = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
+        self.procs.append(p)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.api}/health", timeout=1)
+                return self
+            except OSError:
+                if p.poll() is not None:
+                    break
+                time.sleep(0.5)
+        raise RuntimeError(f"prefect server did not start: {(self.home / 'server.log').read_text()[-3000:]}")
+
+    def cli(self, *args, check=True, timeout=300, cwd=REPO, env=None):
+        r = subprocess.run([str(BIN / "prefect"), *args], env={**self.env, **(env or {})}, cwd=cwd,
+                           capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def worker(self, pool: str, env=None):
+        log = open(self.home / f"worker-{pool}.log", "a")
+        p = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+                             env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    srv = PrefectServer().start()
+    old = {k: os.environ.get(k) for k in srv.env if k.startswith("PREFECT_")}
+    os.environ.update({k: v for k, v in srv.env.items() if k.startswith("PREFECT_")})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,244 @@
+"""Prefect orchestration against a real `prefect server start` and a real process worker."""
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.prefect_env import REPO, prefect_server  # noqa: F401 - fixture
+
+POOL = "vidax-test-pool"
+DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux"]
+SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames": 9, "steps": 2, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server):  # noqa: F811
+    srv = prefect_server
+    srv.cli("work-pool", "create", POOL, "--type", "process")
+    for name in DEPLOYMENTS:  # every deployment from infra/prefect.yaml, its pool overridden for the test
+        srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", name, "--pool", POOL, "--no-prompt")
+    srv.worker(POOL)
+    return srv
+
+
+def _run_deployment(name, parameters, job_variables=None, timeout=600):
+    from prefect.deployments import run_deployment
+
+    return run_deployment(name, parameters=parameters, job_variables=job_variables, timeout=timeout)
+
+
+def _frames(store, run_id):
+    from stages import run as R
+    from stages.store import RunStore, read_array
+
+    run = RunStore(store).run(run_id)
+    req = R.load_request(run)
+    return np.concatenate([read_array(run.group(f"decode/{k}.zarr"), "frames")
+                           for k in range(len(R.decode_ranges(req)))], axis=1)
+
+
+def _artifacts(flow_run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def go():
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+    import asyncio
+
+    return asyncio.run(go())
+
+
+def test_generate_deployment_local_and_distributed_same_video(deployed, tmp_path):
+    store = str(tmp_path / "store")
+    fr = _run_deployment("vidax-generate/generate", {"request": SMALL, "store": store, "run_id": "local1", "mode": "local"})
+    assert fr.state.is_completed(), fr.state
+    assert (tmp_path / "store/runs/local1/video.mp4").stat().st_size > 0
+    kinds = {a.type for a in _artifacts(fr.id)}
+    assert {"table", "markdown"} <= kinds
+    # distributed: every stage is a child run of its per-stage deployment
+    fr2 = _run_deployment("vidax-generate/generate", {"request": SMALL, "store": store, "run_id": "dist1", "mode": "distributed"})
+    assert fr2.state.is_completed(), fr2.state
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    import asyncio
+
+    async def children():
+        async with get_client() as c:
+            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[fr2.id])))
+            deps = {}
+            for r in runs:
+                d = await c.read_deployment(r.deployment_id)
+                deps[r.parameters["stage"]] = (d.name, r.state.type.value)
+            return deps
+
+    deps = asyncio.run(children())
+    assert deps == {"encode": ("encode", "COMPLETED"), "sample": ("sample", "COMPLETED"),
+                    "decode/0": ("decode", "COMPLETED"), "decode/1": ("decode", "COMPLETED"),
+                    "decode/2": ("decode", "COMPLETED"), "mux": ("mux", "COMPLETED")}
+    np.testing.assert_array_equal(_frames(store, "dist1"), _frames(store, "local1"))
+    # the sampling stage reported progress
+    prog = [a for a in _artifacts(_child_id(fr2.id, "sample")) if a.type == "progress"]
+    assert prog and float(prog[0].data) == 100.0
+
+
+def _child_id(parent_id, stage):
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async def go():
+        async with get_client() as c:
+            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            return next(r.id for r in runs if r.parameters.get("stage") == stage)
+
+    return asyncio.run(go())
+
+
+def _reruns(run_id):
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    async def go():
+        async with get_client() as c:
+            runs = await c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["rerun-stage"])))
+            return [r for r in runs if r.parameters.get("run_id") == run_id]
+
+    return asyncio.run(go())
+
+
+def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
+    """A decode stage made to fail leaves the run failed; the trigger's rerun_stage completes it."""
+    store = str(tmp_path / "store")
+    req = {**SMALL, "seed": 13}
+    fr = _run_deployment("vidax-generate/generate", {"request": req, "store": store, "run_id": "auto", "mode": "local"},
+                         job_variables={"env": {"VIDAX_FAULTS": "decode/1:fail"}})
+    assert fr.state.is_failed(), fr.state
+    from stages.store import RunStore
+
+    run = RunStore(store).run("auto")
+    assert run.record("decode/0") is not None
+    deadline = time.time() + 300
+    done = []
+    while time.time() < deadline:
+        done = [r for r in _reruns("auto") if r.state and r.state.is_final()]
+        if done:
+            break
+        time.sleep(2)
+    assert done, "the vidax.stage.failed trigger did not start rerun-stage"
+    assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
+    assert (tmp_path / "store/runs/auto/video.mp4").stat().st_size > 0
+    clean = _run_deployment("vidax-generate/generate", {"request": req, "store": store, "run_id": "clean", "mode": "local"})
+    assert clean.state.is_completed()
+    np.testing.assert_array_equal(_frames(store, "auto"), _frames(store, "clean"))
+    assert len(_reruns("auto")) == 1, "a failed decode stage is rerun exactly once"
+
+
+def test_rerun_stage_deployment_recomputes_one_stage(deployed, tmp_path):
+    store = str(tmp_path / "store")
+    fr = _run_deployment("vidax-generate/generate", {"request": {**SMALL, "seed": 14}, "store": store, "run_id": "rr",
+                                                      "mode": "local"})
+    assert fr.state.is_completed()
+    from stages.store import RunStore
+
+    run = RunStore(store).run("rr")
+    before = _frames(store, "rr")
+    finished = {s: run.record(s)["finished"] for s in ("encode", "sample", "decode/0", "decode/1", "decode/2", "mux")}
+    time.sleep(1.1)
+    fr2 = _run_deployment("vidax-rerun-stage/rerun-stage", {"store": store, "run_id": "rr", "stage": "decode/0"})
+    assert fr2.state.is_completed(), fr2.state
+    changed = [s for s in finished if run.record(s)["finished"] != finished[s]]
+    assert changed == ["decode/0"]
+    np.testing.assert_array_equal(_frames(store, "rr"), before)
+
+
+def test_submit_event_triggers_generate_batch(deployed, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    import asyncio
+
+    from flows.cli import main as vidax_main
+
+    store = str(tmp_path / "store")
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("a kite over a beach\n")
+    assert vidax_main(["submit", str(pf), "--store", store]) == 0
+
+    async def batch_runs():
+        async with get_client() as c:
+            runs = await c.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["generate-batch"])))
+            return [r for r in runs if r.parameters.get("prompt_file", "").endswith(str(pf))]
+
+    deadline = time.time() + 300
+    runs = []
+    while time.time() < deadline:
+        runs = asyncio.run(batch_runs())
+        if runs and runs[0].state and runs[0].state.is_final():
+            break
+        time.sleep(2)
+    assert runs, "emitting vidax.prompts.uploaded did not start generate-batch"
+    assert runs[0].parameters["store"] == store
+    assert runs[0].state.is_final()
+    assert list((tmp_path / "store/runs").glob("*/request.json")), "the batch produced no run"
+
+
+# ------------------------------------------------------------------ batch flow (in-process, same server)
+def test_batch_rejects_bad_lines_with_numbers(prefect_server, tmp_path):  # noqa: F811
+    from flows.batch import parse_prompt_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"prompt": "ok one"}),
+        json.dumps({"prompt": ""}),
+        "{not json",
+        json.dumps({"prompt": "ok two", "height": 30}),
+        json.dumps({"prompt": "ok three", "bogus": 1}),
+        json.dumps({"prompt": "ok four", "steps": 1}),
+    ]))
+    lines = parse_prompt_file(str(f), {"height": 32, "width": 32, "num_frames": 5, "steps": 1})
+    bad = {b.line: b.error for b in lines if b.error}
+    assert sorted(bad) == [2, 3, 4, 5]
+    assert bad[2].startswith("prompt:") and "JSON" in bad[3] and bad[4].startswith("height:") and bad[5].startswith("bogus:")
+    good = [b for b in lines if b.request]
+    assert [b.line for b in good] == [1, 6] and good[1].request.steps == 1
+    c = tmp_path / "p.csv"
+    c.write_text("prompt,seed,steps\nfirst,1,1\n,2,1\nthird,x,1\n")
+    lines = parse_prompt_file(str(c), {"height": 32, "width": 32, "num_frames": 5})
+    assert [(b.line, bool(b.error)) for b in lines] == [(2, False), (3, True), (4, True)]
+
+
+def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_path, monkeypatch):  # noqa: F811
+    from flows.flows import generate_batch
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("a red boat\n\na green boat\na blue boat\n")
+    store = str(tmp_path / "store")
+    # the green boat's sampling fails (not a decode stage, so no automation reruns it)
+    from stages import run as R
+
+    real = R.run_sample
+
+    def flaky(run, req, pipe, key, log, progress=None):
+        if "green" in req.prompts[0]:
+            raise R.StageError("sample: injected failure for the green boat")
+        return real(run, req, pipe, key, log, progress)
+
+    monkeypatch.setattr(R, "run_sample", flaky)
+    state = generate_batch(str(f), store=store, defaults={"height": 32, "width": 32, "num_frames": 5, "steps": 1},
+                           concurrency=2, return_state=True)
+    assert state.is_failed()
+    assert "failed lines [3]" in state.message
+    videos = sorted(p.parent.name for p in (tmp_path / "store/runs").glob("*/video.mp4"))
+    assert len(videos) == 2 and any(v.startswith("a-red-boat") for v in videos) and any(v.startswith("a-blue-boat") for v in videos)
+    arts = [a for a in _artifacts(state.state_details.flow_run_id) if a.type == "table"]
+    rows = arts[0].data if isinstance(arts[0].data, list) else json.loads(arts[0].data)
+    status = {r["line"]: r["status"] for r in rows}
+    assert status == {1: "done", 3: "failed", 4: "done"}
