@@ -26,14 +26,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
-def _median(fn, repeat: int) -> float:
-    fn()  # compile + warm up
-    ts = []
+def _paired(fn, base, repeat: int) -> tuple[float, float]:
+    """Median times of ``fn`` and of the baseline ``base``, measured alternately (so load from other
+    processes and clock drift hit both alike). Both are compiled and warmed up first."""
+    fn(), base()
+    a, b = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for f, out in ((base, b), (fn, a)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
 
 
 def run(repeat: int = 3, layers: int = 8):
@@ -54,19 +57,24 @@ def run(repeat: int = 3, layers: int = 8):
     n_dev = len(jax.devices())
     shape = f"{layers} blocks, dim {cfg.dim}, {cfg.num_heads} heads, ffn {cfg.ffn_dim}, batch {b} x {f * h * w // 4} tokens, text {lt}"
 
-    def timed(runner):
-        return _median(lambda: runner(x, t, ctx).block_until_ready(), repeat)
+    single = dit.WanDiTRunner(params, cfg, None)
+    base_fn = lambda: single(x, t, ctx).block_until_ready()
+    bases = []
 
-    base = timed(dit.WanDiTRunner(params, cfg, None))
-    par_rows = [dict(config="1 device", mesh="dp=1,tp=1,sp=1", seconds=base, ratio=1.0)]
+    def timed(runner):
+        s, b = _paired(lambda: runner(x, t, ctx).block_until_ready(), base_fn, repeat)
+        bases.append(b)
+        return s, s / b
+
+    par_rows = []
     for spec in ["tp=2", "tp=4", "tp=8", "sp=2", "sp=4", "sp=8", "tp=2,sp=2", "tp=2,sp=4", "dp=2", "dp=2,tp=2,sp=2"]:
         need = 1
         for part in spec.split(","):
             need *= int(part.split("=")[1])
         if need > n_dev:
             continue
-        s = timed(dit.WanDiTRunner(params, cfg, spec))
-        par_rows.append(dict(config=spec.replace(",", " x "), mesh=spec, seconds=s, ratio=s / base))
+        s, ratio = timed(dit.WanDiTRunner(params, cfg, spec))
+        par_rows.append(dict(config=spec.replace(",", " x "), mesh=spec, seconds=s, ratio=ratio))
         print(f"  {spec}: {s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
     off_rows = []
@@ -75,18 +83,21 @@ def run(repeat: int = 3, layers: int = 8):
             if chunk == "all" and not prefetch:
                 continue  # one chunk: nothing to overlap
             r = dit.WanDiTRunner(params, cfg, None, offload_chunk_size=chunk, prefetch=prefetch)
-            s = timed(r)
+            s, ratio = timed(r)
             c = layers if chunk == "all" else chunk
             off_rows.append(dict(chunk=f"{c}" + (" (all)" if chunk == "all" else ""), prefetch=prefetch, seconds=s,
-                                 ratio=s / base, chunk_mb=r.offload.pools["blocks"].chunk_bytes / 2**20))
+                                 ratio=ratio, chunk_mb=r.offload.pools["blocks"].chunk_bytes / 2**20))
             print(f"  offload chunk={chunk} prefetch={prefetch}: {s * 1e3:.1f} ms", file=sys.stderr, flush=True)
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, JAX {jax.__version__} ({jax.default_backend()}), "
                f"{n_dev} {'fake host ' if jax.default_backend() == 'cpu' else ''}devices")
+    base = statistics.median(bases)
+    par_rows.insert(0, dict(config="1 device (resident)", mesh="dp=1,tp=1,sp=1", seconds=base, ratio=1.0))
     return dict(machine=machine, shape=shape, single_device_s=base, parallel=par_rows, offload=off_rows)
 
 
 def table(res) -> str:
     out = [f"Machine: {res['machine']}", f"DiT: {res['shape']}", "",
+           "Ratios are paired: each configuration alternates with the 1-device run, ratio of medians.", "",
            "| parallelism (mesh) | step time (ms) | time / 1 device |", "|---|---:|---:|"]
     for r in res["parallel"]:
         out.append(f"| {r['config']} | {r['seconds'] * 1e3:.1f} | {r['ratio']:.2f}x |")

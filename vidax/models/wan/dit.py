@@ -14,9 +14,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax import compat
+from vidax.core import mesh as vmesh
 from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -310,15 +314,13 @@ TP_LOGICAL = {"heads": "tp", "ffn": "tp"}
 def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch: int | None = None):
     """Divisibility rules of the Wan DiT on a (dp, tp, sp) mesh. The text (and image-token)
     length has none: cross-attention keys are replicated over sp and split by heads over tp."""
-    from vidax.core.mesh import Divisible
-
-    r = [Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
+    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
                    "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
-         Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
+         vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
     if tokens is not None:
-        r.append(Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w patch tokens (and per-token timesteps)"))
+        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w patch tokens (and per-token timesteps)"))
     if batch is not None:
-        r.append(Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
     return r
 
 
@@ -338,9 +340,6 @@ class WanDiTRunner:
     def __init__(self, params, cfg: WanDiTConfig, mesh=None, parallelism: str | None = None, *,
                  offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
                  naive_row_bias: bool = False, local_norm: bool = False, track_memory: bool = False):
-        from vidax.core import mesh as vmesh
-        from vidax.core import sharding as vsh
-
         self.cfg, self.attn_impl = cfg, attn_impl
         self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
@@ -362,18 +361,14 @@ class WanDiTRunner:
             self.blocks = vsh.place(params["blocks"], block_shardings)
             self._fwd = jax.jit(self._resident)
         else:
-            from vidax.core.offload import OffloadRunner
-
             self.blocks = None
-            self.offload = OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
             self.offload.add_stack("blocks", params["blocks"], self._chunk, offload_chunk_size, block_shardings)
             self._pre = jax.jit(self._prologue)
             self._post = jax.jit(self._epilogue, static_argnums=(3,))
 
     # ------------------------------------------------------------------ specs and checks
     def check_inputs(self, x_shape, t_shape=None) -> None:
-        from vidax.core.mesh import check_divisible
-
         b, f, h, w, _ = x_shape
         pt, ph, pw = self.cfg.patch_size
         if f % pt or h % ph or w % pw:
@@ -381,12 +376,10 @@ class WanDiTRunner:
         tokens = (f // pt) * (h // ph) * (w // pw)
         if t_shape is not None and len(t_shape) == 2 and t_shape[1] not in (1, tokens):
             raise ValueError(f"per-token timesteps: t has {t_shape[1]} entries per sample, the latents give {tokens} tokens")
-        check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
 
     @staticmethod
     def _act_specs(acts):
-        from jax.sharding import PartitionSpec as P
-
         per_tok = lambda a: a.ndim >= 2 and a.shape[1] > 1  # [B, T, ...] with T = L tokens
         specs = {}
         for k, a in acts.items():
@@ -408,11 +401,9 @@ class WanDiTRunner:
     def rope(self, grid):
         """RoPE tables for a token grid, placed token-sharded over sp (cached)."""
         if grid not in self._rope:
-            from jax.sharding import NamedSharding, PartitionSpec as P
-
             cos, sin = rope_tables(self.cfg, grid)
             s = NamedSharding(self.mesh, P("sp", None))
-            self._rope[grid] = (jax.device_put(cos, s), jax.device_put(sin, s))
+            self._rope[grid] = tuple(vsh.place([np.asarray(cos), np.asarray(sin)], [s, s]))
         return self._rope[grid]
 
     def _inputs(self, x, t, ctx, img):
@@ -425,10 +416,6 @@ class WanDiTRunner:
 
     # ------------------------------------------------------------------ resident
     def _resident(self, rest, blocks, x, t, ctx, img, cos, sin):
-        from jax.sharding import PartitionSpec as P
-
-        from vidax.core.sharding import with_constraint
-
         cfg, par = self.cfg, self.par
         acts, grid = self._inputs(x, t, ctx, img)
         acts.update(cos=cos, sin=sin)
@@ -439,7 +426,7 @@ class WanDiTRunner:
             return epilogue(rest, cfg, h, temb)
 
         y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, blocks, acts)
-        y = with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
         return unpatchify(cfg, y, grid)
 
     # ------------------------------------------------------------------ offloaded
@@ -462,8 +449,6 @@ class WanDiTRunner:
         return self._smap(inner, (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
 
     def _chunk(self, blocks, h, consts):
-        from jax.sharding import PartitionSpec as P
-
         cfg, par = self.cfg, self.par
 
         def inner(blocks, h, c):
@@ -472,15 +457,11 @@ class WanDiTRunner:
         return self._smap(inner, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)), P("dp", "sp", None))(blocks, h, consts)
 
     def _epilogue(self, rest, h, temb, grid):
-        from jax.sharding import PartitionSpec as P
-
-        from vidax.core.sharding import with_constraint
-
         cfg = self.cfg
         specs = self._act_specs({"h": h, "temb": temb})
         y = self._smap(lambda r, h, te: epilogue(r, cfg, h, te), (self.rest_specs, specs["h"], specs["temb"]),
                        P("dp", "sp", None))(rest, h, temb)
-        y = with_constraint(y, self.mesh, P("dp", None, None))
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
         return unpatchify(cfg, y, grid)
 
     # ------------------------------------------------------------------ call
@@ -688,15 +669,12 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
         params, cfg = load_dit(folder, cfg, dtype=dtype)
         return _WanDiTCompat(config, jax.tree.map(jnp.asarray, params), cfg)
-    from vidax.core import mesh as vmesh
-    from vidax.core import offload, sharding
-
     # fail on an impossible layout before reading a single tensor
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    sharding.resolve_parallelism(parallelism, m)
+    vsh.resolve_parallelism(parallelism, m)
     vmesh.check_divisible(parallel_constraints(cfg), m)
     if offload_chunk_size is not None:
-        offload.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
+        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
     params, cfg = load_dit(folder, cfg, dtype=dtype)  # host numpy; placed shard by shard below
     runner = WanDiTRunner(params, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
                           attn_impl=attn_impl)
