@@ -40,7 +40,8 @@ def _request_from_args(a) -> Request:
     return Request(model=a.model, prompt=a.prompt, negative_prompt=a.negative_prompt, preset=a.preset,
                    checkpoint=a.checkpoint, seed=a.seed, height=a.height, width=a.width, num_frames=a.frames,
                    steps=a.steps, guidance=a.guidance, shift=a.shift, scheduler=a.scheduler, fps=a.fps,
-                   decode_stages=a.decode_stages, checkpoint_every=a.checkpoint_every, dtype=a.dtype)
+                   decode_stages=a.decode_stages, checkpoint_every=a.checkpoint_every, dtype=a.dtype,
+                   mesh=a.mesh, offload_chunk_size=a.offload_chunk_size)
 
 
 def cmd_generate(a) -> int:
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-stages", type=int, help="number of persisted decode stages (default: up to 4)")
     g.add_argument("--checkpoint-every", type=int, default=5, help="write a sampling checkpoint every K steps")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
+    g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all)")
     g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
     store_arg(g)
     s = sub.add_parser("stage", help="run one stage of an existing run (skips it if already committed)")

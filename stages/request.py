@@ -40,6 +40,8 @@ class Request:
     decode_stages: int | None = None  # None: one stage per group of latent frames (see plan)
     checkpoint_every: int = 5  # sampling step checkpoint interval
     dtype: str = "float32"
+    mesh: str | None = None  # e.g. "dp=2,tp=2,sp=2", "auto" (the recipe's default for the devices), None: one device
+    offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -120,6 +122,19 @@ def validate(req: Request) -> Request:
         raise RequestError("checkpoint_every", f"{r.checkpoint_every!r}: must be an integer >= 1")
     if r.dtype not in ("float32", "bfloat16"):
         raise RequestError("dtype", f"{r.dtype!r}: choose float32 or bfloat16")
+    if r.mesh not in (None, "auto"):
+        from vidax.core.mesh import parse_mesh_spec
+
+        try:
+            parse_mesh_spec(r.mesh)
+        except ValueError as e:
+            raise RequestError("mesh", f"{r.mesh!r}: {e}; e.g. dp=1,tp=4,sp=2 or auto") from None
+    if r.offload_chunk_size is not None:
+        v = r.offload_chunk_size
+        if not (v == "all" or (str(v).isdigit() and int(v) >= 1)):
+            raise RequestError("offload_chunk_size", f"{v!r}: a number of blocks >= 1, or all")
+        if v != "all":
+            r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
 
 

@@ -81,9 +81,21 @@ def stage_names(req: Request) -> list[str]:
 
 
 def make_pipeline(req: Request):
+    """The model pipeline for a request (configs only: weights load inside each stage)."""
     from vidax import registry
 
-    return registry.get(req.model).pipeline_class()(req.checkpoint or req.preset, dtype=req.dtype)
+    recipe = registry.get(req.model)
+    cls = recipe.pipeline_class()
+    mesh = req.mesh
+    if mesh == "auto":
+        import jax
+
+        probe = cls(req.checkpoint or req.preset, dtype=req.dtype)
+        dc = probe.dit_config()
+        pt, ph, pw = dc.patch_size
+        tokens = (latent_frames(req) // pt) * (req.height // 8 // ph) * (req.width // 8 // pw)
+        mesh = recipe.default_mesh(jax.device_count(), dc.num_heads, tokens, req.guidance > 1.0)
+    return cls(req.checkpoint or req.preset, dtype=req.dtype, mesh=mesh, offload_chunk_size=req.offload_chunk_size)
 
 
 def stage_keys(req: Request, pipe) -> dict[str, str]:
@@ -252,7 +264,8 @@ def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progr
                          model=req.model, layout="reference [B, C, F, H, W]", normalised=True)
     for n in [n for n in g.group_keys() if n.startswith("ckpt_")]:
         run.delete(f"sample.zarr/{n}")
-    return {"sample.zarr::latents": digest, "_resumed_from_step": start}
+    return {"sample.zarr::latents": digest, "_resumed_from_step": start, "_mesh": pipe.mesh,
+            "_offload_chunk_size": pipe.offload_chunk_size}
 
 
 def run_decode(run: Run, req: Request, pipe, key: str, log: Log, k: int) -> dict:

@@ -133,6 +133,24 @@ def test_corrupt_or_deleted_decode_stage_rerun_alone(tmp_path, capsys):
     np.testing.assert_array_equal(_frames(run, req), before)
 
 
+def test_sharded_offloaded_sampling_through_the_cli(tmp_path):
+    """--mesh / --offload-chunk-size reach the sampling stage; the result matches one device."""
+    url = f"file://{tmp_path}"
+    base = ["generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48", "--frames", "9", "--steps", "3",
+            "--store", url]
+    assert cli.main(base + ["--run-id", "one"]) == 0
+    assert cli.main(base + ["--run-id", "auto", "--mesh", "auto"]) == 0
+    assert cli.main(base + ["--run-id", "off", "--mesh", "sp=2", "--offload-chunk-size", "1"]) == 0
+    store = RunStore(url)
+    ref = read_array(store.run("one").group("sample.zarr"), "latents")
+    for rid, mesh in (("auto", "dp=2,sp=2"), ("off", "sp=2")):
+        rec = store.run(rid).record("sample")
+        assert rec["details"]["mesh"] == mesh
+        out = read_array(store.run(rid).group("sample.zarr"), "latents")
+        assert np.max(np.abs(out - ref)) <= 1e-5 * max(1.0, float(np.max(np.abs(ref))))
+    assert store.run("off").record("sample")["details"]["offload_chunk_size"] == 1
+
+
 def test_stage_command_runs_one_stage_and_checks_inputs(tmp_path, capsys):
     url = f"file://{tmp_path}"
     run, req, _, _ = _gen(url)
@@ -185,6 +203,8 @@ def _cli_fails(tmp_path, capsys, args, field, text):
     (["--prompt", "x", "--run-id", "a/b"], "run_id", "letters, digits"),
     (["--prompt", "x", "--preset", "huge"], "preset", "presets: tiny"),
     (["--prompt", "x", "--decode-stages", "9"], "decode_stages", "between 1 and 3"),
+    (["--prompt", "x", "--mesh", "tp=two"], "mesh", "dp=1,tp=4,sp=2"),
+    (["--prompt", "x", "--offload-chunk-size", "0"], "offload_chunk_size", "or all"),
 ])
 def test_validation_errors(tmp_path, capsys, args, field, text):
     _cli_fails(tmp_path, capsys, args, field, text)

@@ -17,10 +17,24 @@ class Recipe:
     # job variables per stage kind and preset, for routing stages to sized work pools
     # (preset None = real checkpoints); merged into run_deployment(..., job_variables=...)
     stage_jobs: dict = field(default_factory=dict)
+    prefer_axis: str = "sp"  # what --mesh auto spreads the DiT over besides CFG's dp
 
     def pipeline_class(self):
         mod, cls = self.pipeline.split(":")
         return getattr(importlib.import_module(mod), cls)
+
+    def default_mesh(self, n_devices: int, num_heads: int, tokens: int, cfg_parallel: bool) -> str | None:
+        """The mesh ``--mesh auto`` picks on ``n_devices``: the conditional/unconditional pair on
+        ``dp`` when guidance is on, the rest on the recipe's preferred axis (``sp`` for models whose
+        weights fit one chip, ``tp`` for the large ones), as large as the heads (and, for sp, the
+        token count) allow."""
+        if n_devices <= 1:
+            return None
+        dp = 2 if cfg_parallel and n_devices % 2 == 0 else 1
+        rest = n_devices // dp
+        ok = [d for d in range(1, rest + 1) if rest % d == 0 and num_heads % d == 0
+              and (self.prefer_axis != "sp" or tokens % d == 0)]
+        return f"dp={dp},{self.prefer_axis}={max(ok)}"
 
     def job_variables(self, stage_kind: str, preset: str | None) -> dict:
         return dict(self.stage_jobs.get(preset, {}).get(stage_kind, {}))
@@ -59,7 +73,7 @@ MODELS = {
         Recipe(
             "wan2.1-t2v-14b", "vidax.models.wan.pipeline:WanT2V", ("tiny", "14b"),
             dict(height=720, width=1280, num_frames=81, steps=50, guidance=5.0, shift=5.0, fps=16, scheduler="unipc"),
-            description="Wan2.1 text-to-video, 14B (720p)",
+            description="Wan2.1 text-to-video, 14B (720p)", prefer_axis="tp",
             stage_jobs={None: {"encode": _tpu("tpu-v5-lite-podslice", "2x4", 8),
                                "sample": _tpu("tpu-v5p-slice", "2x2x4", 16),
                                "decode": _tpu("tpu-v5-lite-podslice", "2x4", 8)}},

@@ -73,8 +73,14 @@ def prompt_clean(text: str) -> str:
 class WanT2V:
     """Wan text-to-video. ``source``: a preset name or a checkpoint folder."""
 
-    def __init__(self, source: str | Path = "tiny", *, dtype=np.float32):
+    def __init__(self, source: str | Path = "tiny", *, dtype=np.float32, mesh=None, parallelism: str | None = None,
+                 offload_chunk_size=None, prefetch: bool = True):
+        """``mesh``: None (one device), a spec like ``"dp=2,tp=2,sp=2"`` or a Mesh; ``parallelism``:
+        "tp" | "sp" | "tp+sp" (default: what the mesh implies); ``offload_chunk_size``: stream the
+        DiT blocks from host memory in chunks of this many blocks ("all": one chunk)."""
         self.dtype = np.dtype(dtype)
+        self.mesh, self.parallelism = mesh, parallelism
+        self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
         self.preset = PRESET_SOURCES.get(str(source)) if not Path(str(source)).exists() else None
         self.preset_name = str(source) if self.preset is not None else None
         if self.preset is None:
@@ -115,7 +121,21 @@ class WanT2V:
             return wdit.WanDiTConfig.from_diffusers(json.loads((self.folder / "transformer" / "config.json").read_text()))
         return original_dit_config(json.loads((self.folder / "config.json").read_text()))
 
+    @property
+    def scaled(self) -> bool:
+        return self.mesh is not None or self.offload_chunk_size is not None
+
     def load_dit(self):
+        """DiT params + config: on one device, or (``mesh`` / ``offload_chunk_size`` set) a
+        :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams them itself."""
+        params, cfg = self._load_dit_host()
+        if not self.scaled:
+            return jax.device_put(params), cfg
+        runner = wdit.WanDiTRunner(params, cfg, self.mesh, self.parallelism,
+                                   offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch)
+        return runner, cfg
+
+    def _load_dit_host(self):
         cfg = self.dit_config()
         if self.preset:
             params = wdit.init_params(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
@@ -123,7 +143,7 @@ class WanT2V:
             params, cfg = wdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         else:
             params, cfg = wdit.load_dit(self.folder, cfg, dtype=self.dtype)
-        return jax.device_put(params), cfg
+        return params, cfg
 
     def load_vae(self):
         if self.preset:
@@ -186,10 +206,19 @@ class WanT2V:
             x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
         if state is not None:
             state = jax.tree.map(jnp.asarray, state)
-        model = partial(_dit_apply, cfg=cfg)
-        dt = params["patch"]["w"].dtype
+        call = None
+        if isinstance(params, wdit.WanDiTRunner):
+            runner = params
+            runner.check_inputs((2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0], *x.shape[1:]))
+            dt = runner.dtype
+            if runner.offload is None:
+                model, params = runner.apply, runner.params
+            else:
+                model, params, call = None, None, runner
+        else:
+            model, dt = partial(_dit_apply, cfg=cfg), params["patch"]["w"].dtype
         x, _ = denoise(model, params, sched, x, jnp.asarray(cond, dt), None if uncond is None else jnp.asarray(uncond, dt),
-                       guidance=guidance, seed=seed, start=start, state=state, on_step=on_step)
+                       guidance=guidance, seed=seed, start=start, state=state, on_step=on_step, model_call=call)
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     def decode(self, latents: np.ndarray, vae=None) -> np.ndarray:
