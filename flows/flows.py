@@ -140,13 +140,15 @@ def _report(run, req: Request, results: list[dict]) -> None:
 
 
 @flow(name="vidax-generate", log_prints=True)
-def generate(request: dict, store: str = "vidax-runs", run_id: str | None = None, mode: str = "local",
+def generate(request: dict, store: str = "", run_id: str | None = None, mode: str = "local",
              job_variables: dict | None = None) -> dict:
     """Generate one video. ``mode="local"`` runs every stage in this process; ``"distributed"``
-    launches each stage as a run of its per-stage deployment (sized work pool) and checks it."""
+    launches each stage as a run of its per-stage deployment (sized work pool) and checks it.
+    Empty ``store``: $VIDAX_STORE, else ``vidax-runs`` in the working directory."""
     from prefect.runtime import flow_run
 
     logger = get_run_logger()
+    store = store or os.environ.get("VIDAX_STORE", "vidax-runs")
     req = validate(Request.from_json(request))
     if mode not in ("local", "distributed"):
         raise ValueError(f"mode: {mode!r}; choose local or distributed")
@@ -231,10 +233,10 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
                    mode: str = ""):
     """Generate one video per line of a prompt file (.txt / .jsonl / .csv at any fsspec URL).
     Empty ``store`` / ``mode`` (e.g. from an event that names none) mean $VIDAX_STORE (default
-    ``vidax-runs``) and local."""
+    ``vidax-runs``) and $VIDAX_MODE (default local)."""
     logger = get_run_logger()
     store = store or os.environ.get("VIDAX_STORE", "vidax-runs")
-    mode = mode or "local"
+    mode = mode or os.environ.get("VIDAX_MODE", "local")
     lines = parse_prompt_file(prompt_file, defaults)
     bad = [b for b in lines if b.error]
     for b in bad:

@@ -75,7 +75,7 @@ MODELS = {
             dict(height=720, width=1280, num_frames=81, steps=50, guidance=5.0, shift=5.0, fps=16, scheduler="unipc"),
             description="Wan2.1 text-to-video, 14B (720p)", prefer_axis="tp",
             stage_jobs={None: {"encode": _tpu("tpu-v5-lite-podslice", "2x4", 8),
-                               "sample": _tpu("tpu-v5p-slice", "2x2x4", 16),
+                               "sample": _tpu("tpu-v5-lite-podslice", "2x4", 8),
                                "decode": _tpu("tpu-v5-lite-podslice", "2x4", 8)}},
         ),
     ]
