@@ -30,6 +30,12 @@ at chunk ``k`` (``decode(..., start=k, cache=...)``):
 
 On the first chunk the reference skips the time convs of temporal down/upsamples (and Wan2.2's
 duplicating shortcut keeps only its last frame); that is what ``first`` switches.
+
+Conv formulation (same results up to float rounding): ``conv_impl="native"`` runs the convs over
+time as 3-D convs; ``"fold"`` (the default on CPU, where XLA's 2-D conv is several times faster than
+its generic 3-D one) folds the time taps into the channel axis and runs 2-D convs per frame. Either
+way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the low-resolution
+frames (one per output pixel phase), and 1x1 convs as matmuls.
 """
 from __future__ import annotations
 
@@ -795,7 +801,8 @@ def decode(params, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = N
         raise ValueError("decode(start > 0) needs the cache left by the previous chunk")
     outs = []
     for i in range(start, stop):
-        px, cache = decode_chunk(params, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl, conv_impl=conv_impl)
+        px, cache = decode_chunk(params, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl,
+                                 conv_impl=conv_impl)
         outs.append(px)
     pixels = np.concatenate([np.asarray(o) for o in outs], axis=2) if outs else None
     return (pixels, cache) if return_cache else pixels
@@ -828,7 +835,8 @@ def decode_cache_spec(params, cfg: WanVAEConfig, batch: int, height: int, width:
     """Shapes/dtypes of the decode cache for latents of spatial size (height, width); no compile."""
     dt = _compute_dtype(params)
     z = jax.ShapeDtypeStruct((batch, cfg.z_dim, 1, height, width), dt)
-    return jax.eval_shape(partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl=_conv_impl(None)), params, z, None)[1]
+    fn = partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl=_conv_impl(None))
+    return jax.eval_shape(fn, params, z, None)[1]
 
 
 # ----------------------------------------------------------------------------------- loading
