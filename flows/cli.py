@@ -11,23 +11,27 @@ PROMPTS_UPLOADED = "vidax.prompts.uploaded"
 def submit(url: str, store: str | None = None, mode: str | None = None) -> str:
     """Emit ``vidax.prompts.uploaded`` for a prompt file; the ``generate-batch`` deployment's
     trigger starts a batch run for it. Returns the event id."""
+    import asyncio
     import hashlib
 
     import fsspec
-    from prefect.events import emit_event
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
 
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
         raise stage_cli.RequestError("file", f"{url!r} does not exist")
-    resource = {"prefect.resource.id": f"vidax.prompts.{hashlib.sha256(url.encode()).hexdigest()[:16]}",
-                "vidax.url": url if "://" in url else f"file://{fs._strip_protocol(path)}"}
-    if store:
-        resource["vidax.store"] = store
-    if mode:
-        resource["vidax.mode"] = mode
-    ev = emit_event(event=PROMPTS_UPLOADED, resource=resource)
-    if ev is None:
-        raise RuntimeError("the event was not sent: is PREFECT_API_URL set to a Prefect server?")
+    full = url if "://" in url else f"file://{fs._strip_protocol(path)}"
+    # every label the trigger templates read is present (empty = the flow's default)
+    resource = {"prefect.resource.id": f"vidax.prompts.{hashlib.sha256(full.encode()).hexdigest()[:16]}",
+                "vidax.url": full, "vidax.store": store or "", "vidax.mode": mode or ""}
+    ev = Event(event=PROMPTS_UPLOADED, resource=resource)
+
+    async def send():  # deliver before returning (a CLI process exits right after)
+        async with get_events_client() as client:
+            await client.emit(ev)
+
+    asyncio.run(send())
     return str(ev.id)
 
 

@@ -89,6 +89,8 @@ def prefect_server():
     srv = PrefectServer().start()
     old = {k: os.environ.get(k) for k in srv.env if k.startswith("PREFECT_")}
     os.environ.update({k: v for k, v in srv.env.items() if k.startswith("PREFECT_")})
+    old.setdefault("PREFECT_LOGGING_TO_API_ENABLED", os.environ.get("PREFECT_LOGGING_TO_API_ENABLED"))
+    os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"  # this process's logs stay local (no noise at teardown)
     try:
         yield srv
     finally:
