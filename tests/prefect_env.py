@@ -1,7 +1,7 @@
 """A real Prefect server (SQLite, loopback, free port) and process workers for the flow tests.
 
-Import this module only from test files that need Prefect: it points PREFECT_* settings at a
-temporary home before Prefect is imported.
+The session fixture ``prefect_server`` (registered in conftest.py) starts on first use and points
+the PREFECT_* settings of this process at it before Prefect is imported by the tests.
 """
 import os
 import socket
@@ -84,8 +84,10 @@ class PrefectServer:
                 p.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prefect_server():
+    """One server per test session (per xdist worker): Prefect caches its API settings in-process,
+    so a second server in the same process would not be reached."""
     srv = PrefectServer().start()
     old = {k: os.environ.get(k) for k in srv.env if k.startswith("PREFECT_")}
     os.environ.update({k: v for k, v in srv.env.items() if k.startswith("PREFECT_")})

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.prefect_env import REPO, prefect_server  # noqa: F401 - fixture
 
 POOL = "vidax-test-pool"
 DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux"]
@@ -14,7 +13,7 @@ SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames"
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server):  # noqa: F811
+def deployed(prefect_server):
     srv = prefect_server
     srv.cli("work-pool", "create", POOL, "--type", "process")
     for name in DEPLOYMENTS:  # every deployment from infra/prefect.yaml, its pool overridden for the test
@@ -191,7 +190,7 @@ def test_submit_event_triggers_generate_batch(deployed, tmp_path):
 
 
 # ------------------------------------------------------------------ batch flow (in-process, same server)
-def test_batch_rejects_bad_lines_with_numbers(prefect_server, tmp_path):  # noqa: F811
+def test_batch_rejects_bad_lines_with_numbers(prefect_server, tmp_path):
     from flows.batch import parse_prompt_file
 
     f = tmp_path / "p.jsonl"
@@ -215,7 +214,7 @@ def test_batch_rejects_bad_lines_with_numbers(prefect_server, tmp_path):  # noqa
     assert [(b.line, bool(b.error)) for b in lines] == [(2, False), (3, True), (4, True)]
 
 
-def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_path, monkeypatch):  # noqa: F811
+def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_path, monkeypatch):
     from flows.flows import generate_batch
 
     f = tmp_path / "prompts.txt"

@@ -18,6 +18,8 @@ import numpy as np
 _PORTS = {
     "T5EncoderModel": "vidax.text.t5",
     "UMT5EncoderModel": "vidax.text.t5",
+    "CLIPVisionModel": "vidax.text.clip",
+    "CLIPVisionModelWithProjection": "vidax.text.clip",
     "WanTransformer3DModel": "vidax.models.wan.dit",
     "AutoencoderKLWan": "vidax.models.wan.vae",
 }
