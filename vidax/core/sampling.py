@@ -23,27 +23,54 @@ class StepInfo:
     seconds: float
 
 
-def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False):
-    """Build the jitted step ``(params, x, state, i, cond, uncond, guidance, key) -> (x, state)``.
+def _model_inputs(x, t, b, prepare, aux, i):
+    """``(model input, per-sample timesteps [b] or [b, L])`` for step ``i``."""
+    if prepare is None:
+        return x, jnp.full((b,), t, jnp.float32)
+    xin, tin = prepare(x, t, aux)
+    tin = jnp.asarray(tin, jnp.float32)
+    tin = jnp.broadcast_to(tin, (b,) + tin.shape[1:]) if tin.ndim else jnp.full((b,), tin, jnp.float32)
+    return xin, tin
+
+
+def _call(model_fn, params, x, t, ctx, aux):
+    return model_fn(params, x, t, ctx) if aux is None else model_fn(params, x, t, ctx, aux)
+
+
+def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, prepare: Callable | None = None,
+              with_aux: bool = False):
+    """Build the jitted step ``(params, x, state, i, cond, uncond, guidance, key[, aux]) -> (x, state)``.
 
     ``model_fn(params, x, t, ctx) -> velocity``, ``x`` channels-last ``[B, F, H, W, C]``.
     With ``use_cfg`` the conditional and unconditional passes run as one batch of 2B.
+
+    Conditioning hooks (all inside the one jitted step): ``prepare(x, t, aux) -> (model_input, t)``
+    builds the model's input from the latents (e.g. channel-concatenated image conditions, or the
+    known frames substituted in) and its timesteps (scalar, ``[B]`` or per-token ``[B, L]``); with
+    ``with_aux`` the step takes a pytree ``aux`` (passed to ``prepare`` and as ``model_fn``'s last
+    argument, ``model_fn(params, x, t, ctx, aux)``). The scheduler always updates ``x`` itself.
     """
     timesteps = jnp.asarray(np.asarray(sched.timesteps, np.float32))
 
-    def step(params, x, state, i, cond, uncond, guidance, key):
+    def step(params, x, state, i, cond, uncond, guidance, key, aux=None):
         t = timesteps[i]
         b = x.shape[0]
+        xin, tin = _model_inputs(x, t, b, prepare, aux, i)
         if use_cfg:
-            xx = jnp.concatenate([x, x], axis=0)
-            v = model_fn(params, xx, jnp.full((2 * b,), t, jnp.float32), jnp.concatenate([cond, uncond], axis=0))
+            v = _call(model_fn, params, jnp.concatenate([xin, xin], axis=0), jnp.concatenate([tin, tin], axis=0),
+                      jnp.concatenate([cond, uncond], axis=0), aux)
             vc, vu = v[:b].astype(jnp.float32), v[b:].astype(jnp.float32)
             v = vu + guidance * (vc - vu)
         else:
-            v = model_fn(params, x, jnp.full((b,), t, jnp.float32), cond).astype(jnp.float32)
+            v = _call(model_fn, params, xin, tin, cond, aux).astype(jnp.float32)
         noise = jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) if sched.needs_noise else None
         return sched.step(state, v, i, x, noise=noise)
 
+    if not with_aux:
+        def plain(params, x, state, i, cond, uncond, guidance, key):
+            return step(params, x, state, i, cond, uncond, guidance, key)
+
+        return jax.jit(plain, donate_argnums=(1, 2) if donate else ())
     return jax.jit(step, donate_argnums=(1, 2) if donate else ())
 
 
@@ -62,19 +89,24 @@ def make_update(sched, use_cfg: bool):
     return jax.jit(update)
 
 
-def _streamed_step(model_call: Callable, sched, use_cfg: bool):
-    """A step for a model that is called from Python (``model_call(x, t, ctx) -> v``)."""
+def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable | None = None,
+                   with_aux: bool = False):
+    """A step for a model that is called from Python (``model_call(x, t, ctx[, aux]) -> v``)."""
     update = make_update(sched, use_cfg)
     timesteps = np.asarray(sched.timesteps, np.float32)
+    prep = None if prepare is None else jax.jit(lambda x, t, aux, b: _model_inputs(x, t, b, prepare, aux, None),
+                                                static_argnums=3)
 
-    def step(params, x, state, i, cond, uncond, guidance, key):
+    def step(params, x, state, i, cond, uncond, guidance, key, aux=None):
         b = x.shape[0]
         t = float(timesteps[int(i)])
+        xin, tin = (x, jnp.full((b,), t, jnp.float32)) if prep is None else prep(x, jnp.float32(t), aux, b)
+        call = model_call if not with_aux else (lambda xx, tt, cc: model_call(xx, tt, cc, aux))
         if use_cfg:
-            v = model_call(jnp.concatenate([x, x], axis=0), jnp.full((2 * b,), t, jnp.float32),
-                           jnp.concatenate([cond, uncond], axis=0))
+            v = call(jnp.concatenate([xin, xin], axis=0), jnp.concatenate([tin, tin], axis=0),
+                     jnp.concatenate([cond, uncond], axis=0))
         else:
-            v = model_call(x, jnp.full((b,), t, jnp.float32), cond)
+            v = call(xin, tin, cond)
         return update(x, state, v, i, guidance, key)
 
     return step
@@ -82,22 +114,34 @@ def _streamed_step(model_call: Callable, sched, use_cfg: bool):
 
 def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 1.0, seed: int = 0,
             start: int = 0, state=None, on_step: Callable[[StepInfo, jnp.ndarray, object], None] | None = None,
-            model_call: Callable | None = None):
-    """Run steps ``start..N-1`` from latents ``x`` (channels-last, float32). Returns ``(x, state)``.
+            model_call: Callable | None = None, stop: int | None = None, prepare: Callable | None = None,
+            aux=None):
+    """Run steps ``start..stop-1`` (``stop`` defaults to N) from latents ``x`` (channels-last,
+    float32). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
+    returned state on) is the same run as one that never stopped.
 
     ``model_fn(params, x, t, ctx)`` is traced into one jitted step; alternatively ``model_call(x, t,
     ctx)`` is called from Python each step (models that stream their weights) and only the
-    guidance + scheduler update is jitted."""
+    guidance + scheduler update is jitted. ``prepare`` / ``aux``: conditioning hooks, see
+    :func:`make_step` (with ``aux`` given, the model also gets it as its last argument)."""
     use_cfg = uncond is not None and guidance != 1.0
-    step = _streamed_step(model_call, sched, use_cfg) if model_call is not None else make_step(model_fn, sched, use_cfg)
+    with_aux = aux is not None
+    if model_call is not None:
+        step = _streamed_step(model_call, sched, use_cfg, prepare, with_aux)
+    else:
+        step = make_step(model_fn, sched, use_cfg, prepare=prepare, with_aux=with_aux)
     x = jnp.asarray(x, jnp.float32)
     state = sched.init_state(x) if state is None else state
     key = jax.random.key(seed)
     g = jnp.float32(guidance)
     n = len(sched.timesteps)
-    for i in range(start, n):
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"denoise: need 0 <= start ({start}) <= stop ({stop}) <= steps ({n})")
+    extra = (aux,) if with_aux else ()
+    for i in range(start, stop):
         t0 = time.perf_counter()
-        x, state = step(params, x, state, jnp.int32(i), cond, uncond if use_cfg else cond, g, key)
+        x, state = step(params, x, state, jnp.int32(i), cond, uncond if use_cfg else cond, g, key, *extra)
         if on_step is not None:
             x.block_until_ready()
             on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)

@@ -10,11 +10,21 @@ as separate stages (see ``stages/``). Sources:
 - an original Wan2.1 release folder (``config.json`` with ``"_class_name": "WanModel"``,
   ``diffusion_pytorch_model*.safetensors``, ``models_t5_umt5-xxl-enc-bf16.pth``,
   ``Wan2.1_VAE.pth``, ``google/umt5-xxl/`` tokenizer).
+
+The recipe comes from a diffusers folder's ``model_index.json``: ``WanPipeline`` (text-to-video) or
+``WanImageToVideoPipeline`` (image-to-video: Wan2.1 I2V conditions on CLIP image tokens and a
+channel-concatenated mask + VAE latent of the first frame), ``boundary_ratio`` with
+``transformer_2`` (Wan2.2 A14B: a high-noise and a low-noise expert, only one on device at a time)
+and ``expand_timesteps`` (Wan2.2 TI2V-5B: the first latent frame is substituted with the image's
+latent before every model call and the DiT gets per-token timesteps, zero on the known frame).
 """
 from __future__ import annotations
 
+import gc
 import html
 import json
+import logging
+import math
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +41,8 @@ from vidax.models.wan import vae as wvae
 from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Defaults of the original Wan2.1 T2V release (generate.py / configs).
 WAN21_NEGATIVE = (
@@ -53,9 +65,42 @@ class TinyPreset:
     vae: wvae.WanVAEConfig = field(default_factory=lambda: wvae.WanVAEConfig(base_dim=16, z_dim=16, num_res_blocks=1))
     max_text_len: int = 64
     seed: int = 0
+    clip: object = None  # a vidax.text.clip.CLIPVisionConfig (Wan2.1 I2V's image encoder)
+    index: tuple = ()  # model_index.json-like ((key, value), ...): the recipe
 
 
-PRESET_SOURCES = {"tiny": TinyPreset()}
+def _tiny_presets() -> dict:
+    from dataclasses import replace
+
+    from vidax.text.clip import CLIPVisionConfig
+
+    base = TinyPreset()
+    i2v_dit = replace(base.dit, in_channels=36, out_channels=16)
+    clip = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_layers=3,
+                            num_heads=4, hidden_act="gelu")
+    wan22_vae = wvae.WanVAEConfig(base_dim=8, decoder_base_dim=16, z_dim=8, dim_mult=(1, 2, 4, 4), num_res_blocks=1,
+                                  temperal_downsample=(False, True, True), is_residual=True, patch_size=2,
+                                  in_channels=12, out_channels=12, scale_factor_spatial=16,
+                                  latents_mean=(0.0,) * 8, latents_std=(1.0,) * 8)
+    ti2v_dit = replace(base.dit, in_channels=8, out_channels=8)
+    two = (("boundary_ratio", 0.9), ("transformer_2", ("diffusers", "WanTransformer3DModel")))
+    i2v = ("_class_name", "WanImageToVideoPipeline")
+    return {
+        "tiny": base,
+        # Wan2.1 I2V: CLIP image tokens + [mask, first-frame latent] concatenated on channels
+        "tiny-i2v": replace(base, dit=replace(i2v_dit, image_dim=clip.hidden_size, added_kv_proj_dim=i2v_dit.dim),
+                            clip=clip, index=(i2v, ("image_encoder", ("transformers", "CLIPVisionModel")))),
+        # Wan2.2 A14B: two experts split at boundary_ratio (text- and image-to-video)
+        "tiny-a14b": replace(base, index=(("_class_name", "WanPipeline"),) + two),
+        "tiny-a14b-i2v": replace(base, dit=i2v_dit, index=(i2v,) + two),
+        # Wan2.2 TI2V-5B: Wan2.2 VAE, expand_timesteps (text- and image-to-video)
+        "tiny-ti2v": replace(base, dit=ti2v_dit, vae=wan22_vae,
+                             index=(("_class_name", "WanPipeline"), ("expand_timesteps", True))),
+        "tiny-ti2v-i2v": replace(base, dit=ti2v_dit, vae=wan22_vae, index=(i2v, ("expand_timesteps", True))),
+    }
+
+
+PRESET_SOURCES = _tiny_presets()
 
 
 def prompt_clean(text: str) -> str:
@@ -91,6 +136,27 @@ class WanT2V:
         else:
             self.folder, self.layout = None, "preset"
         self.max_text_len = self.preset.max_text_len if self.preset else 512
+        index = {}
+        if self.layout == "diffusers":
+            index = json.loads((self.folder / "model_index.json").read_text())
+        elif self.preset is not None:
+            index = dict(getattr(self.preset, "index", None) or {})
+
+        def present(name):
+            v = index.get(name)
+            return isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is not None and v[1] is not None
+
+        self.pipeline_class = index.get("_class_name", "WanPipeline")
+        #: image-to-video (``WanImageToVideoPipeline``): :meth:`encode_image` conditions the run
+        self.image_to_video = self.pipeline_class == "WanImageToVideoPipeline"
+        #: Wan2.2 TI2V: latent substitution of the known first frame + per-token timesteps
+        self.expand_timesteps = bool(index.get("expand_timesteps") or False)
+        #: Wan2.2 A14B: expert 1 (``transformer``) for t >= boundary_ratio * T, expert 2 below
+        self.boundary_ratio = index.get("boundary_ratio")
+        self.has_transformer_2 = present("transformer_2")
+        self.has_image_encoder = present("image_encoder")
+        if self.boundary_ratio is not None and not self.has_transformer_2:
+            raise ValueError(f"{source}: boundary_ratio is set but there is no transformer_2")
 
     # ------------------------------------------------------------------ component loaders
     def load_tokenizer(self):
@@ -114,33 +180,41 @@ class WanT2V:
             raise FileNotFoundError(f"{self.folder}: no models_t5_*.pth text encoder")
         return t5mod.load_t5(pth[0], dtype=np.float32)
 
-    def dit_config(self) -> wdit.WanDiTConfig:
+    def _dit_folder(self, expert: int) -> str:
+        if expert not in (1, 2) or (expert == 2 and not self.has_transformer_2):
+            raise ValueError(f"no DiT expert {expert} in this model")
+        return "transformer" if expert == 1 else "transformer_2"
+
+    def dit_config(self, expert: int = 1) -> wdit.WanDiTConfig:
+        self._dit_folder(expert)
         if self.preset:
             return self.preset.dit
         if self.layout == "diffusers":
-            return wdit.WanDiTConfig.from_diffusers(json.loads((self.folder / "transformer" / "config.json").read_text()))
+            path = self.folder / self._dit_folder(expert) / "config.json"
+            return wdit.WanDiTConfig.from_diffusers(json.loads(path.read_text()))
         return original_dit_config(json.loads((self.folder / "config.json").read_text()))
 
     @property
     def scaled(self) -> bool:
         return self.mesh is not None or self.offload_chunk_size is not None
 
-    def load_dit(self):
+    def load_dit(self, expert: int = 1):
         """DiT params + config: on one device, or (``mesh`` / ``offload_chunk_size`` set) a
-        :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams them itself."""
-        params, cfg = self._load_dit_host()
+        :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams them itself.
+        ``expert``: 2 loads ``transformer_2`` (Wan2.2 A14B's low-noise expert)."""
+        params, cfg = self._load_dit_host(expert)
         if not self.scaled:
             return jax.device_put(params), cfg
         runner = wdit.WanDiTRunner(params, cfg, self.mesh, self.parallelism,
                                    offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch)
         return runner, cfg
 
-    def _load_dit_host(self):
-        cfg = self.dit_config()
+    def _load_dit_host(self, expert: int = 1):
+        cfg = self.dit_config(expert)
         if self.preset:
-            params = wdit.init_params(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
+            params = wdit.init_params(cfg, seed=self.preset.seed + 2 + 10 * (expert - 1), dtype=self.dtype)
         elif self.layout == "diffusers":
-            params, cfg = wdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+            params, cfg = wdit.load_dit(self.folder / self._dit_folder(expert), cfg, dtype=self.dtype)
         else:
             params, cfg = wdit.load_dit(self.folder, cfg, dtype=self.dtype)
         return params, cfg
@@ -154,6 +228,68 @@ class WanT2V:
         else:
             params, cfg = wvae.load_vae(self.folder / "Wan2.1_VAE.pth")
         return jax.device_put(params), cfg
+
+    def vae_config(self) -> wvae.WanVAEConfig:
+        """The VAE's config without loading its weights (latent channels and scale factors)."""
+        if self.preset:
+            return self.preset.vae
+        if self.layout == "diffusers":
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return wvae.WanVAEConfig.from_diffusers(json.loads((self.folder / "vae" / "config.json").read_text()))
+        return wvae.WanVAEConfig()
+
+    def scale_factors(self) -> tuple[int, int]:
+        """(spatial, temporal) pixel -> latent factors, as the reference pipelines read them."""
+        v = self.vae_config()
+        return (v.scale_factor_spatial or v.spatial_ratio), (v.scale_factor_temporal or v.temporal_ratio)
+
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE spatial factor x DiT patch)."""
+        p = self.dit_config().patch_size
+        return self.scale_factors()[0] * max(int(p[1]), int(p[2]))
+
+    @property
+    def uses_clip(self) -> bool:
+        """Whether the DiT has an image branch (Wan2.1 I2V): then :meth:`encode_image` runs CLIP."""
+        return self.dit_config().image_dim is not None
+
+    def load_image_encoder(self):
+        """CLIP vision tower (``image_encoder/``) + its preprocessing settings."""
+        from vidax.text import clip as clipmod
+
+        if self.preset:
+            cfg = self.preset.clip
+            enc = clipmod.CLIPVisionEncoder(jax.device_put(clipmod.init_params(cfg, seed=self.preset.seed + 4)), cfg)
+            return enc, dict(size=cfg.image_size, crop_size=cfg.image_size)
+        if self.layout != "diffusers":
+            cands = sorted(self.folder.glob("models_clip_*.pth"))
+            if not cands:
+                raise FileNotFoundError(f"{self.folder}: no models_clip_*.pth image encoder")
+            return clipmod.load_clip(cands[0]), {}
+        if not self.has_image_encoder:
+            raise FileNotFoundError(f"{self.folder}: the pipeline has no image_encoder")
+        enc = clipmod.load_clip(self.folder / "image_encoder")
+        pre = {}
+        pp = self.folder / "image_processor" / "preprocessor_config.json"
+        if pp.exists():
+            c = json.loads(pp.read_text())
+            size, crop = c.get("size"), c.get("crop_size")
+            if isinstance(size, dict):
+                size = size.get("shortest_edge", size.get("height"))
+            if isinstance(crop, dict):
+                crop = crop.get("height")
+            if size is not None:
+                pre["size"] = int(size)
+            if crop is not None:
+                pre["crop_size"] = int(crop)
+            if c.get("image_mean") is not None:
+                pre["mean"] = tuple(c["image_mean"])
+            if c.get("image_std") is not None:
+                pre["std"] = tuple(c["image_std"])
+        return enc, pre
 
     def scheduler(self, steps: int, name: str | None = None, shift: float | None = None):
         if name is None and self.layout == "diffusers":
@@ -181,45 +317,185 @@ class WanT2V:
     def latent_shape(self, batch: int, height: int, width: int, num_frames: int, cfg: wdit.WanDiTConfig | None = None,
                      vae_cfg=None):
         cfg = cfg or self.dit_config()
-        sf, tf = 8, 4
-        return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, cfg.in_channels)
+        if vae_cfg is not None:
+            sf = vae_cfg.scale_factor_spatial or vae_cfg.spatial_ratio
+            tf = vae_cfg.scale_factor_temporal or vae_cfg.temporal_ratio
+        else:
+            sf, tf = self.scale_factors()
+        return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, cfg.out_channels)
 
     def initial_noise(self, shape, seed: int) -> jnp.ndarray:
         return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
+    def expert_segments(self, sched, start: int = 0) -> list[tuple[int, int, int]]:
+        """``[(expert, first step, stop step)]`` covering steps ``start..N-1``: with
+        ``boundary_ratio`` expert 1 takes the steps whose timestep is >= ``boundary_ratio *
+        num_train_timesteps`` and expert 2 the rest (the reference's rule); else one segment."""
+        n = len(sched.timesteps)
+        if self.boundary_ratio is None:
+            return [(1, start, n)] if start < n else []
+        boundary = float(self.boundary_ratio) * float(getattr(sched, "config", {}).get("num_train_timesteps", 1000))
+        ts = np.asarray(sched.timesteps, np.float64)
+        k = next((i for i in range(n) if not ts[i] >= boundary), n)
+        segs = [(1, start, k), (2, max(start, k), n)]
+        return [sg for sg in segs if sg[1] < sg[2]]
+
     def sample(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, latents=None, seed: int = 0,
                height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50, guidance: float = 5.0,
                scheduler=None, dit=None, start: int = 0, state=None,
-               on_step: Callable[[StepInfo, object, object], None] | None = None):
+               on_step: Callable[[StepInfo, object, object], None] | None = None,
+               image_cond: dict | None = None, guidance_2: float | None = None, dit_2=None):
         """Denoise. ``latents``: the sample to start from in the reference layout [B, C, F, H, W]
         (initial noise when ``start == 0``; drawn from ``seed`` when omitted). To resume at step
         ``start``, pass the latents and scheduler ``state`` saved after step ``start - 1``.
         ``on_step(info, x, state)`` sees channels-last latents after each step.
+
+        ``image_cond``: the dict from :meth:`encode_image` (image-to-video). Two experts
+        (``boundary_ratio``): expert 1 (``dit``, else loaded) runs the high-noise steps with
+        ``guidance``, is dropped, then expert 2 (``dit_2``, else loaded) runs the rest with
+        ``guidance_2`` (default ``guidance``), the scheduler state carried across.
         Returns the final latents in the reference layout (numpy float32)."""
-        params, cfg = dit or self.load_dit()
+        if self.image_to_video and image_cond is None:
+            raise ValueError("this is an image-to-video model: pass image_cond=encode_image(...)")
         sched = scheduler or self.scheduler(steps)
+        n = len(sched.timesteps)
+        segments = self.expert_segments(sched, start)
+        if not segments:
+            raise ValueError(f"start={start} is past the last step ({n})")
+        cfg0 = dit[1] if dit is not None and segments[0][0] == 1 else self.dit_config(segments[0][0])
         if latents is None:
             if start:
                 raise ValueError("resuming (start > 0) needs the latents saved at that step")
-            x = self.initial_noise(self.latent_shape(cond.shape[0], height, width, num_frames, cfg), seed)
+            x = self.initial_noise(self.latent_shape(cond.shape[0], height, width, num_frames, cfg0), seed)
         else:
             x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
         if state is not None:
             state = jax.tree.map(jnp.asarray, state)
+        aux, prepare, known = self._conditioning(image_cond, x.shape, cfg0)
+        g2 = guidance if guidance_2 is None else guidance_2
+        for expert, s0, s1 in segments:
+            given = dit if expert == 1 else dit_2
+            loaded = given if given is not None else self.load_dit(expert)
+            x, state = self._denoise(loaded, x, cond, uncond, sched, guidance if expert == 1 else g2, seed, s0, s1,
+                                     state, on_step, aux, prepare)
+            del loaded  # drop this expert's weights before the next one is loaded
+            gc.collect()
+        if known is not None and segments[-1][2] == n:  # the reference substitutes once more at the end
+            m, kn = known
+            x = (1.0 - m) * kn + m * x
+        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+
+    def _conditioning(self, image_cond, x_shape, cfg):
+        """``(aux, prepare, known)`` for :func:`~vidax.core.sampling.denoise` from ``image_cond``."""
+        image_cond = dict(image_cond or {})
+        aux = {}
+        if image_cond.get("clip") is not None:
+            aux["img"] = jnp.asarray(image_cond["clip"], jnp.float32)
+        ph, pw = int(cfg.patch_size[1]), int(cfg.patch_size[2])
+        pf = int(cfg.patch_size[0])
+        known = None
+        if image_cond.get("condition") is not None:  # Wan2.1 I2V / A14B I2V: channel concat
+            c = np.asarray(image_cond["condition"], np.float32).transpose(0, 2, 3, 4, 1)
+            if c.shape[1:4] != tuple(x_shape[1:4]):
+                raise ValueError(f"image condition {c.shape} does not match the latents {x_shape}")
+            aux["cond"] = jnp.asarray(c)
+
+            def prepare(x, t, aux):
+                cc = jnp.broadcast_to(aux["cond"], x.shape[:-1] + aux["cond"].shape[-1:]).astype(x.dtype)
+                return jnp.concatenate([x, cc], axis=-1), t
+        elif image_cond.get("known") is not None:  # TI2V: substitution + per-token timesteps
+            kn = np.asarray(image_cond["known"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, 1, h, w, z]
+            m = np.asarray(image_cond["mask"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, F, h, w, 1]
+            if m.shape[1:4] != tuple(x_shape[1:4]):
+                raise ValueError(f"image mask {m.shape} does not match the latents {x_shape}")
+            aux["known"], aux["mask"] = jnp.asarray(kn), jnp.asarray(m)
+            known = (aux["mask"], aux["known"])
+
+            def prepare(x, t, aux):
+                mm = aux["mask"]
+                xin = (1.0 - mm) * aux["known"] + mm * x
+                tt = (mm[0, ::pf, ::ph, ::pw, 0] * t).reshape(1, -1)
+                return xin, tt
+        elif self.expand_timesteps:  # TI2V text-to-video: per-token timesteps, all equal
+            L = (x_shape[1] // pf) * (x_shape[2] // ph) * (x_shape[3] // pw)
+
+            def prepare(x, t, aux):
+                return x, jnp.full((1, L), t, jnp.float32)
+        else:
+            prepare = None
+        return (aux or None), prepare, known
+
+    def _denoise(self, dit, x, cond, uncond, sched, guidance, seed, start, stop, state, on_step, aux, prepare):
+        params, cfg = dit
         call = None
         if isinstance(params, wdit.WanDiTRunner):
             runner = params
-            runner.check_inputs((2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0], *x.shape[1:]))
+            b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
+            runner.check_inputs((b, *x.shape[1:-1], cfg.in_channels))
             dt = runner.dtype
             if runner.offload is None:
-                model, params = runner.apply, runner.params
+                model, params = (runner.apply if aux is None else partial(_runner_apply_aux, runner)), runner.params
             else:
-                model, params, call = None, None, runner
+                model, params = None, None
+                call = runner if aux is None else partial(_runner_call_aux, runner)
         else:
-            model, dt = partial(_dit_apply, cfg=cfg), params["patch"]["w"].dtype
-        x, _ = denoise(model, params, sched, x, jnp.asarray(cond, dt), None if uncond is None else jnp.asarray(uncond, dt),
-                       guidance=guidance, seed=seed, start=start, state=state, on_step=on_step, model_call=call)
-        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+            model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), params["patch"]["w"].dtype
+        return denoise(model, params, sched, x, jnp.asarray(cond, dt),
+                       None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
+                       stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux)
+
+    # ------------------------------------------------------------------ image conditioning
+    def size_for_image(self, image, area: int = 480 * 832) -> tuple[int, int]:
+        """A valid (height, width) near ``area`` pixels with the image's aspect ratio."""
+        if hasattr(image, "getbands"):  # PIL
+            iw, ih = image.size
+        else:
+            ih, iw = np.asarray(image).shape[:2]
+        return fit_size(ih, iw, area, self.size_multiple())
+
+    def encode_image(self, image, height: int, width: int, num_frames: int, vae=None, image_encoder=None) -> dict:
+        """The image conditioning of an image-to-video run (numpy arrays, reference layout, batch 1):
+
+        - ``clip`` [1, L, D]: CLIP's penultimate hidden states of the image (models whose DiT has an
+          image branch: Wan2.1 I2V);
+        - ``condition`` [1, T + z, F, h, w]: the first-frame mask (T = temporal factor channels) and
+          the normalised VAE latent of ``[image, zeros...]`` (Wan2.1 I2V, Wan2.2 A14B I2V); or
+        - ``known`` [1, z, 1, h, w] + ``mask`` [1, 1, F, h, w] (Wan2.2 TI2V, ``expand_timesteps``):
+          the first frame's normalised latent and where the latents stay free (0 on the known frame).
+
+        ``image``: uint8 [H, W, 3] (or a PIL image), resized to (height, width) as the reference's
+        ``VideoProcessor.preprocess`` does (PIL Lanczos, no aspect-ratio preservation: pick the size
+        with :meth:`size_for_image`)."""
+        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        rgb = _rgb_uint8(image)
+        out = {}
+        if self.uses_clip:
+            from vidax.text import clip as clipmod
+
+            enc, pre = image_encoder or self.load_image_encoder()
+            pix = clipmod.preprocess(rgb, **pre)
+            out["clip"] = np.asarray(clipmod.penultimate(enc.params, enc.cfg, jnp.asarray(pix)), np.float32)
+            del enc
+        vparams, vcfg = vae or self.load_vae()
+        px = resize_for_vae(rgb, height, width)  # [3, H, W] in [-1, 1]
+        tf = vcfg.scale_factor_temporal or vcfg.temporal_ratio
+        f_lat = (num_frames - 1) // tf + 1
+        if self.expand_timesteps:
+            video = px[None, :, None]
+        else:
+            video = np.zeros((1, 3, num_frames, height, width), np.float32)
+            video[:, :, 0] = px
+        lat = wvae.normalize_latents(vcfg, wvae.encode(vparams, vcfg, video).astype(np.float32))
+        h, w = lat.shape[-2:]
+        if self.expand_timesteps:
+            mask = np.ones((1, 1, f_lat, h, w), np.float32)
+            mask[:, :, 0] = 0
+            out["known"], out["mask"] = lat, mask
+        else:
+            mask = np.zeros((1, tf, f_lat, h, w), np.float32)
+            mask[:, :, 0] = 1
+            out["condition"] = np.concatenate([mask, lat], axis=1)
+        return out
 
     def decode(self, latents: np.ndarray, vae=None) -> np.ndarray:
         """Latents [B, C, F, H, W] (as sampled, normalised) -> video in [0, 1], [B, F, H, W, 3]."""
@@ -246,25 +522,63 @@ class WanT2V:
             "text": ["text_encoder", "tokenizer"] if self.layout == "diffusers" else ["models_t5_*.pth", "google"],
             "dit": ["transformer"] if self.layout == "diffusers" else ["config.json", "diffusion_pytorch_model*"],
             "vae": ["vae"] if self.layout == "diffusers" else ["Wan2.1_VAE.pth"],
+            "image": ["image_encoder", "image_processor", "vae"] if self.layout == "diffusers"
+            else ["models_clip_*.pth", "Wan2.1_VAE.pth"],
         }[component]
+        if component == "dit" and self.has_transformer_2:
+            files = files + ["transformer_2"]
         return f"{component}:{self.dtype.name}:" + files_fingerprint(self.folder, files)
 
     def generate(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *, seed: int = 0,
                  height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50,
                  guidance: float = 5.0, shift: float | None = None, scheduler: str | None = None,
-                 on_step=None) -> np.ndarray:
+                 on_step=None, guidance_2: float | None = None) -> np.ndarray:
         """Prompt(s) -> uint8 frames [B, F, H, W, 3]."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        check_size(height, width, num_frames)
-        cond = self.encode_prompts(prompts)
+        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        cond, uncond = self._prompt_pair(prompts, negative_prompt, guidance, guidance_2)
+        lat = self.sample(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
+                          guidance=guidance, scheduler=self.scheduler(steps, scheduler, shift), on_step=on_step,
+                          guidance_2=guidance_2)
+        return to_uint8(self.decode(lat))
+
+    def _prompt_pair(self, prompts, negative_prompt, guidance, guidance_2=None):
+        tok, enc = self.load_tokenizer(), self.load_text_encoder()
+        cond = self.encode_prompts(prompts, tok, enc)
         uncond = None
-        if guidance > 1.0:
+        if guidance > 1.0 or (guidance_2 is not None and guidance_2 > 1.0):
             neg = negative_prompt if negative_prompt is not None else ""
             negs = [neg] * len(prompts) if isinstance(neg, str) else list(neg)
-            uncond = self.encode_prompts(negs)
+            uncond = self.encode_prompts(negs, tok, enc)
+        return cond, uncond
+
+
+class WanI2V(WanT2V):
+    """Wan image-to-video (a ``WanImageToVideoPipeline`` folder, or an image-to-video preset):
+    Wan2.1 I2V, Wan2.2 A14B I2V (two experts) and Wan2.2 TI2V-5B (``expand_timesteps``)."""
+
+    def __init__(self, source: str | Path = "tiny-i2v", **kw):
+        super().__init__(source, **kw)
+        if not self.image_to_video:
+            raise ValueError(f"{source}: not an image-to-video model ({self.pipeline_class}); use WanT2V")
+
+    def generate(self, image, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *,
+                 seed: int = 0, height: int | None = None, width: int | None = None, area: int = 480 * 832,
+                 num_frames: int = 81, steps: int = 40, guidance: float = 5.0, guidance_2: float | None = None,
+                 shift: float | None = None, scheduler: str | None = None, on_step=None) -> np.ndarray:
+        """Image (uint8 [H, W, 3] or PIL) + prompt(s) -> uint8 frames [B, F, H, W, 3]. Without
+        ``height``/``width`` the size follows the image's aspect ratio at about ``area`` pixels."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if height is None or width is None:
+            height, width = self.size_for_image(image, area)
+        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        cond, uncond = self._prompt_pair(prompts, negative_prompt, guidance, guidance_2)
+        vae = self.load_vae()
+        image_cond = self.encode_image(image, height, width, num_frames, vae=vae)
         lat = self.sample(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
-                          guidance=guidance, scheduler=self.scheduler(steps, scheduler, shift), on_step=on_step)
-        return to_uint8(self.decode(lat))
+                          guidance=guidance, guidance_2=guidance_2, scheduler=self.scheduler(steps, scheduler, shift),
+                          on_step=on_step, image_cond=image_cond)
+        return to_uint8(self.decode(lat, vae=vae))
 
 
 def to_unit_range(pixels: np.ndarray) -> np.ndarray:
@@ -292,6 +606,55 @@ def files_fingerprint(folder: Path, patterns) -> str:
 
 def _dit_apply(params, x, t, ctx, *, cfg):
     return wdit.forward(params, cfg, x, t, ctx)
+
+
+def _batched_img(aux, b):
+    img = aux.get("img") if aux else None
+    if img is None or img.shape[0] == b:
+        return img
+    if img.shape[0] == 1:
+        return jnp.broadcast_to(img, (b, *img.shape[1:]))
+    return jnp.concatenate([img] * (b // img.shape[0]), axis=0)  # the CFG batch: [cond; uncond]
+
+
+def _dit_apply_aux(params, x, t, ctx, aux, *, cfg):
+    return wdit.forward(params, cfg, x, t, ctx, _batched_img(aux, x.shape[0]))
+
+
+def _runner_apply_aux(runner, params, x, t, ctx, aux):
+    return runner.apply(params, x, t, ctx, _batched_img(aux, x.shape[0]))
+
+
+def _runner_call_aux(runner, x, t, ctx, aux):
+    return runner(x, t, ctx, _batched_img(aux, x.shape[0]))
+
+
+def fit_size(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:
+    """(height, width), multiples of ``multiple``, of about ``area`` pixels with the image's aspect
+    ratio (the Wan examples' rule: ``round(sqrt(area * aspect)) // multiple * multiple``)."""
+    ar = image_height / image_width
+    h = max(multiple, round(math.sqrt(area * ar)) // multiple * multiple)
+    w = max(multiple, round(math.sqrt(area / ar)) // multiple * multiple)
+    log.info("image %dx%d (aspect %.3f) -> generation size %dx%d (area %d, multiple of %d)",
+             image_width, image_height, 1 / ar, w, h, area, multiple)
+    return int(h), int(w)
+
+
+def _rgb_uint8(image) -> np.ndarray:
+    from vidax.text import clip as clipmod
+
+    return clipmod._to_rgb_uint8(image)
+
+
+def resize_for_vae(image_uint8: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The reference's ``VideoProcessor.preprocess(image, height, width)`` for one RGB image: PIL
+    Lanczos resize to exactly (height, width), /255, to [-1, 1]. Returns float32 [3, H, W]."""
+    import PIL.Image
+
+    im = PIL.Image.fromarray(np.asarray(image_uint8, np.uint8))
+    im = im.resize((width, height), resample=PIL.Image.Resampling.LANCZOS)
+    a = np.asarray(im.convert("RGB")).astype(np.float32) / 255.0
+    return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
 
 
 def check_size(height: int, width: int, num_frames: int, spatial: int = 16, temporal: int = 4):
