@@ -41,7 +41,7 @@ def _request_from_args(a) -> Request:
                    checkpoint=a.checkpoint, seed=a.seed, height=a.height, width=a.width, num_frames=a.frames,
                    steps=a.steps, guidance=a.guidance, shift=a.shift, scheduler=a.scheduler, fps=a.fps,
                    decode_stages=a.decode_stages, checkpoint_every=a.checkpoint_every, dtype=a.dtype,
-                   mesh=a.mesh, offload_chunk_size=a.offload_chunk_size)
+                   mesh=a.mesh, offload_chunk_size=a.offload_chunk_size, image=a.image, guidance_2=a.guidance_2)
 
 
 def cmd_generate(a) -> int:
@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=int)
     g.add_argument("--steps", type=int)
     g.add_argument("--guidance", type=float)
+    g.add_argument("--guidance-2", type=float, help="low-noise expert's guidance (two-expert models)")
+    g.add_argument("--image", help="first frame for image-to-video models (path or URL: gs://, https://, ...)")
     g.add_argument("--shift", type=float)
     g.add_argument("--scheduler", choices=["unipc", "flow_euler", "flow_euler_sde"])
     g.add_argument("--fps", type=float)

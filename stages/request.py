@@ -40,6 +40,8 @@ class Request:
     decode_stages: int | None = None  # None: one stage per group of latent frames (see plan)
     checkpoint_every: int = 5  # sampling step checkpoint interval
     dtype: str = "float32"
+    image: str | None = None  # conditioning image (path or fsspec URL) for image-to-video models
+    guidance_2: float | None = None  # low-noise expert's guidance (two-expert models)
     mesh: str | None = None  # e.g. "dp=2,tp=2,sp=2", "auto" (the recipe's default for the devices), None: one device
     offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
 
@@ -54,9 +56,11 @@ class Request:
         s = recipe.settings(None if self.checkpoint else self.preset,
                             height=self.height, width=self.width, num_frames=self.num_frames, steps=self.steps,
                             guidance=self.guidance, shift=self.shift, scheduler=self.scheduler, fps=self.fps)
+        from_image = self.image is not None and self.height is None and self.width is None
         return dataclasses.replace(
-            self, height=s["height"], width=s["width"], num_frames=s["num_frames"], steps=s["steps"],
-            guidance=s["guidance"], shift=s.get("shift"), scheduler=s.get("scheduler", "unipc"), fps=s["fps"],
+            self, height=None if from_image else s.get("height"), width=None if from_image else s.get("width"),
+            num_frames=s["num_frames"], steps=s["steps"], guidance=s["guidance"], shift=s.get("shift"),
+            scheduler=s.get("scheduler", "unipc"), fps=s["fps"], guidance_2=s.get("guidance_2"),
             preset=None if self.checkpoint else self.preset,
         )
 
@@ -94,8 +98,26 @@ def validate(req: Request) -> Request:
         raise RequestError("prompt", "must be a non-empty string")
     if req.negative_prompt is not None and not isinstance(req.negative_prompt, str):
         raise RequestError("negative_prompt", "must be a string")
+    if recipe.image == "required" and not req.image:
+        raise RequestError("image", f"{req.model} is an image-to-video model: give the first frame (--image PATH|URL)")
+    if recipe.image == "none" and req.image:
+        i2v = sorted(m for m, r in registry.MODELS.items() if r.image != "none")
+        raise RequestError("image", f"{req.model} takes no image; image-to-video models: {', '.join(i2v)}")
     r = req.resolved()
     sf, tf = recipe.spatial_factor, recipe.temporal_factor
+    if r.image:
+        from stages.images import image_size
+
+        try:
+            ih, iw = image_size(r.image)
+        except Exception as e:  # noqa: BLE001 - unreadable / not an image
+            raise RequestError("image", f"cannot read {r.image!r} as an image ({type(e).__name__}: {e})") from None
+        if r.height is None or r.width is None:
+            from stages.images import fit_size_for
+
+            area = recipe.settings(None if r.checkpoint else r.preset).get("area", 480 * 832)
+            h, w = fit_size_for(ih, iw, area, sf, sp=_sp_degree(r.mesh))
+            r = dataclasses.replace(r, height=h, width=w)
     for name in ("height", "width"):
         v = getattr(r, name)
         if not isinstance(v, int) or v <= 0 or v % sf:
@@ -136,6 +158,17 @@ def validate(req: Request) -> Request:
         if v != "all":
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
+
+
+def _sp_degree(mesh: str | None) -> int:
+    if not mesh or mesh == "auto":
+        return 1
+    from vidax.core.mesh import parse_mesh_spec
+
+    try:
+        return int(parse_mesh_spec(mesh).get("sp", 1))
+    except ValueError:
+        return 1
 
 
 def validate_run_id(run_id: str) -> str:

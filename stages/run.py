@@ -85,27 +85,35 @@ def make_pipeline(req: Request):
     from vidax import registry
 
     recipe = registry.get(req.model)
-    cls = recipe.pipeline_class()
+    has_image = req.image is not None
+    cls = recipe.pipeline_class(has_image)
+    source = recipe.source(req.preset, req.checkpoint, has_image)
     mesh = req.mesh
     if mesh == "auto":
         import jax
 
-        probe = cls(req.checkpoint or req.preset, dtype=req.dtype)
+        probe = cls(source, dtype=req.dtype)
         dc = probe.dit_config()
         pt, ph, pw = dc.patch_size
         tokens = (latent_frames(req) // pt) * (req.height // 8 // ph) * (req.width // 8 // pw)
         mesh = recipe.default_mesh(jax.device_count(), dc.num_heads, tokens, req.guidance > 1.0)
-    return cls(req.checkpoint or req.preset, dtype=req.dtype, mesh=mesh, offload_chunk_size=req.offload_chunk_size)
+    return cls(source, dtype=req.dtype, mesh=mesh, offload_chunk_size=req.offload_chunk_size)
 
 
 def stage_keys(req: Request, pipe) -> dict[str, str]:
     code = code_version()
     keys = {}
+    image = None
+    if req.image is not None:
+        from stages.images import image_digest
+
+        image = dict(digest=image_digest(req.image), height=req.height, width=req.width, frames=req.num_frames,
+                     weights=pipe.fingerprint("image"), vae=pipe.fingerprint("vae"))
     keys["encode"] = _key(stage="encode", model=req.model, prompts=req.prompts, negative=req.negative_prompt,
-                          dtype=req.dtype, weights=pipe.fingerprint("text"), code=code)
+                          dtype=req.dtype, weights=pipe.fingerprint("text"), image=image, code=code)
     keys["sample"] = _key(stage="sample", inputs=[keys["encode"]], seed=req.seed, height=req.height, width=req.width,
-                          frames=req.num_frames, steps=req.steps, guidance=req.guidance, shift=req.shift,
-                          scheduler=req.scheduler, weights=pipe.fingerprint("dit"), code=code)
+                          frames=req.num_frames, steps=req.steps, guidance=req.guidance, guidance_2=req.guidance_2,
+                          shift=req.shift, scheduler=req.scheduler, weights=pipe.fingerprint("dit"), code=code)
     prev = None
     for k, (a, b) in enumerate(decode_ranges(req)):
         name = f"decode/{k}"
@@ -191,6 +199,16 @@ def run_encode(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
         "encode.zarr::negative_embeds": write_array(g, "negative_embeds", uncond.astype(dt), dims, **attrs),
     }
     log(f"  encoded {len(req.prompts)} prompt(s) -> {list(cond.shape)} {dt}")
+    if req.image is not None:
+        from stages.images import load_image
+
+        img = load_image(req.image)
+        cond_img = pipe.encode_image(img, req.height, req.width, req.num_frames)
+        for name, arr in cond_img.items():
+            dims = ("batch", "token", "channel") if arr.ndim == 3 else ("batch", "channel", "frame", "height", "width")
+            out[f"encode.zarr::image_{name}"] = write_array(g, f"image_{name}", arr.astype(np.float32), dims,
+                                                           source=req.image, role=f"image conditioning ({name})")
+        log(f"  image {img.shape[1]}x{img.shape[0]} -> {req.width}x{req.height}: {', '.join(sorted(cond_img))}")
     return out
 
 
@@ -208,7 +226,8 @@ def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progr
 
     enc = run.group("encode.zarr")
     cond = read_array(enc, "prompt_embeds")
-    uncond = read_array(enc, "negative_embeds") if req.guidance > 1.0 else None
+    uncond = read_array(enc, "negative_embeds") if max(req.guidance, req.guidance_2 or 0.0) > 1.0 else None
+    image_cond = {n[len("image_"):]: read_array(enc, n) for n in enc.array_keys() if n.startswith("image_")} or None
     # newest committed checkpoint of *this* key, if any
     start, latents, state_leaves = 0, None, None
     g, names = _ckpt_groups(run)
@@ -226,7 +245,6 @@ def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progr
         for n in names:  # drop checkpoints of other keys
             if g[n].attrs.get("key") != key:
                 run.delete(f"sample.zarr/{n}")
-    dit = pipe.load_dit()
     sched = pipe.scheduler(req.steps, req.scheduler, req.shift)
     state = None
     if state_leaves is not None:
@@ -257,15 +275,23 @@ def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progr
                 os.kill(os.getpid(), signal.SIGKILL)
 
     lat = pipe.sample(cond, uncond, latents=latents, seed=req.seed, height=req.height, width=req.width,
-                      num_frames=req.num_frames, steps=req.steps, guidance=req.guidance, scheduler=sched, dit=dit,
-                      start=start, state=state, on_step=on_step)
-    del dit
+                      num_frames=req.num_frames, steps=req.steps, guidance=req.guidance, scheduler=sched,
+                      start=start, state=state, on_step=on_step, **_image_kwargs(image_cond, req))
     digest = write_array(g, "latents", lat, ("batch", "channel", "frame", "height", "width"),
                          model=req.model, layout="reference [B, C, F, H, W]", normalised=True)
     for n in [n for n in g.group_keys() if n.startswith("ckpt_")]:
         run.delete(f"sample.zarr/{n}")
     return {"sample.zarr::latents": digest, "_resumed_from_step": start, "_mesh": pipe.mesh,
             "_offload_chunk_size": pipe.offload_chunk_size}
+
+
+def _image_kwargs(image_cond, req: Request) -> dict:
+    kw = {}
+    if image_cond is not None:
+        kw["image_cond"] = image_cond
+    if req.guidance_2 is not None:
+        kw["guidance_2"] = req.guidance_2
+    return kw
 
 
 def run_decode(run: Run, req: Request, pipe, key: str, log: Log, k: int) -> dict:

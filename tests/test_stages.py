@@ -271,3 +271,66 @@ def test_end_to_end_gcs(gcs_emulator, monkeypatch, tmp_path, capsys):
     assert out.count("up to date, skipped") == 6
     assert cli.main(["ls", "--store", url]) == 0
     assert "g1" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ image-to-video and Wan2.2 recipes
+@pytest.fixture(scope="module")
+def cond_image(tmp_path_factory):
+    import PIL.Image
+
+    p = tmp_path_factory.mktemp("img") / "first-frame.png"
+    rng = np.random.default_rng(3)
+    PIL.Image.fromarray((rng.random((90, 160, 3)) * 255).astype(np.uint8)).save(p)
+    return str(p)
+
+
+@pytest.mark.parametrize("model,with_image", [("wan2.1-i2v-480p", True), ("wan2.2-ti2v-5b", True),
+                                              ("wan2.2-ti2v-5b", False), ("wan2.2-t2v-a14b", False),
+                                              ("wan2.2-i2v-a14b", True)])
+def test_new_recipes_staged_with_resume_after_sigkill(tmp_path, cond_image, model, with_image):
+    args = [sys.executable, "-m", "stages.cli", "generate", "--model", model, "--prompt", "a fox in snow",
+            "--frames", "5", "--steps", "4", "--checkpoint-every", "1", "--run-id", "x"]
+    if with_image:
+        args += ["--image", cond_image]
+    killed = f"file://{tmp_path / 'killed'}"
+    p = subprocess.run(args + ["--store", killed], env={**ENV, "VIDAX_FAULTS": "sample:kill_after_step=2"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    p = subprocess.run(args + ["--store", killed], env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resuming from the step checkpoint at step 2/4" in p.stdout
+    run = RunStore(killed).run("x")
+    req = R.load_request(run)
+    assert run.record("sample")["details"]["resumed_from_step"] == 2
+    if with_image:  # the conditioning is persisted by the encode phase; sampling never loads the VAE
+        names = set(run.group("encode.zarr").array_keys())
+        assert names & {"image_condition", "image_known"}, names
+    video = read_mp4(tmp_path / "killed/runs/x/video.mp4")
+    assert video.shape == (5, req.height, req.width, 3)
+    clean = f"file://{tmp_path / 'clean'}"
+    creq = validate(Request(model=model, prompt="a fox in snow", num_frames=5, steps=4, checkpoint_every=1,
+                            image=cond_image if with_image else None))
+    R.generate(RunStore(clean).run("x"), creq, log=lambda m: None)
+    a = read_array(run.group("sample.zarr"), "latents")
+    b = read_array(RunStore(clean).run("x").group("sample.zarr"), "latents")
+    assert a.tobytes() == b.tobytes()
+
+
+def test_image_requirements_are_validated(tmp_path, capsys, cond_image):
+    _cli_fails(tmp_path, capsys, ["--prompt", "x", "--model", "wan2.1-i2v-480p"], "image", "image-to-video model")
+    _cli_fails(tmp_path, capsys, ["--prompt", "x", "--image", cond_image], "image", "takes no image")
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("hello")
+    _cli_fails(tmp_path, capsys, ["--prompt", "x", "--model", "wan2.1-i2v-480p", "--image", str(bad)], "image",
+               "cannot read")
+
+
+def test_image_size_follows_aspect_and_sp_degree(cond_image):
+    from stages.images import fit_size_for
+
+    h, w = fit_size_for(720, 1280, 480 * 832, 16, sp=1)
+    assert h % 16 == 0 and w % 16 == 0 and abs((w / h) - 16 / 9) < 0.05
+    h, w = fit_size_for(700, 1000, 480 * 832, 16, sp=8)
+    assert ((h // 16) * (w // 16)) % 8 == 0 and abs((w / h) - 1000 / 700) < 0.1
+    r = validate(Request(model="wan2.1-i2v-480p", prompt="x", image=cond_image, mesh="sp=4"))
+    assert ((r.height // 16) * (r.width // 16)) % 4 == 0 and r.width > r.height

@@ -18,10 +18,19 @@ class Recipe:
     # (preset None = real checkpoints); merged into run_deployment(..., job_variables=...)
     stage_jobs: dict = field(default_factory=dict)
     prefer_axis: str = "sp"  # what --mesh auto spreads the DiT over besides CFG's dp
+    image: str = "none"  # "none" | "required" (image-to-video) | "optional" (TI2V: T2V or I2V)
+    pipeline_i2v: str | None = None  # "module:Class" used when an image is given (image="optional")
+    preset_sources: dict = field(default_factory=dict)  # (preset, has_image) -> pipeline source name
 
-    def pipeline_class(self):
-        mod, cls = self.pipeline.split(":")
+    def pipeline_class(self, has_image: bool = False):
+        mod, cls = (self.pipeline_i2v if has_image and self.pipeline_i2v else self.pipeline).split(":")
         return getattr(importlib.import_module(mod), cls)
+
+    def source(self, preset: str | None, checkpoint: str | None, has_image: bool = False) -> str:
+        """What the pipeline class is built from: the checkpoint folder, or the preset's source."""
+        if checkpoint:
+            return checkpoint
+        return self.preset_sources.get((preset, has_image), preset)
 
     def default_mesh(self, n_devices: int, num_heads: int, tokens: int, cfg_parallel: bool) -> str | None:
         """The mesh ``--mesh auto`` picks on ``n_devices``: the conditional/unconditional pair on
@@ -57,7 +66,9 @@ def _tpu(accelerator: str, topology: str, chips: int) -> dict:
     return {"tpu_accelerator": accelerator, "tpu_topology": topology, "tpu_chips": chips}
 
 
-PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8)}
+PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8, area=64 * 64)}
+_WAN = "vidax.models.wan.pipeline:WanT2V"
+_WAN_I2V = "vidax.models.wan.pipeline:WanI2V"
 
 MODELS = {
     r.model_id: r
@@ -77,6 +88,40 @@ MODELS = {
             stage_jobs={None: {"encode": _tpu("tpu-v5-lite-podslice", "2x4", 8),
                                "sample": _tpu("tpu-v5-lite-podslice", "2x4", 8),
                                "decode": _tpu("tpu-v5-lite-podslice", "2x4", 8)}},
+        ),
+        Recipe(
+            "wan2.1-i2v-480p", _WAN_I2V, ("tiny",),
+            dict(area=480 * 832, num_frames=81, steps=40, guidance=5.0, shift=3.0, fps=16, scheduler="unipc"),
+            description="Wan2.1 image-to-video 14B, 480p (CLIP image cross-attention)", prefer_axis="tp",
+            image="required", preset_sources={("tiny", True): "tiny-i2v"},
+        ),
+        Recipe(
+            "wan2.1-i2v-720p", _WAN_I2V, ("tiny",),
+            dict(area=720 * 1280, num_frames=81, steps=40, guidance=5.0, shift=5.0, fps=16, scheduler="unipc"),
+            description="Wan2.1 image-to-video 14B, 720p (CLIP image cross-attention)", prefer_axis="tp",
+            image="required", preset_sources={("tiny", True): "tiny-i2v"},
+        ),
+        Recipe(
+            "wan2.2-ti2v-5b", _WAN, ("tiny",),
+            dict(height=704, width=1280, area=704 * 1280, num_frames=121, steps=50, guidance=5.0, shift=5.0, fps=24,
+                 scheduler="unipc"),
+            spatial_factor=32, description="Wan2.2 TI2V-5B: text- or image-to-video, 720p/24fps (latent substitution)",
+            image="optional", pipeline_i2v=_WAN_I2V,
+            preset_sources={("tiny", False): "tiny-ti2v", ("tiny", True): "tiny-ti2v-i2v"},
+        ),
+        Recipe(
+            "wan2.2-t2v-a14b", _WAN, ("tiny",),
+            dict(height=720, width=1280, num_frames=81, steps=40, guidance=4.0, guidance_2=3.0, shift=12.0, fps=16,
+                 scheduler="unipc"),
+            description="Wan2.2 text-to-video A14B: high- and low-noise experts", prefer_axis="tp",
+            preset_sources={("tiny", False): "tiny-a14b"},
+        ),
+        Recipe(
+            "wan2.2-i2v-a14b", _WAN_I2V, ("tiny",),
+            dict(area=720 * 1280, num_frames=81, steps=40, guidance=3.5, guidance_2=3.5, shift=5.0, fps=16,
+                 scheduler="unipc"),
+            description="Wan2.2 image-to-video A14B: high- and low-noise experts", prefer_axis="tp",
+            image="required", preset_sources={("tiny", True): "tiny-a14b-i2v"},
         ),
     ]
 }
