@@ -1,7 +1,6 @@
 """Prefect orchestration against a real `prefect server start` and a real process worker."""
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """Parity of the Wan DiT with diffusers' WanTransformer3DModel, plus compile counts and loading errors."""
-import json
 
 import numpy as np
 import pytest
@@ -90,11 +89,12 @@ def test_i2v_image_branch_parity(tmp_path):
     assert_parity(out, _run_ref(ref, kw), what="WanTransformer3DModel I2V")
 
 
-def test_per_token_timesteps_parity(tmp_path):
-    """Wan2.2 TI2V feeds one timestep per token."""
-    ref = _ref()
+@pytest.mark.parametrize("channels", [4, 48])
+def test_per_token_timesteps_parity(tmp_path, channels):
+    """Wan2.2 TI2V feeds one timestep per token (48 latent channels in the TI2V-5B config)."""
+    ref = _ref(in_channels=channels, out_channels=channels)
     ref.save_pretrained(tmp_path)
-    kw = _inputs(TINY, b=2, f=2, h=4, w=4)
+    kw = _inputs({**TINY, "in_channels": channels}, b=2, f=2, h=4, w=4)
     rng = np.random.default_rng(3)
     kw["timestep"] = rng.uniform(0, 1000, (2, 2 * 2 * 2)).astype(np.float32)
     out = compat.load_pretrained(tmp_path).forward(**kw)

@@ -54,7 +54,8 @@ import numpy as np
 from vidax.compat import CompatModel, register
 from vidax.core.attention import attention
 from vidax.core.nn import ACTIVATIONS, Init, layer_norm
-from vidax.weights import CheckpointMismatchError, KeyMap, LazyTensor, Rule, load_params, open_checkpoint
+from vidax.weights import KeyMap, LazyTensor, Rule, load_params, open_checkpoint
+from vidax.weights.keymap import mismatch_error
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -339,11 +340,6 @@ def _read(t) -> np.ndarray:
     return t.read() if isinstance(t, LazyTensor) else np.asarray(t)
 
 
-def _fmt(items, n=5):
-    items = list(items)
-    return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
-
-
 def wan_to_hf(ckpt, cfg: CLIPVisionConfig) -> dict[str, LazyTensor]:
     """The original release's vision tower as a transformers-named (``vision_model.`` prefix) mapping
     of lazy tensors: ``to_qkv`` split into q/k/v (rows ``[0:D]``, ``[D:2D]``, ``[2D:3D]``, as Wan's
@@ -363,15 +359,8 @@ def wan_to_hf(ckpt, cfg: CLIPVisionConfig) -> dict[str, LazyTensor]:
         elif not (WAN_IGNORE.match(n) or (n == f"{WAN_PREFIX}head" and cfg.projection_dim is None)):
             unexpected.append(n)
     if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {_fmt(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {_fmt(sorted(unexpected))}")
-        if misshaped:
-            parts.append(f"{len(misshaped)} mis-shaped: {_fmt(misshaped)}")
-        src = getattr(ckpt, "source", "checkpoint")
-        raise CheckpointMismatchError(f"{src} does not fit CLIP vision tower (Wan naming): " + "; ".join(parts))
+        raise mismatch_error(getattr(ckpt, "source", "checkpoint"), "CLIP vision tower (Wan naming)",
+                             missing, unexpected, misshaped)
 
     D, v, P = cfg.hidden_size, WAN_PREFIX, HF_PREFIX
     out: dict[str, LazyTensor] = {}

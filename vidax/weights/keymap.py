@@ -137,6 +137,18 @@ def _fmt(items, n=5):
     return ", ".join(items[:n]) + more
 
 
+def mismatch_error(source: str, what: str, missing=(), unexpected=(), misshaped=()) -> CheckpointMismatchError:
+    """The one error for a checkpoint that does not fit: counts and the first few of each kind."""
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing: {_fmt(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected: {_fmt(sorted(unexpected))}")
+    if misshaped:
+        parts.append(f"{len(misshaped)} mis-shaped: {_fmt(misshaped)}")
+    return CheckpointMismatchError(f"{source} does not fit {what}: " + "; ".join(parts))
+
+
 def load_params(
     ckpt: Checkpoint | Mapping[str, np.ndarray],
     keymap: KeyMap,
@@ -188,15 +200,7 @@ def load_params(
         elif None not in have:
             missing.append(rule.name())
     if missing or unexpected or misshaped:
-        src = getattr(ckpt, "source", "checkpoint")
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {_fmt(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {_fmt(sorted(unexpected))}")
-        if misshaped:
-            parts.append(f"{len(misshaped)} mis-shaped: {_fmt(misshaped)}")
-        raise CheckpointMismatchError(f"{src} does not fit {what}: " + "; ".join(parts))
+        raise mismatch_error(getattr(ckpt, "source", "checkpoint"), what, missing, unexpected, misshaped)
 
     def read(t):
         a = t.read() if isinstance(t, LazyTensor) else np.asarray(t)

@@ -6,7 +6,6 @@ tokens through their own key/value projections) and Wan2.2 TI2V's per-token time
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
