@@ -194,7 +194,7 @@ def _cli_fails(tmp_path, capsys, args, field, text):
 
 
 @pytest.mark.parametrize("args,field,text", [
-    (["--prompt", "x", "--model", "wan9"], "model", "available: wan2.1-t2v-1.3b"),
+    (["--prompt", "x", "--model", "wan9"], "model", "wan2.1-t2v-1.3b, wan2.1-t2v-14b"),
     (["--prompt", "x", "--height", "40"], "height", "multiple of 16"),
     (["--prompt", "x", "--width", "0"], "width", "multiple of 16"),
     (["--prompt", "x", "--frames", "8"], "num_frames", "4k+1 (e.g. 9)"),
