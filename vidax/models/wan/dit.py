@@ -22,7 +22,7 @@ from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -629,15 +629,10 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     names = list(ckpt)
     if any(n.startswith("model.diffusion_model.") for n in names):
         ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names}
-        names = list(ckpt)
-    original = _is_original(names)
-    if cfg is None:
-        if not original:
-            raise ValueError(f"{path}: no config.json; pass a WanDiTConfig")
-        cfg = config_from_original(ckpt)
-    km = original_keymap(cfg) if original else diffusers_keymap(cfg)
-    params = load_params(ckpt, km, param_shapes(cfg), dtype=dtype, what=f"WanTransformer3DModel (dim {cfg.dim}, {cfg.num_layers} layers)")
-    return params, cfg
+    return load_checkpoint_params(
+        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
+        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c), shapes=param_shapes, dtype=dtype,
+        what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
 
 
 # ----------------------------------------------------------------------------------- compat

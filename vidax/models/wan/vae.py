@@ -53,7 +53,7 @@ import numpy as np
 from vidax import compat
 from vidax.core import nn
 from vidax.core.attention import attention
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 # Wan2.1 latent statistics (diffusers' AutoencoderKLWan defaults).
 WAN21_LATENTS_MEAN = (
@@ -888,15 +888,10 @@ def load_vae(path, cfg: WanVAEConfig | None = None, dtype=np.float32):
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = WanVAEConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    original = _is_original(list(ckpt))
-    if cfg is None:
-        if not original:
-            raise ValueError(f"{path}: no config.json; pass a WanVAEConfig")
-        cfg = config_from_original(ckpt)
-    km = original_keymap(cfg) if original else diffusers_keymap(cfg)
-    params = load_params(ckpt, km, param_shapes(cfg), dtype=dtype, what=f"AutoencoderKLWan {cfg}")
-    return params, cfg
+    return load_checkpoint_params(
+        open_checkpoint(path), cfg, is_original=_is_original, config_from_original=config_from_original,
+        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c), shapes=param_shapes, dtype=dtype,
+        what=lambda c: f"AutoencoderKLWan {c}", source=path)
 
 
 # ----------------------------------------------------------------------------------- compat
