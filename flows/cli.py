@@ -35,24 +35,23 @@ def submit(url: str, store: str | None = None, mode: str | None = None) -> str:
     return str(ev.id)
 
 
-def main(argv=None) -> int:
-    ap = stage_cli.build_parser()
+def _add_submit(ap) -> dict:
     sub = next(a for a in ap._actions if a.dest == "cmd")
     s = sub.add_parser("submit", help="announce a prompt file: the generate-batch deployment's trigger runs it")
     s.add_argument("file", help="prompt file URL (.txt, .jsonl, .csv; local path, gs://, ...)")
     s.add_argument("--store", default=None, help="run store for the batch (default: the deployment's)")
     s.add_argument("--mode", choices=["local", "distributed"], default=None)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["submit"]:
-        a = ap.parse_args(argv)
-        try:
-            eid = submit(a.file, a.store, a.mode)
-        except stage_cli.RequestError as e:
-            print(f"vidax: error: {e}", file=sys.stderr)
-            return 2
+
+    def cmd_submit(a) -> int:
+        eid = submit(a.file, a.store, a.mode)
         print(f"submitted {a.file} (event {eid}); the generate-batch deployment will pick it up")
         return 0
-    return stage_cli.main(argv)
+
+    return {"submit": cmd_submit}
+
+
+def main(argv=None) -> int:
+    return stage_cli.main(argv, extend=_add_submit)
 
 
 if __name__ == "__main__":

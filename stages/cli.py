@@ -1,17 +1,31 @@
-"""``vidax`` command line: generate, run one stage, status, rerun, list runs.
+"""``vidax`` command line: generate, batch, run one stage, rerun, status, list runs.
 
-Errors in the user's request print one line naming the field and exit with code 2.
+Errors in the user's request print one line naming the field and exit with code 2. A model's own
+options (declared by its family) appear as flags of ``generate`` once ``--model`` names it:
+``vidax generate --model MODEL --help``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import Callable
 
 from stages.request import Request, RequestError, validate, validate_run_id
 from stages.store import RunStore, StoreError
+from vidax import registry
+from vidax.pipeline import OptionError
 
 DEFAULT_STORE = "vidax-runs"
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    con = Console(stderr=stderr, soft_wrap=True, highlight=False, markup=False, emoji=False)
+    if not con.is_terminal:  # logs and pipes: wide tables, never truncated ids
+        con.width = 240
+    return con
 
 
 def _store(url: str, write: bool) -> RunStore:
@@ -24,43 +38,167 @@ def _store(url: str, write: bool) -> RunStore:
         raise RequestError("store", str(e)) from None
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r))
-    return "\n".join([fmt(header), fmt(["-" * x for x in w])] + [fmt(r) for r in rows])
+def _table(rows: list[list[str]], header: list[str], title: str | None = None):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for i, h in enumerate(header):
+        t.add_column(h, no_wrap=i == 0)
+    for r in rows:
+        t.add_row(*[str(c) for c in r])
+    return t
 
 
-def _print_results(results, total):
+def _print_results(con, results, total):
     rows = [[r.stage, r.status, f"{r.seconds:.2f}s", r.hardware] for r in results]
-    print(_table(rows, ["stage", "status", "time", "hardware"]))
-    print(f"total {total:.1f}s")
+    con.print(_table(rows, ["stage", "status", "time", "hardware"]))
+    con.print(f"total {total:.1f}s")
+
+
+class _Reporter:
+    """Stage logs as lines, sampling as a progress bar (plain lines when not on a terminal)."""
+
+    def __init__(self, con):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.con = con
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), console=con, transient=True)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def log(self, msg: str) -> None:
+        self.con.print(msg)
+
+    def update(self, stage: str, frac: float) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=100)
+        self.progress.update(self.tasks[stage], completed=round(100 * frac))
+
+
+# ------------------------------------------------------------------ generate
+def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
+    g.add_argument("--model", default=registry.default_model(), help="model id (`vidax models` lists them)")
+    g.add_argument("--preset", default="tiny", help="seeded random-weight preset (e.g. tiny)")
+    g.add_argument("--checkpoint", help="folder with real weights (diffusers layout or the original release)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--negative-prompt", default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--height", type=int)
+    g.add_argument("--width", type=int)
+    g.add_argument("--frames", type=int)
+    g.add_argument("--steps", type=int)
+    g.add_argument("--guidance", type=float)
+    g.add_argument("--image", help="first frame for image-to-video models (path or URL: gs://, https://, ...)")
+    g.add_argument("--fps", type=float)
+    g.add_argument("--decode-stages", type=int, help="number of persisted decode stages (default: the model's plan)")
+    g.add_argument("--checkpoint-every", type=int, default=5, help="write a sampling checkpoint every K steps")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
+    g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all)")
+    g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
+    recipe = registry.MODELS.get(model or registry.default_model())
+    if recipe is not None and recipe.options:
+        grp = g.add_argument_group(f"options of {recipe.model_id}")
+        for o in recipe.options:
+            extra = f" (choices: {', '.join(map(str, o.choices))})" if o.choices else ""
+            default = recipe.settings(None).get(o.name)
+            grp.add_argument(o.flag, dest=f"opt__{o.name}", metavar=o.type.__name__.upper(),
+                             help=f"{o.help}{extra}; default {default}")
 
 
 def _request_from_args(a) -> Request:
+    recipe = registry.MODELS.get(a.model)
+    options = {}
+    for o in (recipe.options if recipe else ()):
+        text = getattr(a, f"opt__{o.name}", None)
+        if text is not None:
+            try:
+                options[o.name] = o.parse(text)
+            except OptionError as e:
+                raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
     return Request(model=a.model, prompt=a.prompt, negative_prompt=a.negative_prompt, preset=a.preset,
                    checkpoint=a.checkpoint, seed=a.seed, height=a.height, width=a.width, num_frames=a.frames,
-                   steps=a.steps, guidance=a.guidance, shift=a.shift, scheduler=a.scheduler, fps=a.fps,
-                   decode_stages=a.decode_stages, checkpoint_every=a.checkpoint_every, dtype=a.dtype,
-                   mesh=a.mesh, offload_chunk_size=a.offload_chunk_size, image=a.image, guidance_2=a.guidance_2)
+                   steps=a.steps, guidance=a.guidance, fps=a.fps, decode_stages=a.decode_stages,
+                   checkpoint_every=a.checkpoint_every, dtype=a.dtype, mesh=a.mesh,
+                   offload_chunk_size=a.offload_chunk_size, image=a.image, options=options)
+
+
+def _describe(req: Request) -> str:
+    opts = ", ".join(f"{k} {v}" for k, v in req.options.items() if v is not None)
+    return (f"{req.model} ({req.checkpoint or req.preset}), {req.width}x{req.height}, {req.num_frames} frames, "
+            f"{req.steps} steps, guidance {req.guidance}, seed {req.seed}" + (f", {opts}" if opts else ""))
+
+
+def run_request(req: Request, store: RunStore, run_id: str, con) -> list:
+    from stages import run as R
+
+    run = store.run(run_id)
+    con.print(f"vidax: run {run_id} in {store.url}\n  {_describe(req)}")
+    t0 = time.perf_counter()
+    with _Reporter(con) as rep:
+        results = R.generate(run, req, log=rep.log, progress=rep.update)
+    _print_results(con, results, time.perf_counter() - t0)
+    for name in R.video_names(len(req.prompts)):
+        con.print(f"video: {run.url(name)}")
+    return results
 
 
 def cmd_generate(a) -> int:
-    from stages import run as R
-
     req = validate(_request_from_args(a))
-    run_id = validate_run_id(a.run_id) if a.run_id else req.default_run_id()
+    run_id = validate_run_id(a.run_id) if a.run_id is not None else req.default_run_id()
     store = _store(a.store, write=True)
-    run = store.run(run_id)
-    print(f"vidax: run {run_id} in {store.url}\n  {req.model} ({req.checkpoint or req.preset}), {req.width}x{req.height}, "
-          f"{req.num_frames} frames, {req.steps} steps, guidance {req.guidance}, seed {req.seed}", flush=True)
-    t0 = time.perf_counter()
-    results = R.generate(run, req, log=lambda m: print(m, flush=True))
-    _print_results(results, time.perf_counter() - t0)
-    for name in R.video_names(len(req.prompts)):
-        print(f"video: {run.url(name)}")
+    run_request(req, store, run_id, _console())
     return 0
 
 
+# ------------------------------------------------------------------ batch
+def cmd_batch(a) -> int:
+    """Run a prompt file locally (no Prefect server): every line validated first, each prompt a
+    run; a failing prompt does not stop the others."""
+    from stages.prompts import PromptFileError, parse_prompt_file
+
+    con = _console()
+    defaults = {"model": a.model} if a.model else {}
+    try:
+        lines = parse_prompt_file(a.file, defaults)
+    except PromptFileError as e:
+        raise RequestError("file", str(e)) from None
+    store = _store(a.store, write=True)
+    bad = [b for b in lines if b.error]
+    good = [b for b in lines if b.request is not None]
+    for b in bad:
+        _console(stderr=True).print(f"vidax: rejected: {b.error}")
+    con.print(f"vidax batch {a.file}: {len(good)} prompt(s) to run, {len(bad)} line(s) rejected")
+    rows = [[b.line, "", "rejected", "", b.error] for b in bad]
+    failed = 0
+    for b in good:
+        req = b.request
+        rid = req.default_run_id()
+        try:
+            run_request(req, store, rid, con)
+            from stages import run as R
+
+            rows.append([b.line, req.prompts[0][:48], "done", rid,
+                         ", ".join(store.run(rid).url(n) for n in R.video_names(len(req.prompts)))])
+        except Exception as e:  # noqa: BLE001 - one failing prompt does not sink the others
+            failed += 1
+            _console(stderr=True).print(f"vidax: line {b.line} failed: {type(e).__name__}: {e}")
+            rows.append([b.line, req.prompts[0][:48], "failed", rid, f"{type(e).__name__}: {e}"[:200]])
+    rows.sort(key=lambda r: r[0])
+    con.print(_table(rows, ["line", "prompt", "status", "run", "output / error"], title=f"batch {a.file}"))
+    con.print(f"{len(good) - failed} done, {failed} failed, {len(bad)} rejected")
+    return 1 if failed else (2 if not good else 0)
+
+
+# ------------------------------------------------------------------ stage / rerun / status / ls
 def cmd_stage(a, force: bool = False) -> int:
     from stages import run as R
 
@@ -71,13 +209,15 @@ def cmd_stage(a, force: bool = False) -> int:
     keys = R.stage_keys(req, pipe)
     if a.stage not in keys:
         raise RequestError("stage", f"{a.stage!r} is not a stage of run {a.run_id}; stages: {', '.join(keys)}")
+    con = _console()
     t0 = time.perf_counter()
     if not force and R.committed(run, a.stage, keys[a.stage]):
-        print(f"[{a.stage}] up to date, skipped (use `vidax rerun` to recompute)")
+        con.print(f"[{a.stage}] up to date, skipped (use `vidax rerun` to recompute)")
         return 0
-    res = R.run_stage(run, req, pipe, a.stage, keys, log=lambda m: print(m, flush=True))
+    with _Reporter(con) as rep:
+        res = R.run_stage(run, req, pipe, a.stage, keys, log=rep.log, progress=rep.update)
     R.write_manifest(run, req, keys)
-    _print_results([res], time.perf_counter() - t0)
+    _print_results(con, [res], time.perf_counter() - t0)
     return 0
 
 
@@ -97,16 +237,18 @@ def cmd_status(a) -> int:
         rec = run.record(name) or {}
         rows.append([name, R.stage_status(run, name, key), key[:12], f"{rec['seconds']:.2f}s" if rec else "",
                      rec.get("hardware", ""), rec.get("finished", "")])
-    print(f"run {a.run_id} in {run.store.url}: {req.model}, prompt {req.prompts[0]!r}")
-    print(_table(rows, ["stage", "status", "key", "time", "hardware", "finished"]))
+    con = _console()
+    con.print(f"run {a.run_id} in {run.store.url}: {req.model}, prompt {req.prompts[0]!r}")
+    con.print(_table(rows, ["stage", "status", "key", "time", "hardware", "finished"]))
     return 0
 
 
 def cmd_ls(a) -> int:
     store = _store(a.store, write=False)
     runs = store.list_runs()
+    con = _console()
     if not runs:
-        print(f"no runs in {store.url}")
+        con.print(f"no runs in {store.url}")
         return 0
     rows = []
     for rid in runs:
@@ -114,41 +256,34 @@ def cmd_ls(a) -> int:
         p = req.get("prompt")
         p = p if isinstance(p, str) else (p or [""])[0]
         rows.append([rid, req.get("model", "?"), (p[:48] + "...") if len(p) > 48 else p])
-    print(_table(rows, ["run", "model", "prompt"]))
+    con.print(_table(rows, ["run", "model", "prompt"]))
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_models(a) -> int:
+    rows = []
+    for mid, r in sorted(registry.MODELS.items()):
+        opts = ", ".join(o.name for o in r.options)
+        rows.append([mid, r.family, r.image, ", ".join(r.presets), opts, r.description])
+    _console().print(_table(rows, ["model", "family", "image", "presets", "options", "description"]))
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vidax", description="Staged, resumable video generation with JAX.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def store_arg(p):
         p.add_argument("--store", default=DEFAULT_STORE, help="run store URL: a folder, file://, memory://, gs://bucket/prefix")
 
     g = sub.add_parser("generate", help="run (or resume) every stage of a request")
-    g.add_argument("--model", default="wan2.1-t2v-1.3b")
-    g.add_argument("--preset", default="tiny", help="seeded random-weight preset (e.g. tiny)")
-    g.add_argument("--checkpoint", help="folder with real weights (diffusers layout or the original release)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--height", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--frames", type=int)
-    g.add_argument("--steps", type=int)
-    g.add_argument("--guidance", type=float)
-    g.add_argument("--guidance-2", type=float, help="low-noise expert's guidance (two-expert models)")
-    g.add_argument("--image", help="first frame for image-to-video models (path or URL: gs://, https://, ...)")
-    g.add_argument("--shift", type=float)
-    g.add_argument("--scheduler", choices=["unipc", "flow_euler", "flow_euler_sde"])
-    g.add_argument("--fps", type=float)
-    g.add_argument("--decode-stages", type=int, help="number of persisted decode stages (default: up to 4)")
-    g.add_argument("--checkpoint-every", type=int, default=5, help="write a sampling checkpoint every K steps")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
-    g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all)")
-    g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
+    _add_generate_args(g, model)
     store_arg(g)
+    b = sub.add_parser("batch", help="run a prompt file (.txt, .jsonl, .csv) locally, one run per line")
+    b.add_argument("file", help="prompt file URL (local path, gs://, ...)")
+    b.add_argument("--model", help="default model for lines that name none")
+    store_arg(b)
     s = sub.add_parser("stage", help="run one stage of an existing run (skips it if already committed)")
     s.add_argument("run_id")
     s.add_argument("stage", help="encode | sample | decode/<k> | mux")
@@ -162,21 +297,38 @@ def build_parser() -> argparse.ArgumentParser:
     store_arg(st)
     ls = sub.add_parser("ls", help="list runs in a store")
     store_arg(ls)
+    sub.add_parser("models", help="list the models, their families and options")
     return ap
 
 
-def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "batch": cmd_batch, "stage": cmd_stage,
+                                 "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models}
+
+
+def _model_arg(argv: list[str]) -> str | None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model")
+    known, _ = pre.parse_known_args(argv)
+    return known.model
+
+
+def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = None) -> int:
+    """``extend(parser) -> {command: handler}`` adds commands from a higher layer (``vidax submit``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser(_model_arg(argv))
+    commands = dict(COMMANDS)
+    if extend is not None:
+        commands.update(extend(ap))
+    a = ap.parse_args(argv)
     from stages.run import StageError
 
     try:
-        return {"generate": cmd_generate, "stage": cmd_stage, "rerun": cmd_rerun, "status": cmd_status,
-                "ls": cmd_ls}[a.cmd](a)
+        return commands[a.cmd](a)
     except RequestError as e:
-        print(f"vidax: error: {e}", file=sys.stderr)
+        _console(stderr=True).print(f"vidax: error: {e}")
         return 2
     except StageError as e:
-        print(f"vidax: error: {e}", file=sys.stderr)
+        _console(stderr=True).print(f"vidax: error: {e}")
         return 1
 
 

@@ -1,14 +1,21 @@
-"""A generation request: the user's settings, validated before anything runs."""
+"""A generation request: the user's settings, validated before anything runs.
+
+The fields here are the ones every family shares; a family's own settings (a flow shift, a second
+expert's guidance, an audio switch...) are its declared options (:class:`vidax.pipeline.Option`),
+kept in ``Request.options`` and validated from their declarations. In JSON (request files,
+prompt-file lines, flow parameters) an option may be given flat, beside the common fields.
+"""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vidax import registry
+from vidax.pipeline import OptionError
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -23,7 +30,7 @@ class RequestError(ValueError):
 
 @dataclass
 class Request:
-    model: str = "wan2.1-t2v-1.3b"
+    model: str = field(default_factory=registry.default_model)
     prompt: str | list[str] = ""
     negative_prompt: str | None = None
     preset: str | None = "tiny"
@@ -34,16 +41,14 @@ class Request:
     num_frames: int | None = None
     steps: int | None = None
     guidance: float | None = None
-    shift: float | None = None
-    scheduler: str | None = None
     fps: float | None = None
-    decode_stages: int | None = None  # None: one stage per group of latent frames (see plan)
+    decode_stages: int | None = None  # None: the family's default decode plan
     checkpoint_every: int = 5  # sampling step checkpoint interval
     dtype: str = "float32"
     image: str | None = None  # conditioning image (path or fsspec URL) for image-to-video models
-    guidance_2: float | None = None  # low-noise expert's guidance (two-expert models)
     mesh: str | None = None  # e.g. "dp=2,tp=2,sp=2", "auto" (the recipe's default for the devices), None: one device
     offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
+    options: dict = field(default_factory=dict)  # the model family's declared options (see the recipe)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -51,17 +56,17 @@ class Request:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def resolved(self) -> "Request":
-        """A copy with the model's (and preset's) defaults filled in."""
+        """A copy with the model's (and preset's) defaults filled in, options included."""
         recipe = registry.get(self.model)
-        s = recipe.settings(None if self.checkpoint else self.preset,
-                            height=self.height, width=self.width, num_frames=self.num_frames, steps=self.steps,
-                            guidance=self.guidance, shift=self.shift, scheduler=self.scheduler, fps=self.fps)
+        preset = None if self.checkpoint else self.preset
+        s = recipe.settings(preset, height=self.height, width=self.width, num_frames=self.num_frames,
+                            steps=self.steps, guidance=self.guidance, fps=self.fps,
+                            **{k: v for k, v in self.options.items()})
         from_image = self.image is not None and self.height is None and self.width is None
         return dataclasses.replace(
             self, height=None if from_image else s.get("height"), width=None if from_image else s.get("width"),
-            num_frames=s["num_frames"], steps=s["steps"], guidance=s["guidance"], shift=s.get("shift"),
-            scheduler=s.get("scheduler", "unipc"), fps=s["fps"], guidance_2=s.get("guidance_2"),
-            preset=None if self.checkpoint else self.preset,
+            num_frames=s["num_frames"], steps=s["steps"], guidance=s["guidance"], fps=s["fps"], preset=preset,
+            options={o.name: s.get(o.name) for o in recipe.options},
         )
 
     def to_json(self) -> dict:
@@ -69,11 +74,26 @@ class Request:
 
     @classmethod
     def from_json(cls, d: dict) -> "Request":
+        """A request from JSON; the model's options may sit flat beside the common fields."""
+        if not isinstance(d, dict):
+            raise RequestError("request", f"must be a JSON object, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise RequestError(unknown[0], f"unknown request field; known fields: {', '.join(sorted(names))}")
-        return cls(**d)
+        d = dict(d)
+        options = d.pop("options", None) or {}
+        if not isinstance(options, dict):
+            raise RequestError("options", f"must be an object, got {type(options).__name__}")
+        options = dict(options)
+        model = d.get("model", registry.default_model())
+        recipe = registry.MODELS.get(model) if isinstance(model, str) else None
+        declared = {o.name for o in recipe.options} if recipe is not None else set()
+        for k in [k for k in d if k not in names]:
+            if k in declared:
+                options[k] = d.pop(k)
+            else:
+                extra = f"; options of {model}: {', '.join(sorted(declared)) or 'none'}" if recipe is not None else ""
+                raise RequestError(k, f"unknown request field; known fields: {', '.join(sorted(names - {'options'}))}"
+                                      + extra)
+        return cls(**d, options=options)
 
     def default_run_id(self) -> str:
         """Deterministic: the same request names the same run (so repeating it resumes/skips)."""
@@ -82,8 +102,9 @@ class Request:
         return f"{slug}-{h}"
 
 
-def validate(req: Request) -> Request:
-    """Check every field; return the resolved request or raise :class:`RequestError`."""
+def validate(req: Request, pipeline=None) -> Request:
+    """Check every field; return the resolved request or raise :class:`RequestError`.
+    ``pipeline``: the request's pipeline if already built (it is built from configs otherwise)."""
     try:
         recipe = registry.get(req.model)
     except ValueError:
@@ -93,6 +114,13 @@ def validate(req: Request) -> Request:
             raise RequestError("checkpoint", f"{req.checkpoint!r} is not a folder")
     elif req.preset not in recipe.presets:
         raise RequestError("preset", f"{req.preset!r} is not a preset of {req.model}; presets: {', '.join(recipe.presets)}")
+    if not isinstance(req.options, dict):
+        raise RequestError("options", f"must be a mapping of option names to values, got {type(req.options).__name__}")
+    declared = {o.name: o for o in recipe.options}
+    for name in req.options:
+        if name not in declared:
+            raise RequestError(name, f"{req.model} has no option {name!r}; its options: "
+                                     f"{', '.join(sorted(declared)) or 'none'}")
     prompts = req.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise RequestError("prompt", "must be a non-empty string")
@@ -104,7 +132,19 @@ def validate(req: Request) -> Request:
         i2v = sorted(m for m, r in registry.MODELS.items() if r.image != "none")
         raise RequestError("image", f"{req.model} takes no image; image-to-video models: {', '.join(i2v)}")
     r = req.resolved()
-    sf, tf = recipe.spatial_factor, recipe.temporal_factor
+    try:
+        r = dataclasses.replace(r, options={n: declared[n].check(v) for n, v in r.options.items()})
+    except OptionError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    if r.mesh not in (None, "auto"):
+        from vidax.core.mesh import parse_mesh_spec
+
+        try:
+            parse_mesh_spec(r.mesh)
+        except ValueError as e:
+            raise RequestError("mesh", f"{r.mesh!r}: {e}; e.g. dp=1,tp=4,sp=2 or auto") from None
+    pipe = pipeline or build_pipeline(r, mesh=None)
+    geo = pipe.geometry()
     if r.image:
         from stages.images import image_size
 
@@ -113,44 +153,31 @@ def validate(req: Request) -> Request:
         except Exception as e:  # noqa: BLE001 - unreadable / not an image
             raise RequestError("image", f"cannot read {r.image!r} as an image ({type(e).__name__}: {e})") from None
         if r.height is None or r.width is None:
-            from stages.images import fit_size_for
-
-            area = recipe.settings(None if r.checkpoint else r.preset).get("area", 480 * 832)
-            h, w = fit_size_for(ih, iw, area, sf, sp=_sp_degree(r.mesh))
+            area = recipe.settings(r.preset).get("area", 480 * 832)
+            try:
+                h, w = geo.fit_size(ih, iw, area, sp=_sp_degree(r.mesh))
+            except OptionError as e:
+                raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
             r = dataclasses.replace(r, height=h, width=w)
-    for name in ("height", "width"):
-        v = getattr(r, name)
-        if not isinstance(v, int) or v <= 0 or v % sf:
-            raise RequestError(name, f"{v!r} is not a positive multiple of {sf} (the model's spatial factor); "
-                                     f"nearest: {max(sf, round((v or 0) / sf) * sf) if isinstance(v, int) else sf}")
-    n = r.num_frames
-    if not isinstance(n, int) or n < 1 or (n - 1) % tf:
-        near = max(1, round(((n or 1) - 1) / tf) * tf + 1) if isinstance(n, int) else 1 + tf
-        raise RequestError("num_frames", f"{n!r} frames cannot be decoded by this VAE: use {tf}k+1 (e.g. {near})")
-    if not isinstance(r.steps, int) or r.steps < 1:
+    try:
+        geo.check(r.height, r.width, r.num_frames)
+    except OptionError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    if not isinstance(r.steps, int) or isinstance(r.steps, bool) or r.steps < 1:
         raise RequestError("steps", f"{r.steps!r}: must be an integer >= 1")
-    if not isinstance(r.guidance, (int, float)) or r.guidance < 0:
+    if not isinstance(r.guidance, (int, float)) or isinstance(r.guidance, bool) or r.guidance < 0:
         raise RequestError("guidance", f"{r.guidance!r}: must be a number >= 0")
-    if not isinstance(r.seed, int) or r.seed < 0:
+    if not isinstance(r.seed, int) or isinstance(r.seed, bool) or r.seed < 0:
         raise RequestError("seed", f"{r.seed!r}: must be an integer >= 0")
-    if r.scheduler not in ("unipc", "flow_euler", "flow_euler_sde"):
-        raise RequestError("scheduler", f"{r.scheduler!r}: choose unipc, flow_euler or flow_euler_sde")
     if r.fps is None or r.fps <= 0:
         raise RequestError("fps", f"{r.fps!r}: must be > 0")
-    lat = (n - 1) // tf + 1
+    lat = geo.latent_frames(r.num_frames)
     if r.decode_stages is not None and not (1 <= r.decode_stages <= lat):
         raise RequestError("decode_stages", f"{r.decode_stages!r}: must be between 1 and {lat} (the latent frame count)")
     if not isinstance(r.checkpoint_every, int) or r.checkpoint_every < 1:
         raise RequestError("checkpoint_every", f"{r.checkpoint_every!r}: must be an integer >= 1")
     if r.dtype not in ("float32", "bfloat16"):
         raise RequestError("dtype", f"{r.dtype!r}: choose float32 or bfloat16")
-    if r.mesh not in (None, "auto"):
-        from vidax.core.mesh import parse_mesh_spec
-
-        try:
-            parse_mesh_spec(r.mesh)
-        except ValueError as e:
-            raise RequestError("mesh", f"{r.mesh!r}: {e}; e.g. dp=1,tp=4,sp=2 or auto") from None
     if r.offload_chunk_size is not None:
         v = r.offload_chunk_size
         if not (v == "all" or (str(v).isdigit() and int(v) >= 1)):
@@ -158,6 +185,26 @@ def validate(req: Request) -> Request:
         if v != "all":
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
+
+
+def build_pipeline(req: Request, mesh="request"):
+    """The request's family pipeline (configs only: weights load inside each phase).
+    ``mesh="request"``: the request's mesh (``auto`` resolved for the visible devices)."""
+    recipe = registry.get(req.model)
+    has_image = req.image is not None
+    kw = dict(dtype=req.dtype)
+    if mesh == "request":
+        kw.update(offload_chunk_size=req.offload_chunk_size)
+        mesh = req.mesh
+        if mesh == "auto":
+            import jax
+
+            geo = recipe.build(req.preset, req.checkpoint, has_image, dtype=req.dtype).geometry()
+            cfg_parallel = recipe.pipeline_class().GUIDANCE == "cfg" and req.guidance > 1.0
+            mesh = recipe.default_mesh(jax.device_count(), geo.num_heads,
+                                       geo.tokens(req.height, req.width, req.num_frames), cfg_parallel)
+        kw["mesh"] = mesh
+    return recipe.build(req.preset, req.checkpoint, has_image, **kw)
 
 
 def _sp_degree(mesh: str | None) -> int:

@@ -1,14 +1,20 @@
 """The stages of a run and the plan that ties them together.
 
-    encode -> sample -> decode/0 .. decode/N-1 -> mux
+    encode -> sample -> decode/0 .. decode/N-1 [-> decode/audio] -> mux
+
+Every stage drives the request's family pipeline through the protocol in :mod:`vidax.pipeline`:
+the stored names come from the family (``encode.zarr`` holds whatever ``encode`` returned, with its
+dimension names), the decode stages come from its decode plan, an audio decode stage and an audio
+track appear when it declares audio.
 
 Each stage reads its inputs from the run store, writes its outputs, and commits by writing its
 completion record last. A stage's key hashes its inputs' keys, its parameters, the weights'
-fingerprint and the code version; a committed stage whose key matches (and whose checksums verify)
-is skipped, anything else reruns.
+content fingerprint and the code it runs; a committed stage whose key matches (and whose checksums
+verify) is skipped, anything else reruns.
 """
 from __future__ import annotations
 
+import ast
 import gc
 import hashlib
 import json
@@ -24,8 +30,9 @@ from typing import Callable
 
 import numpy as np
 
-from stages.request import Request
+from stages.request import Request, build_pipeline
 from stages.store import Run, checksum, local_tmpdir, read_array, write_array
+from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
 
@@ -35,17 +42,64 @@ class StageError(RuntimeError):
 
 
 # ------------------------------------------------------------------ identity
-@lru_cache(maxsize=1)
-def code_version() -> str:
+def _source_digest(path: Path) -> str:
+    """Digest of a Python file's code: its syntax tree without docstrings, so comment and
+    docstring edits do not invalidate stored runs."""
+    tree = ast.parse(path.read_bytes())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+
+
+_ROOT = Path(__file__).resolve().parent.parent
+# the shared code each stage kind runs (besides the family's own folder and CODE_DEPS)
+_KIND_CODE = {
+    "encode": ("vidax/core", "vidax/text", "vidax/weights", "vidax/pipeline.py"),
+    "sample": ("vidax/core", "vidax/schedulers", "vidax/weights", "vidax/pipeline.py"),
+    "decode": ("vidax/core", "vidax/weights", "vidax/pipeline.py"),
+    "mux": ("vidax/video.py",),
+}
+_STAGE_CODE = ("stages/run.py", "stages/store.py")
+
+
+@lru_cache(maxsize=None)
+def _code_digest(paths: tuple[str, ...]) -> str:
+    """Digest of the Python code under ``paths`` (files or folders; relative to the repository
+    or absolute), each file named relative to its root's parent."""
+    h = hashlib.sha256()
+    for p in paths:
+        root = Path(p) if Path(p).is_absolute() else _ROOT / p
+        files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        for f in files:
+            h.update(f.relative_to(root.parent).as_posix().encode())
+            h.update(_source_digest(f).encode())
+    return h.hexdigest()[:12]
+
+
+def _module_code(module: str, folder: bool = False) -> str:
+    """Where a module's code is: its file, or its folder (``folder`` or a package)."""
+    import importlib
+
+    f = Path(importlib.import_module(module).__file__).resolve()
+    return str(f.parent if folder or f.name == "__init__.py" else f)
+
+
+def code_version(kind: str | None = None, pipe: Pipeline | None = None) -> str:
+    """Version of the code a stage kind runs: the stage modules, the shared vidax code it uses,
+    and (except for mux) the family's folder with its declared dependencies. ``kind=None``: all
+    of vidax (recorded for information)."""
     import vidax
 
-    h = hashlib.sha256()
-    roots = [Path(vidax.__file__).parent, Path(__file__).parent]
-    for root in roots:
-        for f in sorted(root.rglob("*.py")):
-            h.update(f.relative_to(root.parent).as_posix().encode())
-            h.update(f.read_bytes())
-    return f"{vidax.__version__}+{h.hexdigest()[:12]}"
+    if kind is None:
+        return f"{vidax.__version__}+{_code_digest(('vidax',) + _STAGE_CODE)}"
+    paths = list(_STAGE_CODE) + list(_KIND_CODE[kind])
+    if pipe is not None and kind != "mux":
+        paths.append(_module_code(type(pipe).__module__, folder=True))  # the family's folder
+        paths += [_module_code(d) for d in pipe.CODE_DEPS]
+    return f"{vidax.__version__}+{_code_digest(tuple(paths))}"
 
 
 def _key(**parts) -> str:
@@ -64,63 +118,52 @@ def now() -> str:
 
 
 # ------------------------------------------------------------------ plan
-def latent_frames(req: Request) -> int:
-    return (req.num_frames - 1) // 4 + 1
-
-
-def decode_ranges(req: Request) -> list[tuple[int, int]]:
-    """Split the latent frames into contiguous decode stages (default: up to 4 stages)."""
-    n = latent_frames(req)
-    k = req.decode_stages or min(n, 4)
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(k)]
-
-
-def stage_names(req: Request) -> list[str]:
-    return ["encode", "sample"] + [f"decode/{k}" for k in range(len(decode_ranges(req)))] + ["mux"]
-
-
-def make_pipeline(req: Request):
+def make_pipeline(req: Request) -> Pipeline:
     """The model pipeline for a request (configs only: weights load inside each stage)."""
-    from vidax import registry
-
-    recipe = registry.get(req.model)
-    has_image = req.image is not None
-    cls = recipe.pipeline_class(has_image)
-    source = recipe.source(req.preset, req.checkpoint, has_image)
-    mesh = req.mesh
-    if mesh == "auto":
-        import jax
-
-        probe = cls(source, dtype=req.dtype)
-        dc = probe.dit_config()
-        pt, ph, pw = dc.patch_size
-        tokens = (latent_frames(req) // pt) * (req.height // 8 // ph) * (req.width // 8 // pw)
-        mesh = recipe.default_mesh(jax.device_count(), dc.num_heads, tokens, req.guidance > 1.0)
-    return cls(source, dtype=req.dtype, mesh=mesh, offload_chunk_size=req.offload_chunk_size)
+    return build_pipeline(req)
 
 
-def stage_keys(req: Request, pipe) -> dict[str, str]:
-    code = code_version()
+def decode_plan(req: Request, pipe: Pipeline) -> list[DecodeSpan]:
+    plan = pipe.decode_plan(req)
+    names = [s.name for s in plan]
+    if len(set(names)) != len(names) or not all(n.startswith("decode/") for n in names):
+        raise StageError(f"{type(pipe).__name__}.decode_plan: stage names must be unique 'decode/...' ({names})")
+    return plan
+
+
+def stage_names(req: Request, pipe: Pipeline | None = None) -> list[str]:
+    pipe = pipe or make_pipeline(req)
+    return ["encode", "sample"] + [s.name for s in decode_plan(req, pipe)] + ["mux"]
+
+
+def _fingerprints(pipe: Pipeline, kind: str, req: Request) -> dict:
+    comps = list(pipe.COMPONENTS.get(kind, ()))
+    if kind == "encode" and req.image is not None:
+        comps += list(pipe.COMPONENTS.get("image", ()))
+    return {c: pipe.fingerprint(c) for c in comps}
+
+
+def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:
     keys = {}
     image = None
     if req.image is not None:
         from stages.images import image_digest
 
-        image = dict(digest=image_digest(req.image), height=req.height, width=req.width, frames=req.num_frames,
-                     weights=pipe.fingerprint("image"), vae=pipe.fingerprint("vae"))
+        image = dict(digest=image_digest(req.image), height=req.height, width=req.width, frames=req.num_frames)
     keys["encode"] = _key(stage="encode", model=req.model, prompts=req.prompts, negative=req.negative_prompt,
-                          dtype=req.dtype, weights=pipe.fingerprint("text"), image=image, code=code)
+                          dtype=req.dtype, image=image, params=pipe.stage_params("encode", req),
+                          weights=_fingerprints(pipe, "encode", req), code=code_version("encode", pipe))
     keys["sample"] = _key(stage="sample", inputs=[keys["encode"]], seed=req.seed, height=req.height, width=req.width,
-                          frames=req.num_frames, steps=req.steps, guidance=req.guidance, guidance_2=req.guidance_2,
-                          shift=req.shift, scheduler=req.scheduler, weights=pipe.fingerprint("dit"), code=code)
-    prev = None
-    for k, (a, b) in enumerate(decode_ranges(req)):
-        name = f"decode/{k}"
-        keys[name] = _key(stage=name, inputs=[keys["sample"], prev], frames=[a, b],
-                          weights=pipe.fingerprint("vae"), code=code)
-        prev = keys[name]
-    keys["mux"] = _key(stage="mux", inputs=[keys[n] for n in keys if n.startswith("decode/")], fps=req.fps, code=code)
+                          frames=req.num_frames, steps=req.steps, guidance=req.guidance,
+                          params=pipe.stage_params("sample", req), weights=_fingerprints(pipe, "sample", req),
+                          code=code_version("sample", pipe))
+    dweights, dcode = _fingerprints(pipe, "decode", req), code_version("decode", pipe)
+    for span in decode_plan(req, pipe):
+        keys[span.name] = _key(stage=span.name, inputs=[keys["sample"], keys[span.carry_from] if span.carry_from else None],
+                               span=[span.kind, span.frames, span.tile, span.inputs],
+                               params=pipe.stage_params("decode", req, span), weights=dweights, code=dcode)
+    keys["mux"] = _key(stage="mux", inputs=[keys[n] for n in keys if n.startswith("decode/")], fps=req.fps,
+                       params=pipe.stage_params("mux", req), code=code_version("mux"))
     return keys
 
 
@@ -182,33 +225,31 @@ def _fault(stage: str, what: str) -> str | None:
     return None
 
 
+def _write_named(g, outputs: dict[str, Named], prefix: str, out: dict) -> None:
+    for name, t in outputs.items():
+        out[f"{prefix}::{name}"] = write_array(g, name, t.array, tuple(t.dims), **t.attrs)
+
+
+def _read_group(run: Run, name: str, arrays=None) -> dict[str, np.ndarray]:
+    g = run.group(name)
+    return {n: read_array(g, n) for n in (arrays if arrays is not None else sorted(g.array_keys()))}
+
+
 # ------------------------------------------------------------------ stages
-def run_encode(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
-    tok = pipe.load_tokenizer()
-    enc = pipe.load_text_encoder()
-    cond = pipe.encode_prompts(req.prompts, tok, enc)
-    neg = req.negative_prompt if req.negative_prompt is not None else ""
-    uncond = pipe.encode_prompts([neg] * len(req.prompts), tok, enc)
-    del enc
-    dt = np.dtype(pipe.dtype) if req.dtype == "float32" else np.dtype("bfloat16")
-    g = run.group("encode.zarr", "w")
-    attrs = dict(model=req.model, computed_in="float32", stored_as=str(dt))
-    dims = ("batch", "token", "channel")
-    out = {
-        "encode.zarr::prompt_embeds": write_array(g, "prompt_embeds", cond.astype(dt), dims, **attrs),
-        "encode.zarr::negative_embeds": write_array(g, "negative_embeds", uncond.astype(dt), dims, **attrs),
-    }
-    log(f"  encoded {len(req.prompts)} prompt(s) -> {list(cond.shape)} {dt}")
+def run_encode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log) -> dict:
+    image = None
     if req.image is not None:
         from stages.images import load_image
 
-        img = load_image(req.image)
-        cond_img = pipe.encode_image(img, req.height, req.width, req.num_frames)
-        for name, arr in cond_img.items():
-            dims = ("batch", "token", "channel") if arr.ndim == 3 else ("batch", "channel", "frame", "height", "width")
-            out[f"encode.zarr::image_{name}"] = write_array(g, f"image_{name}", arr.astype(np.float32), dims,
-                                                           source=req.image, role=f"image conditioning ({name})")
-        log(f"  image {img.shape[1]}x{img.shape[0]} -> {req.width}x{req.height}: {', '.join(sorted(cond_img))}")
+        image = load_image(req.image)
+    outputs = pipe.encode(req, image)
+    g = run.group("encode.zarr", "w")
+    out: dict = {}
+    _write_named(g, outputs, "encode.zarr", out)
+    log("  " + ", ".join(f"{n} {list(t.array.shape)} {t.attrs.get('stored_as', t.array.dtype)}"
+                         for n, t in outputs.items()))
+    if image is not None:
+        log(f"  image {image.shape[1]}x{image.shape[0]} -> {req.width}x{req.height}")
     return out
 
 
@@ -221,99 +262,77 @@ def _ckpt_groups(run: Run):
     return g, names
 
 
-def run_sample(run: Run, req: Request, pipe, key: str, log: Log, progress: Progress | None = None) -> dict:
-    import jax
-
-    enc = run.group("encode.zarr")
-    cond = read_array(enc, "prompt_embeds")
-    uncond = read_array(enc, "negative_embeds") if max(req.guidance, req.guidance_2 or 0.0) > 1.0 else None
-    image_cond = {n[len("image_"):]: read_array(enc, n) for n in enc.array_keys() if n.startswith("image_")} or None
+def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, progress: Progress | None = None) -> dict:
+    cond = _read_group(run, "encode.zarr")
     # newest committed checkpoint of *this* key, if any
-    start, latents, state_leaves = 0, None, None
+    resume = None
     g, names = _ckpt_groups(run)
     for n in reversed(names):
         a = g[n].attrs
         if a.get("key") == key and a.get("committed"):
             c = g[n]
-            start = int(a["next_step"])
-            latents = read_array(c, "latents")
-            state_leaves = [read_array(c, f"state_{i}") for i in range(int(a["state_leaves"]))]
+            resume = {"step": int(a["next_step"]), "arrays": {m: read_array(c, m) for m in c.array_keys()}}
             break
-    if start == 0 or g is None:
+    if resume is None or g is None:
         g = run.group("sample.zarr", "w")  # nothing reusable: start clean
     else:
         for n in names:  # drop checkpoints of other keys
             if g[n].attrs.get("key") != key:
                 run.delete(f"sample.zarr/{n}")
-    sched = pipe.scheduler(req.steps, req.scheduler, req.shift)
-    state = None
-    if state_leaves is not None:
-        template = sched.init_state(jax.numpy.zeros(latents.transpose(0, 2, 3, 4, 1).shape, jax.numpy.float32))
-        treedef = jax.tree.structure(template)
-        state = jax.tree.unflatten(treedef, state_leaves)
-        log(f"  resuming from the step checkpoint at step {start}/{req.steps}")
+        log(f"  resuming from the step checkpoint at step {resume['step']}/{req.steps}")
     kill_after = _fault("sample", "kill_after_step")
     every = req.checkpoint_every
 
-    def on_step(info, x, st):
-        log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.2f}s")
+    def on_step(info, snapshot):
+        log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.3f}s")
         done = info.index + 1
         if progress is not None:
             progress("sample", done / info.total)
         if done % every == 0 and done < info.total:
             name = f"ckpt_{done:05d}"
             c = g.create_group(name, overwrite=True)
-            write_array(c, "latents", np.asarray(x).transpose(0, 4, 1, 2, 3), ("batch", "channel", "frame", "height", "width"))
-            leaves = jax.tree.leaves(st)
-            for i, leaf in enumerate(leaves):
-                arr = np.asarray(leaf)
-                write_array(c, f"state_{i}", arr, tuple(f"d{j}" for j in range(arr.ndim)))
-            c.attrs.update({"key": key, "next_step": done, "state_leaves": len(leaves), "committed": True})
+            for m, arr in snapshot().items():
+                arr = np.asarray(arr)
+                write_array(c, m, arr, tuple(f"d{j}" for j in range(arr.ndim)))
+            c.attrs.update({"key": key, "next_step": done, "committed": True})
             for old in [n for n in g.group_keys() if n.startswith("ckpt_") and n != name]:
                 run.delete(f"sample.zarr/{old}")
             if kill_after is not None and done >= int(kill_after):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    lat = pipe.sample(cond, uncond, latents=latents, seed=req.seed, height=req.height, width=req.width,
-                      num_frames=req.num_frames, steps=req.steps, guidance=req.guidance, scheduler=sched,
-                      start=start, state=state, on_step=on_step, **_image_kwargs(image_cond, req))
-    digest = write_array(g, "latents", lat, ("batch", "channel", "frame", "height", "width"),
-                         model=req.model, layout="reference [B, C, F, H, W]", normalised=True)
+    outputs = pipe.sample(cond, req, resume=resume, on_step=on_step)
+    out: dict = {}
+    _write_named(g, outputs, "sample.zarr", out)
     for n in [n for n in g.group_keys() if n.startswith("ckpt_")]:
         run.delete(f"sample.zarr/{n}")
-    return {"sample.zarr::latents": digest, "_resumed_from_step": start, "_mesh": pipe.mesh,
-            "_offload_chunk_size": pipe.offload_chunk_size}
+    details = {f"_{k}": v for k, v in pipe.describe().items()}
+    return {**out, "_resumed_from_step": resume["step"] if resume else 0, **details}
 
 
-def _image_kwargs(image_cond, req: Request) -> dict:
-    kw = {}
-    if image_cond is not None:
-        kw["image_cond"] = image_cond
-    if req.guidance_2 is not None:
-        kw["guidance_2"] = req.guidance_2
-    return kw
-
-
-def run_decode(run: Run, req: Request, pipe, key: str, log: Log, k: int) -> dict:
-    if _fault(f"decode/{k}", "fail"):
-        raise StageError(f"decode/{k}: injected fault (VIDAX_FAULTS)")
-    a, b = decode_ranges(req)[k]
-    lat = read_array(run.group("sample.zarr"), "latents")
-    cache = None
-    if k > 0:
-        prev = run.group(f"decode/{k - 1}.zarr")
-        cache = {n: read_array(prev["cache"], n) for n in prev["cache"].array_keys()}
-    vae = pipe.load_vae()
-    frames, cache = pipe.decode_frames(lat, a, b, cache, vae=vae)
-    del vae
-    g = run.group(f"decode/{k}.zarr", "w")
-    out = {f"decode/{k}.zarr::frames": write_array(g, "frames", frames, ("batch", "frame", "height", "width", "rgb"),
-                                                  latent_frames=[a, b], units="uint8 RGB")}
-    cg = g.create_group("cache")
-    for n, v in cache.items():
-        out[f"decode/{k}.zarr::cache/{n}"] = write_array(cg, n, v, tuple(f"d{j}" for j in range(v.ndim)),
-                                                        role="causal-conv cache handed to the next decode stage")
-    log(f"  latent frames {a}..{b - 1} -> {frames.shape[1]} video frames")
+def run_decode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, span: DecodeSpan) -> dict:
+    if _fault(span.name, "fail"):
+        raise StageError(f"{span.name}: injected fault (VIDAX_FAULTS)")
+    latents = _read_group(run, "sample.zarr", span.inputs)
+    carry = None
+    if span.carry_from is not None:
+        prev = run.group(f"{span.carry_from}.zarr")
+        carry = {n: read_array(prev["cache"], n) for n in prev["cache"].array_keys()}
+    outputs, carry = pipe.decode(latents, span, carry, req)
+    g = run.group(f"{span.name}.zarr", "w")
+    out: dict = {}
+    _write_named(g, outputs, f"{span.name}.zarr", out)
+    if carry:
+        cg = g.create_group("cache")
+        for n, v in carry.items():
+            v = np.asarray(v)
+            out[f"{span.name}.zarr::cache/{n}"] = write_array(cg, n, v, tuple(f"d{j}" for j in range(v.ndim)),
+                                                              role="state handed to the next decode stage")
+    if span.kind == "video":
+        f = outputs["frames"].array
+        log(f"  latent frames {span.frames[0]}..{span.frames[1] - 1} -> {f.shape[1]} video frames")
+    else:
+        w = outputs["waveform"]
+        log(f"  audio: {w.array.shape[-1]} samples at {w.attrs.get('sample_rate')} Hz")
     return out
 
 
@@ -321,33 +340,40 @@ def video_names(batch: int) -> list[str]:
     return ["video.mp4"] if batch == 1 else [f"video-{i}.mp4" for i in range(batch)]
 
 
-def run_mux(run: Run, req: Request, pipe, key: str, log: Log) -> dict:
+def run_mux(run: Run, req: Request, pipe: Pipeline, key: str, log: Log) -> dict:
     from vidax.video import write_mp4, write_png
 
-    parts = [read_array(run.group(f"decode/{k}.zarr"), "frames") for k in range(len(decode_ranges(req)))]
-    frames = np.concatenate(parts, axis=1)
+    plan = decode_plan(req, pipe)
+    parts = [(s, read_array(run.group(f"{s.name}.zarr"), "frames")) for s in plan if s.kind == "video"]
+    frames = pipe.assemble_video(parts)
+    audio, rate = None, None
+    audio_spans = [s for s in plan if s.kind == "audio"]
+    if audio_spans:
+        g = run.group(f"{audio_spans[0].name}.zarr")
+        audio, rate = read_array(g, "waveform"), int(g["waveform"].attrs["sample_rate"])
     tmp = Path(local_tmpdir())
     out = {}
     for i, name in enumerate(video_names(frames.shape[0])):
-        local = write_mp4(frames[i], tmp / name, fps=req.fps)
         f = frames[i]
+        local = write_mp4(f, tmp / name, fps=req.fps, audio=None if audio is None else audio[i], sample_rate=rate)
         strip = np.concatenate([f[0], f[len(f) // 2], f[-1]], axis=1)
         prev = name.replace("video", "preview").replace(".mp4", ".png")
         write_png(strip, tmp / prev)
         run.put_file(tmp / prev, prev)
         run.put_file(local, name)
         out[name] = hashlib.sha256(local.read_bytes()).hexdigest()
-        log(f"  {frames.shape[1]} frames {f.shape[2]}x{f.shape[1]} @ {req.fps} fps -> {run.url(name)}")
+        sound = f", audio {audio.shape[1]} ch @ {rate} Hz" if audio is not None else ""
+        log(f"  {frames.shape[1]} frames {f.shape[2]}x{f.shape[1]} @ {req.fps} fps{sound} -> {run.url(name)}")
     return out
 
 
-def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], log: Log,
+def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str, str], log: Log,
               progress: Progress | None = None) -> StageResult:
     """Run one stage unconditionally (inputs must be committed) and commit it."""
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
-    deps = _inputs(stage, keys)
-    for d in deps:
+    plan = {s.name: s for s in decode_plan(req, pipe)}
+    for d in _inputs(stage, keys, plan):
         if not committed(run, d, keys[d]):
             raise StageError(f"stage {stage} needs {d}, which is not committed for this request; run it first")
     log(f"[{stage}] running")
@@ -355,7 +381,7 @@ def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], lo
     t0, started = time.perf_counter(), now()
     kind = stage.split("/")[0]
     if kind == "decode":
-        outputs = run_decode(run, req, pipe, keys[stage], log, int(stage.split("/")[1]))
+        outputs = run_decode(run, req, pipe, keys[stage], log, plan[stage])
     elif kind == "sample":
         outputs = run_sample(run, req, pipe, keys[stage], log, progress)
     else:
@@ -364,21 +390,22 @@ def run_stage(run: Run, req: Request, pipe, stage: str, keys: dict[str, str], lo
     gc.collect()
     seconds = time.perf_counter() - t0
     hw = hardware()
+    kind_code = code_version(kind, pipe)
     run.write_record(stage, {"stage": stage, "key": keys[stage], "status": "done", "started": started,
                              "finished": now(), "seconds": round(seconds, 3), "hardware": hw,
-                             "outputs": outputs, "code": code_version(), "details": details})
+                             "outputs": outputs, "code": kind_code, "details": details})
     log(f"[{stage}] committed in {seconds:.2f}s")
     return StageResult(stage, keys[stage], "ran", seconds, hw, details)
 
 
-def _inputs(stage: str, keys: dict[str, str]) -> list[str]:
+def _inputs(stage: str, keys: dict[str, str], plan: dict[str, DecodeSpan]) -> list[str]:
     if stage == "encode":
         return []
     if stage == "sample":
         return ["encode"]
-    if stage.startswith("decode/"):
-        k = int(stage.split("/")[1])
-        return ["sample"] + ([f"decode/{k - 1}"] if k > 0 else [])
+    if stage in plan:
+        span = plan[stage]
+        return ["sample"] + ([span.carry_from] if span.carry_from else [])
     return [n for n in keys if n.startswith("decode/")]
 
 

@@ -41,6 +41,8 @@ class PrefectServer:
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home}/prefect.db",
             "PREFECT_LOGGING_LEVEL": "INFO",
             "PYTHONUNBUFFERED": "1",
+            # flow-run processes import this checkout (and the test-only family under tests/)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
         self.procs = []
 

@@ -34,7 +34,7 @@ def _frames(store, run_id):
     run = RunStore(store).run(run_id)
     req = R.load_request(run)
     return np.concatenate([read_array(run.group(f"decode/{k}.zarr"), "frames")
-                           for k in range(len(R.decode_ranges(req)))], axis=1)
+                           for k in range(len([n for n in R.stage_names(req) if n.startswith("decode/")]))], axis=1)
 
 
 def _artifacts(flow_run_id):
@@ -204,7 +204,8 @@ def test_batch_rejects_bad_lines_with_numbers(prefect_server, tmp_path):
     lines = parse_prompt_file(str(f), {"height": 32, "width": 32, "num_frames": 5, "steps": 1})
     bad = {b.line: b.error for b in lines if b.error}
     assert sorted(bad) == [2, 3, 4, 5]
-    assert bad[2].startswith("prompt:") and "JSON" in bad[3] and bad[4].startswith("height:") and bad[5].startswith("bogus:")
+    assert all(bad[i].startswith(f"{f} line {i}: ") for i in bad)  # every error names the file and line
+    assert "line 2: prompt:" in bad[2] and "JSON" in bad[3] and "line 4: height:" in bad[4] and "line 5: bogus:" in bad[5]
     good = [b for b in lines if b.request]
     assert [b.line for b in good] == [1, 6] and good[1].request.steps == 1
     c = tmp_path / "p.csv"

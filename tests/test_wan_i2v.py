@@ -92,8 +92,8 @@ def test_wan21_i2v_end_to_end(i2v21):
     with torch.no_grad():
         ref_clip = pipe.encode_image(pil, torch.device("cpu")).numpy()
     assert_parity(ic["clip"], ref_clip, what="CLIP penultimate image embeds")
-    z = vx.sample(cond, uncond, latents=lat, steps=3, guidance=4.0, image_cond=ic)
-    _check(vx, z, vx.decode(z), ref, ref_lat, "Wan2.1 I2V")
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=3, guidance=4.0, image_cond=ic)
+    _check(vx, z, vx.decode_video(z), ref, ref_lat, "Wan2.1 I2V")
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +147,10 @@ def test_a14b_i2v_two_experts(a14b):
 
     ic = vx.encode_image(img, 32, 32, 9)
     assert set(ic) == {"condition"}
-    z = vx.sample(cond, uncond, latents=lat, steps=steps, guidance=4.0, guidance_2=2.5, image_cond=ic, on_step=on_step)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=4.0, guidance_2=2.5, image_cond=ic, on_step=on_step)
     k = segs[0][2]
     assert seen == [(i, i < k, i >= k) for i in range(steps)], seen
-    _check(vx, z, vx.decode(z), ref, ref_lat, "A14B I2V")
+    _check(vx, z, vx.decode_video(z), ref, ref_lat, "A14B I2V")
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +178,9 @@ def test_ti2v_t2v_end_to_end(ti2v, tmp_path):
                             latents=torch.from_numpy(lat), num_inference_steps=3, guidance_scale=4.0,
                             height=32, width=32, num_frames=9)
     vx = WanT2V(tmp_path)
-    assert vx.expand_timesteps and vx.size_multiple() == 32
-    z = vx.sample(cond, uncond, latents=lat, steps=3, guidance=4.0)
-    _check(vx, z, vx.decode(z), ref, ref_lat, "TI2V text-to-video")
+    assert vx.expand_timesteps and vx.geometry().size_multiple == 32
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=3, guidance=4.0)
+    _check(vx, z, vx.decode_video(z), ref, ref_lat, "TI2V text-to-video")
 
 
 def test_ti2v_i2v_end_to_end(ti2v, tmp_path):
@@ -201,17 +201,22 @@ def test_ti2v_i2v_end_to_end(ti2v, tmp_path):
     vx = WanI2V(tmp_path)
     ic = vx.encode_image(img, 32, 64, 9)
     assert set(ic) == {"known", "mask"} and ic["known"].shape == (1, Z22, 1, 2, 4)
-    z = vx.sample(cond, uncond, latents=lat, steps=3, guidance=4.0, image_cond=ic)
-    _check(vx, z, vx.decode(z), ref, ref_lat, "TI2V image-to-video")
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=3, guidance=4.0, image_cond=ic)
+    _check(vx, z, vx.decode_video(z), ref, ref_lat, "TI2V image-to-video")
 
 
 def test_fit_size():
-    from vidax.models.wan.pipeline import fit_size
+    from vidax.pipeline import Geometry
 
-    assert fit_size(480, 832, 480 * 832, 16) == (480, 832)
-    h, w = fit_size(1000, 1000, 480 * 832, 32)
+    fit = lambda h, w, area, m, sp=1: Geometry(m // 2, 4, 16, (1, 2, 2)).fit_size(h, w, area, sp)
+    assert fit(480, 832, 480 * 832, 16) == (480, 832)
+    h, w = fit(1000, 1000, 480 * 832, 32)
     assert h % 32 == 0 and w % 32 == 0 and h == w and abs(h * w - 480 * 832) < 0.1 * 480 * 832
-    assert fit_size(10, 1000, 64 * 64, 16)[0] == 16
+    assert fit(10, 1000, 64 * 64, 16)[0] == 16
+    # one rule for Python and the CLI: sp only moves the size when the rule's token count does not divide
+    assert fit(1000, 1000, 480 * 832, 16, sp=1) == fit(1000, 1000, 480 * 832, 16, sp=3) == (624, 624)
+    h, w = fit(1000, 1000, 480 * 832, 16, sp=2)  # 39 x 39 tokens do not split in two: the nearest that does
+    assert ((h // 16) * (w // 16)) % 2 == 0 and abs(h * w - 624 * 624) < 0.1 * 624 * 624
 
 
 @pytest.mark.parametrize("preset", ["tiny-i2v", "tiny-a14b-i2v", "tiny-ti2v-i2v", "tiny-a14b", "tiny-ti2v"])
@@ -230,6 +235,6 @@ def test_tiny_presets_generate(preset):
         pipe = WanT2V(preset)
         a = pipe.generate("a red panda", seed=1, height=32, width=64, num_frames=5, steps=3, guidance=3.0)
     assert a.dtype == np.uint8 and a.ndim == 5 and a.shape[1] == 5 and a.shape[-1] == 3
-    assert a.shape[2] % pipe.size_multiple() == 0 and a.shape[3] % pipe.size_multiple() == 0
+    assert a.shape[2] % pipe.geometry().size_multiple == 0 and a.shape[3] % pipe.geometry().size_multiple == 0
     if pipe.boundary_ratio is not None:
         assert [s[0] for s in pipe.expert_segments(pipe.scheduler(3))] == [1, 2]

@@ -47,9 +47,9 @@ def test_wan_pipeline_end_to_end(ref_pipeline, steps, guidance):
                        latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=guidance,
                        height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
     vx = WanT2V(folder)
-    z = vx.sample(cond, uncond if guidance > 1 else None, latents=lat, steps=steps, guidance=guidance)
+    z = vx.sample_latents(cond, uncond if guidance > 1 else None, latents=lat, steps=steps, guidance=guidance)
     assert_parity(z, ref_lat, what=f"WanPipeline final latents ({steps} steps, guidance {guidance})")
-    video = vx.decode(z)
+    video = vx.decode_video(z)
     assert video.shape == ref.shape == (1, 9, 32, 32, 3)
     inside = float(np.mean((ref > 0.01) & (ref < 0.99)))
     assert inside > 0.5, f"only {inside:.0%} of reference pixels are unclamped; the comparison would be weak"
@@ -78,7 +78,7 @@ def test_prompt_embeddings_are_zero_past_the_prompt():
     assert np.abs(e[1, n0:]).sum() > 0
 
 
-@pytest.mark.parametrize("h,w,f,msg", [(30, 32, 9, "multiples of 16"), (32, 32, 8, r"4k\+1")])
+@pytest.mark.parametrize("h,w,f,msg", [(30, 32, 9, "multiple of 16"), (32, 32, 8, r"4k\+1")])
 def test_size_validation(h, w, f, msg):
     from vidax.models.wan.pipeline import WanT2V
 
@@ -115,5 +115,38 @@ def test_original_release_folder_end_to_end(ref_pipeline, tmp_path):
                    height=32, width=32, num_frames=9, output_type="np").frames
     vx = WanT2V(tmp_path)
     assert vx.layout == "original"
-    z = vx.sample(cond, uncond, latents=lat, steps=3, guidance=4.0, scheduler=vx.scheduler(3, "unipc", shift=3.0))
-    assert_parity(vx.decode(z), ref, what="original-release folder frames")
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=3, guidance=4.0, scheduler=vx.scheduler(3, "unipc", shift=3.0))
+    assert_parity(vx.decode_video(z), ref, what="original-release folder frames")
+
+
+def test_stage_keys_follow_content_not_paths_or_mtimes(ref_pipeline, tmp_path):
+    """The same checkpoint in two folders with different modification times gives the same stage
+    keys; changing a weight changes the keys of the stages that use it."""
+    import os
+    import shutil
+
+    from stages import run as R
+    from stages.request import Request, validate
+
+    _, folder = ref_pipeline
+    a, b = tmp_path / "copy-a", tmp_path / "copy-b"
+    shutil.copytree(folder, a)
+    shutil.copytree(folder, b)
+    for i, f in enumerate(sorted(p for p in b.rglob("*") if p.is_file())):
+        os.utime(f, (1_000_000 + i, 1_000_000 + i))
+
+    def keys(path):
+        req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(path), prompt="x", height=32, width=32,
+                               num_frames=5, steps=2, options={"scheduler": "unipc"}))
+        return R.stage_keys(req, R.make_pipeline(req))
+
+    ka, kb = keys(a), keys(b)
+    assert ka == kb
+    # flip one byte of the DiT's weights (inside the tensor data, past the header)
+    st = sorted((b / "transformer").glob("*.safetensors"))[0]
+    data = bytearray(st.read_bytes())
+    data[-5] ^= 0x01
+    st.write_bytes(bytes(data))
+    kc = keys(b)
+    assert kc["encode"] == ka["encode"] and kc["sample"] != ka["sample"]
+    assert all(kc[s] != ka[s] for s in ka if s.startswith("decode/"))  # downstream of sample

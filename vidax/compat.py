@@ -14,26 +14,36 @@ from typing import Callable
 
 import numpy as np
 
-# Reference class -> the vidax module that registers its adapter (imported on first use).
-_PORTS = {
-    "T5EncoderModel": "vidax.text.t5",
-    "UMT5EncoderModel": "vidax.text.t5",
-    "CLIPVisionModel": "vidax.text.clip",
-    "CLIPVisionModelWithProjection": "vidax.text.clip",
-    "WanTransformer3DModel": "vidax.models.wan.dit",
-    "AutoencoderKLWan": "vidax.models.wan.vae",
-}
 _ADAPTERS: dict[str, Callable] = {}
 # Ports whose adapter accepts mesh= / parallelism= / offload_chunk_size= (see vidax.core.sharding).
-_SCALABLE = {"WanTransformer3DModel"}
+_SCALABLE: set[str] = set()
 
 
-def register(*class_names: str):
-    """Decorator: ``@register("WanTransformer3DModel")`` on ``fn(config: dict, folder: Path, **kw) -> CompatModel``."""
+def ports() -> dict[str, str]:
+    """Reference class -> the vidax module that registers its adapter (imported on first use),
+    gathered from ``PORTS`` of :mod:`vidax.text` and of every family package ``vidax.models.<f>``."""
+    import pkgutil
+
+    import vidax.models
+    import vidax.text
+
+    out = dict(getattr(vidax.text, "PORTS", {}))
+    for m in sorted(pkgutil.iter_modules(vidax.models.__path__), key=lambda m: m.name):
+        if m.ispkg:
+            out.update(getattr(importlib.import_module(f"vidax.models.{m.name}"), "PORTS", {}))
+    return out
+
+
+def register(*class_names: str, scalable: bool = False):
+    """Decorator: ``@register("WanTransformer3DModel", scalable=True)`` on ``fn(config: dict,
+    folder: Path, **kw) -> CompatModel``; ``scalable`` adapters accept mesh / parallelism /
+    offload_chunk_size."""
 
     def deco(fn):
         for n in class_names:
             _ADAPTERS[n] = fn
+            if scalable:
+                _SCALABLE.add(n)
         return fn
 
     return deco
@@ -82,11 +92,12 @@ def load_pretrained(folder: str | Path, *, mesh=None, parallelism: str | None = 
     folder = Path(folder)
     cfg = read_config(folder)
     name = class_name(cfg)
-    if name not in _PORTS:
-        raise ValueError(f"{folder}: model class {name!r} has no vidax port; supported: {sorted(_PORTS)}")
+    table = ports()
+    if name not in table:
+        raise ValueError(f"{folder}: model class {name!r} has no vidax port; supported: {sorted(table)}")
     scale = {k: v for k, v in (("mesh", mesh), ("parallelism", parallelism), ("offload_chunk_size", offload_chunk_size))
              if v is not None}
+    importlib.import_module(table[name])
     if scale and name not in _SCALABLE:
         raise ValueError(f"{name}: {sorted(scale)} not supported (mesh / parallelism / offloading: {sorted(_SCALABLE)})")
-    importlib.import_module(_PORTS[name])
     return _ADAPTERS[name](cfg, folder, **scale, **kwargs)

@@ -132,3 +132,92 @@ class Init:
 
     def bias(self, shape):
         return self.normal(shape, std=0.02)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax NNX conventions (every model in vidax is an nnx.Module; see the README's architecture)
+# ---------------------------------------------------------------------------------------------
+from typing import Callable  # noqa: E402
+
+from flax import nnx  # noqa: E402
+
+# Parameters carry *logical* axis names as metadata; vidax places them itself (vidax.core.sharding
+# maps logical names to mesh axes per parallelism), so variables are never sharded on creation.
+nnx.use_eager_sharding(False)
+
+#: the leading axis of stacked (scanned / offloaded) blocks
+LAYERS = "layers"
+
+
+def logical(init, *axes):
+    """An initializer whose parameter carries logical axis names (``None``: never sharded)."""
+    return nnx.with_partitioning(init, tuple(axes))
+
+
+def Linear(din: int, dout: int, *, rngs: nnx.Rngs, axes=(None, None), bias: bool = True,
+           param_dtype=jnp.float32) -> nnx.Linear:
+    """``nnx.Linear`` (kernel ``[in, out]``) with logical axes ``axes`` on the kernel and
+    ``axes[1]`` on the bias, computing in the input's dtype at full precision."""
+    return nnx.Linear(din, dout, use_bias=bias, rngs=rngs, param_dtype=param_dtype,
+                      precision=jax.lax.Precision.HIGHEST,
+                      kernel_init=logical(nnx.initializers.lecun_normal(), *axes),
+                      bias_init=logical(nnx.initializers.zeros_init(), axes[1]))
+
+
+def stack(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``n`` blocks as one module whose parameters are stacked on a leading :data:`LAYERS` axis
+    (``nnx.vmap``); run them with :func:`scan`, stream slices of their state to offload."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(r):
+        return make(r)
+
+    return build(rngs)
+
+
+def scan(blocks: nnx.Module | tuple, carry, body: Callable):
+    """``lax.scan`` over stacked blocks: ``body(block, carry) -> carry`` sees one merged block per
+    step. ``blocks``: the stacked module, or ``(graphdef, state)`` of it or of a slice of it (an
+    offload chunk: ``jax.tree.map(lambda a: a[i:j], state)``)."""
+    graphdef, state = nnx.split(blocks) if isinstance(blocks, nnx.Module) else blocks
+
+    def step(c, s):
+        return body(nnx.merge(graphdef, s), c), None
+
+    out, _ = jax.lax.scan(step, carry, state)
+    return out
+
+
+def perturb(module: nnx.Module, seed: int = 0, scale: float = 1.0) -> nnx.Module:
+    """Seeded random weights for presets and tests, in place: every parameter is moved off its
+    initial value (zero biases become small noise, unit norm weights 1 +- noise), so no bug hides
+    behind a zero or a one."""
+    rng = np.random.default_rng(seed)
+    for _, v in sorted(nnx.iter_graph(module), key=lambda kv: str(kv[0])):
+        if isinstance(v, nnx.Param):
+            a = np.asarray(v[...], np.float32)
+            if not np.any(a):
+                a = 0.02 * scale * rng.standard_normal(a.shape)
+            elif np.all(a == 1):
+                a = 1 + 0.05 * scale * rng.standard_normal(a.shape)
+            v[...] = jnp.asarray(a, v[...].dtype)
+    return module
+
+
+def abstract_state(build: Callable[[], nnx.Module]):
+    """``(graphdef, state)`` of a module with ``jax.ShapeDtypeStruct`` leaves: what a checkpoint
+    must fill, without allocating a single weight."""
+    return nnx.split(nnx.eval_shape(build))
+
+
+def shapes(build: Callable[[], nnx.Module]) -> dict:
+    """The module's parameter shapes as a pure nested dict (the target of key maps)."""
+    return nnx.to_pure_dict(abstract_state(build)[1])
+
+
+def fill(state, pure: dict):
+    """``state`` (abstract or not) with every leaf replaced from the nested dict ``pure`` (host
+    numpy, as the key maps produce it), in place; returns it."""
+    nnx.replace_by_pure_dict(state, pure)
+    return state

@@ -146,3 +146,18 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
             x.block_until_ready()
             on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
     return x, state
+
+
+def expert_segments(sched, boundary_ratio: float | None, start: int = 0) -> list[tuple[int, int, int]]:
+    """``[(expert, first step, stop step)]`` covering steps ``start..N-1`` of ``sched``. With a
+    ``boundary_ratio`` (two-expert models such as Wan2.2 A14B) expert 1 takes the steps whose
+    timestep is >= ``boundary_ratio * num_train_timesteps`` and expert 2 the rest (the reference's
+    rule); without one, a single segment of expert 1."""
+    n = len(sched.timesteps)
+    if boundary_ratio is None:
+        return [(1, start, n)] if start < n else []
+    boundary = float(boundary_ratio) * float(getattr(sched, "config", {}).get("num_train_timesteps", 1000))
+    ts = np.asarray(sched.timesteps, np.float64)
+    k = next((i for i in range(n) if not ts[i] >= boundary), n)
+    segs = [(1, start, k), (2, max(start, k), n)]
+    return [sg for sg in segs if sg[1] < sg[2]]

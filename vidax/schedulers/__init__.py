@@ -73,7 +73,27 @@ def from_diffusers_config(config, num_inference_steps: int, **kwargs) -> Schedul
     return make_scheduler(_CLASS_NAMES[cls], num_inference_steps, **cfg)
 
 
+def load_scheduler(num_inference_steps: int, name: str | None = None, *, folder=None, shift: float | None = None,
+                   default_shift: float = 5.0) -> Scheduler:
+    """The scheduler a pipeline samples with. ``folder`` (a diffusers ``scheduler/`` folder) is
+    used when ``name`` is None, with ``shift`` overriding its flow shift; otherwise ``name``
+    (default UniPC, flow prediction on flow sigmas, as the flow-matching video pipelines configure
+    it) with ``shift`` (default ``default_shift``)."""
+    if name is None and folder is not None:
+        cfg = json.loads((Path(folder) / "scheduler_config.json").read_text())
+        if shift is not None:
+            cfg["flow_shift" if "flow_shift" in cfg else "shift"] = shift
+        return from_diffusers_config(cfg, num_inference_steps)
+    name = name or "unipc"
+    shift = default_shift if shift is None else shift
+    if name == "unipc":
+        return make_scheduler("unipc", num_inference_steps, prediction_type="flow_prediction", use_flow_sigmas=True,
+                              num_train_timesteps=1000, flow_shift=shift)
+    return make_scheduler(name, num_inference_steps, shift=shift)
+
+
 __all__ = [
+    "load_scheduler",
     "Scheduler",
     "FlowMatchEuler",
     "UniPCMultistep",

@@ -656,7 +656,7 @@ class _WanDiTCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("WanTransformer3DModel")
+@compat.register("WanTransformer3DModel", scalable=True)
 def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
                  prefetch: bool = True, attn_impl=None, **_):
     cfg = WanDiTConfig.from_diffusers(config)

@@ -24,7 +24,6 @@ import gc
 import html
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,22 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vidax.core.sampling import StepInfo, denoise
+from vidax.core.sampling import StepInfo, denoise, expert_segments
 from vidax.models.wan import dit as wdit
 from vidax.models.wan import vae as wvae
-from vidax.schedulers import from_diffusers_config, make_scheduler
+from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, Pipeline, pack_state, to_uint8, to_unit_range,
+                            unpack_state)
+from vidax.schedulers import SCHEDULERS, load_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.weights.fingerprint import files_fingerprint
 
 log = logging.getLogger(__name__)
-
-# Defaults of the original Wan2.1 T2V release (generate.py / configs).
-WAN21_NEGATIVE = (
-    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
-    "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"
-    "杂乱的背景，三条腿，背景人很多，倒着走"
-)
-
 
 @dataclass(frozen=True)
 class TinyPreset:
@@ -115,8 +109,24 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class WanT2V:
-    """Wan text-to-video. ``source``: a preset name or a checkpoint folder."""
+_EMB_DIMS = ("batch", "token", "channel")
+_LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
+
+
+class WanT2V(Pipeline):
+    """Wan text-to-video (and, from an image-to-video source, image-to-video). ``source``: a
+    preset name or a checkpoint folder. Implements the :class:`vidax.pipeline.Pipeline` protocol
+    (``encode`` / ``sample`` / ``decode``) over the library methods (``encode_prompts``,
+    ``encode_image``, ``sample_latents``, ``decode_frames``)."""
+
+    FAMILY = "wan"
+    OPTIONS = (
+        Option("shift", float, 5.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
+        Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
+        Option("guidance_2", float, None, "the low-noise expert's guidance (two-expert models; default: --guidance)",
+               minimum=0.0, maximum=100.0),
+    )
+    COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
 
     def __init__(self, source: str | Path = "tiny", *, dtype=np.float32, mesh=None, parallelism: str | None = None,
                  offload_chunk_size=None, prefetch: bool = True):
@@ -246,10 +256,11 @@ class WanT2V:
         v = self.vae_config()
         return (v.scale_factor_spatial or v.spatial_ratio), (v.scale_factor_temporal or v.temporal_ratio)
 
-    def size_multiple(self) -> int:
-        """Height and width must be multiples of this (VAE spatial factor x DiT patch)."""
-        p = self.dit_config().patch_size
-        return self.scale_factors()[0] * max(int(p[1]), int(p[2]))
+    def geometry(self) -> Geometry:
+        dc = self.dit_config()
+        sf, tf = self.scale_factors()
+        return Geometry(spatial=sf, temporal=tf, latent_channels=dc.out_channels, patch=tuple(dc.patch_size),
+                        num_heads=dc.num_heads)
 
     @property
     def uses_clip(self) -> bool:
@@ -292,17 +303,9 @@ class WanT2V:
         return enc, pre
 
     def scheduler(self, steps: int, name: str | None = None, shift: float | None = None):
-        if name is None and self.layout == "diffusers":
-            cfg = json.loads((self.folder / "scheduler" / "scheduler_config.json").read_text())
-            if shift is not None:
-                cfg["flow_shift" if "flow_shift" in cfg else "shift"] = shift
-            return from_diffusers_config(cfg, steps)
-        name = name or "unipc"
-        shift = 5.0 if shift is None else shift
-        if name == "unipc":
-            return make_scheduler("unipc", steps, prediction_type="flow_prediction", use_flow_sigmas=True,
-                                  num_train_timesteps=1000, flow_shift=shift)
-        return make_scheduler(name, steps, shift=shift)
+        """``name`` None: the checkpoint's own scheduler config (diffusers folders), else UniPC."""
+        folder = self.folder / "scheduler" if name is None and self.layout == "diffusers" else None
+        return load_scheduler(steps, name, folder=folder, shift=shift, default_shift=5.0)
 
     # ------------------------------------------------------------------ phases
     def encode_prompts(self, prompts: list[str], tokenizer=None, encoder=None) -> np.ndarray:
@@ -328,19 +331,10 @@ class WanT2V:
         return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
     def expert_segments(self, sched, start: int = 0) -> list[tuple[int, int, int]]:
-        """``[(expert, first step, stop step)]`` covering steps ``start..N-1``: with
-        ``boundary_ratio`` expert 1 takes the steps whose timestep is >= ``boundary_ratio *
-        num_train_timesteps`` and expert 2 the rest (the reference's rule); else one segment."""
-        n = len(sched.timesteps)
-        if self.boundary_ratio is None:
-            return [(1, start, n)] if start < n else []
-        boundary = float(self.boundary_ratio) * float(getattr(sched, "config", {}).get("num_train_timesteps", 1000))
-        ts = np.asarray(sched.timesteps, np.float64)
-        k = next((i for i in range(n) if not ts[i] >= boundary), n)
-        segs = [(1, start, k), (2, max(start, k), n)]
-        return [sg for sg in segs if sg[1] < sg[2]]
+        """``[(expert, first step, stop step)]``: see :func:`vidax.core.sampling.expert_segments`."""
+        return expert_segments(sched, self.boundary_ratio, start)
 
-    def sample(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, latents=None, seed: int = 0,
+    def sample_latents(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, latents=None, seed: int = 0,
                height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50, guidance: float = 5.0,
                scheduler=None, dit=None, start: int = 0, state=None,
                on_step: Callable[[StepInfo, object, object], None] | None = None,
@@ -451,7 +445,7 @@ class WanT2V:
             iw, ih = image.size
         else:
             ih, iw = np.asarray(image).shape[:2]
-        return fit_size(ih, iw, area, self.size_multiple())
+        return self.geometry().fit_size(ih, iw, area)
 
     def encode_image(self, image, height: int, width: int, num_frames: int, vae=None, image_encoder=None) -> dict:
         """The image conditioning of an image-to-video run (numpy arrays, reference layout, batch 1):
@@ -466,7 +460,7 @@ class WanT2V:
         ``image``: uint8 [H, W, 3] (or a PIL image), resized to (height, width) as the reference's
         ``VideoProcessor.preprocess`` does (PIL Lanczos, no aspect-ratio preservation: pick the size
         with :meth:`size_for_image`)."""
-        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        self.geometry().check(height, width, num_frames)
         rgb = _rgb_uint8(image)
         out = {}
         if self.uses_clip:
@@ -497,7 +491,7 @@ class WanT2V:
             out["condition"] = np.concatenate([mask, lat], axis=1)
         return out
 
-    def decode(self, latents: np.ndarray, vae=None) -> np.ndarray:
+    def decode_video(self, latents: np.ndarray, vae=None) -> np.ndarray:
         """Latents [B, C, F, H, W] (as sampled, normalised) -> video in [0, 1], [B, F, H, W, 3]."""
         params, cfg = vae or self.load_vae()
         z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
@@ -515,7 +509,8 @@ class WanT2V:
         return to_uint8(to_unit_range(px)), wvae.cache_to_numpy(cache)
 
     def fingerprint(self, component: str) -> str:
-        """Identity of a component's weights (part of every stage key)."""
+        """Content identity of a component's weights (part of every stage key): ``text``,
+        ``image``, ``dit``, ``vae``."""
         if self.preset is not None:
             return f"preset:{self.preset_name}:{component}:{self.dtype.name}"
         files = {
@@ -529,18 +524,72 @@ class WanT2V:
             files = files + ["transformer_2"]
         return f"{component}:{self.dtype.name}:" + files_fingerprint(self.folder, files)
 
+    # ------------------------------------------------------------------ the stage protocol
+    def encode(self, request, image: np.ndarray | None = None) -> dict[str, Named]:
+        """Prompt and negative-prompt embeddings (computed in float32, stored in the request's
+        dtype) and, with an image, its conditioning (``image_clip`` / ``image_condition`` /
+        ``image_known`` + ``image_mask``, see :meth:`encode_image`)."""
+        tok, enc = self.load_tokenizer(), self.load_text_encoder()
+        cond = self.encode_prompts(request.prompts, tok, enc)
+        neg = request.negative_prompt if request.negative_prompt is not None else ""
+        uncond = self.encode_prompts([neg] * len(request.prompts), tok, enc)
+        del enc
+        dt = np.dtype(np.float32) if request.dtype == "float32" else np.dtype(jnp.bfloat16)
+        attrs = dict(model=request.model, computed_in="float32", stored_as=str(dt))
+        out = {"prompt_embeds": Named(cond.astype(dt), _EMB_DIMS, attrs),
+               "negative_embeds": Named(uncond.astype(dt), _EMB_DIMS, attrs)}
+        if image is not None:
+            for name, arr in self.encode_image(image, request.height, request.width, request.num_frames).items():
+                dims = _EMB_DIMS if arr.ndim == 3 else _LATENT_DIMS
+                out[f"image_{name}"] = Named(arr.astype(np.float32), dims, {"role": f"image conditioning ({name})"})
+        return out
+
+    def sample(self, conditioning: dict, request, *, resume: dict | None = None, on_step=None) -> dict[str, Named]:
+        """Final latents ``[B, C, F, H, W]`` (normalised). ``resume``: ``{"step": k, "arrays":
+        {...}}`` from a checkpoint that ``on_step``'s snapshot produced after step ``k - 1``."""
+        o = request.options
+        sched = self.scheduler(request.steps, o.get("scheduler"), o.get("shift"))
+        g2 = o.get("guidance_2")
+        cond = conditioning["prompt_embeds"]
+        uncond = conditioning.get("negative_embeds") if max(request.guidance, g2 or 0.0) > 1.0 else None
+        image_cond = {n[len("image_"):]: v for n, v in conditioning.items() if n.startswith("image_")} or None
+        start, latents, state = 0, None, None
+        if resume is not None:
+            start = int(resume["step"])
+            shape = self.latent_shape(cond.shape[0], request.height, request.width, request.num_frames)
+            template = sched.init_state(jnp.zeros(shape, jnp.float32))
+            latents, state = unpack_state(resume["arrays"], template)
+
+        def step_cb(info, x, st):
+            on_step(info, lambda: pack_state(np.asarray(x).transpose(0, 4, 1, 2, 3), st))
+
+        lat = self.sample_latents(cond, uncond, latents=latents, seed=request.seed, height=request.height,
+                                  width=request.width, num_frames=request.num_frames, steps=request.steps,
+                                  guidance=request.guidance, scheduler=sched, start=start, state=state,
+                                  on_step=None if on_step is None else step_cb, image_cond=image_cond, guidance_2=g2)
+        return {"latents": Named(lat, _LATENT_DIMS, {"model": request.model, "layout": "reference [B, C, F, H, W]",
+                                                     "normalised": True})}
+
+    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
+        """Latent frames ``span.frames`` -> uint8 frames, from the causal-conv cache ``carry`` that
+        the previous span left; returns the cache for the next span."""
+        a, b = span.frames
+        frames, cache = self.decode_frames(latents["latents"], a, b, carry)
+        return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
+                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
+
     def generate(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *, seed: int = 0,
                  height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50,
                  guidance: float = 5.0, shift: float | None = None, scheduler: str | None = None,
                  on_step=None, guidance_2: float | None = None) -> np.ndarray:
         """Prompt(s) -> uint8 frames [B, F, H, W, 3]."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        self.geometry().check(height, width, num_frames)
         cond, uncond = self._prompt_pair(prompts, negative_prompt, guidance, guidance_2)
-        lat = self.sample(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
+        lat = self.sample_latents(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
                           guidance=guidance, scheduler=self.scheduler(steps, scheduler, shift), on_step=on_step,
                           guidance_2=guidance_2)
-        return to_uint8(self.decode(lat))
+        return to_uint8(self.decode_video(lat))
 
     def _prompt_pair(self, prompts, negative_prompt, guidance, guidance_2=None):
         tok, enc = self.load_tokenizer(), self.load_text_encoder()
@@ -571,37 +620,14 @@ class WanI2V(WanT2V):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if height is None or width is None:
             height, width = self.size_for_image(image, area)
-        check_size(height, width, num_frames, spatial=self.size_multiple(), temporal=self.scale_factors()[1])
+        self.geometry().check(height, width, num_frames)
         cond, uncond = self._prompt_pair(prompts, negative_prompt, guidance, guidance_2)
         vae = self.load_vae()
         image_cond = self.encode_image(image, height, width, num_frames, vae=vae)
-        lat = self.sample(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames, steps=steps,
-                          guidance=guidance, guidance_2=guidance_2, scheduler=self.scheduler(steps, scheduler, shift),
+        lat = self.sample_latents(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames,
+                                  steps=steps, guidance=guidance, guidance_2=guidance_2, scheduler=self.scheduler(steps, scheduler, shift),
                           on_step=on_step, image_cond=image_cond)
-        return to_uint8(self.decode(lat, vae=vae))
-
-
-def to_unit_range(pixels: np.ndarray) -> np.ndarray:
-    """VAE output [B, 3, T, H, W] in [-1, 1] -> [B, T, H, W, 3] in [0, 1] (the reference's postprocess)."""
-    return np.clip(np.asarray(pixels).transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0.0, 1.0)
-
-
-def to_uint8(video01: np.ndarray) -> np.ndarray:
-    return np.round(video01 * 255).astype(np.uint8)
-
-
-def files_fingerprint(folder: Path, patterns) -> str:
-    """Cheap content identity of checkpoint files: names, sizes and modification times."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for pat in patterns:
-        for p in sorted(folder.glob(pat)):
-            for f in sorted([p] if p.is_file() else p.rglob("*")):
-                if f.is_file():
-                    st = f.stat()
-                    h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
+        return to_uint8(self.decode_video(lat, vae=vae))
 
 
 def _dit_apply(params, x, t, ctx, *, cfg):
@@ -629,17 +655,6 @@ def _runner_call_aux(runner, x, t, ctx, aux):
     return runner(x, t, ctx, _batched_img(aux, x.shape[0]))
 
 
-def fit_size(image_height: int, image_width: int, area: int, multiple: int) -> tuple[int, int]:
-    """(height, width), multiples of ``multiple``, of about ``area`` pixels with the image's aspect
-    ratio (the Wan examples' rule: ``round(sqrt(area * aspect)) // multiple * multiple``)."""
-    ar = image_height / image_width
-    h = max(multiple, round(math.sqrt(area * ar)) // multiple * multiple)
-    w = max(multiple, round(math.sqrt(area / ar)) // multiple * multiple)
-    log.info("image %dx%d (aspect %.3f) -> generation size %dx%d (area %d, multiple of %d)",
-             image_width, image_height, 1 / ar, w, h, area, multiple)
-    return int(h), int(w)
-
-
 def _rgb_uint8(image) -> np.ndarray:
     from vidax.text import clip as clipmod
 
@@ -655,13 +670,6 @@ def resize_for_vae(image_uint8: np.ndarray, height: int, width: int) -> np.ndarr
     im = im.resize((width, height), resample=PIL.Image.Resampling.LANCZOS)
     a = np.asarray(im.convert("RGB")).astype(np.float32) / 255.0
     return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
-
-
-def check_size(height: int, width: int, num_frames: int, spatial: int = 16, temporal: int = 4):
-    if height % spatial or width % spatial or height <= 0 or width <= 0:
-        raise ValueError(f"size {width}x{height}: width and height must be positive multiples of {spatial}")
-    if num_frames < 1 or (num_frames - 1) % temporal:
-        raise ValueError(f"num_frames={num_frames}: must be {temporal}k+1 (e.g. 17, 33, 81)")
 
 
 def original_dit_config(cfg: dict) -> wdit.WanDiTConfig:

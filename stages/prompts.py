@@ -1,0 +1,129 @@
+"""Prompt files for batch generation, at any fsspec URL:
+
+- ``.txt``: one prompt a line (blank lines and ``#`` comments skipped);
+- ``.jsonl``: one JSON object a line: ``prompt`` plus any request field or model option;
+- ``.csv``: a ``prompt`` column plus override columns (empty cells keep the default).
+
+Every line is validated before anything runs; a bad line is reported with the file and its line
+number and does not stop the others. Types are strict: ``steps: 2.7`` or ``steps: true`` are
+errors, never 2 or 1.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from dataclasses import dataclass
+
+import fsspec
+
+from stages.request import Request, RequestError, validate
+from vidax import registry
+from vidax.pipeline import OptionError
+
+_FIELD_TYPES = {"seed": int, "height": int, "width": int, "num_frames": int, "steps": int, "decode_stages": int,
+                "checkpoint_every": int, "guidance": float, "fps": float}
+
+
+class PromptFileError(ValueError):
+    """The prompt file as a whole cannot be used (unreadable, empty, unknown type, bad header)."""
+
+
+@dataclass
+class BatchLine:
+    line: int
+    request: Request | None = None
+    error: str | None = None
+
+
+def read_text(url: str) -> str:
+    try:
+        with fsspec.open(url, "rt", encoding="utf-8-sig") as f:  # a UTF-8 BOM is not part of the text
+            return f.read()
+    except FileNotFoundError:
+        raise PromptFileError(f"{url}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{url}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _typed(name: str, value, model: str):
+    """A CSV cell (text) as the field's or option's type."""
+    if name in _FIELD_TYPES:
+        t = _FIELD_TYPES[name]
+        try:
+            return t(value.strip()) if t is int else float(value)
+        except ValueError:
+            raise RequestError(name, f"{value!r} is not a{'n' if t is int else ''} {'integer' if t is int else 'number'}") from None
+    recipe = registry.MODELS.get(model)
+    opt = recipe.option(name) if recipe is not None else None
+    if opt is not None:
+        try:
+            return opt.parse(value)
+        except OptionError as e:
+            raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    return value
+
+
+def _request(base: dict, over: dict, from_text: bool) -> Request:
+    d = dict(base)
+    model = over.get("model") or d.get("model") or registry.default_model()
+    for k, v in over.items():
+        if from_text:
+            if v is None or v == "":
+                continue
+            v = _typed(k, v, model)
+        d[k] = v
+    return validate(Request.from_json(d))
+
+
+def parse_prompt_file(url: str, defaults: dict | None = None) -> list[BatchLine]:
+    """Parse and validate every line; returns one :class:`BatchLine` per prompt line. Raises
+    :class:`PromptFileError` for a file that holds no prompt lines at all."""
+    kind = url.rsplit(".", 1)[-1].lower() if "." in url.rsplit("/", 1)[-1] else ""
+    if kind not in ("txt", "jsonl", "csv"):
+        raise PromptFileError(f"{url}: unknown prompt file type {'.' + kind if kind else '(no extension)'}; "
+                              f"use .txt, .jsonl or .csv")
+    text = read_text(url)
+    base = dict(defaults or {})
+    out: list[BatchLine] = []
+    if kind == "csv":
+        reader = csv.DictReader(io.StringIO(text))
+        if not reader.fieldnames or "prompt" not in [f.strip() for f in reader.fieldnames]:
+            raise PromptFileError(f"{url}: a CSV prompt file needs a 'prompt' column (header: {reader.fieldnames})")
+        for row in reader:
+            i = reader.line_num
+            if None in row:  # more cells than header columns
+                out.append(BatchLine(i, error=f"{url} line {i}: {len(row[None])} cell(s) beyond the "
+                                              f"{len(reader.fieldnames)} header columns"))
+                continue
+            if not any((v or "").strip() for v in row.values()):
+                continue
+            out.append(_line(url, i, lambda row=row: _request(base, {k.strip(): v for k, v in row.items()}, True)))
+    else:
+        for i, raw in enumerate(text.splitlines(), start=1):
+            s = raw.strip()
+            if not s or (kind == "txt" and s.startswith("#")):
+                continue
+            if kind == "jsonl":
+                def make(s=s):
+                    try:
+                        obj = json.loads(s)
+                    except json.JSONDecodeError as e:
+                        raise RequestError("line", f"not valid JSON ({e.msg})") from None
+                    if not isinstance(obj, dict):
+                        raise RequestError("line", "must be a JSON object with a 'prompt'")
+                    return _request(base, obj, False)
+                out.append(_line(url, i, make))
+            else:
+                out.append(_line(url, i, lambda s=s: _request(base, {"prompt": s}, False)))
+    if not out:
+        raise PromptFileError(f"{url}: no prompts (the file is empty or holds only blank lines and comments)")
+    return out
+
+
+def _line(url: str, i: int, make) -> BatchLine:
+    try:
+        return BatchLine(i, request=make())
+    except (RequestError, TypeError, ValueError) as e:
+        return BatchLine(i, error=f"{url} line {i}: {e}")

@@ -1,0 +1,411 @@
+"""The pipeline protocol: what a model family gives the staged runner.
+
+``stages/`` and ``flows/`` drive every family through this module and name none of them. A family
+is one folder ``vidax/models/<family>/`` with the same files as every other:
+
+    __init__.py   PORTS: reference class name -> module registering its ``vidax.compat`` adapter
+    recipes.py    RECIPES: model ids, presets, defaults, size rules, pools (:class:`Recipe`)
+    pipeline.py   the family's :class:`Pipeline` (configs at construction, weights per phase)
+    dit.py, vae.py ...  the modules, their key maps and ``compat`` adapters
+
+The registry (:mod:`vidax.registry`) and ``vidax.compat`` discover families by importing
+``vidax.models.*``; nothing lists them centrally.
+
+A :class:`Pipeline` is built from a source (a preset name or a checkpoint folder) and reads only
+configs there; each phase loads its own weights and drops them before it returns:
+
+- :meth:`Pipeline.geometry` -> :class:`Geometry`: compression factors, latent channels, patch,
+  frame rule, token count for a size, attention heads (mesh checks);
+- ``OPTIONS``: the family's own request options (:class:`Option`: type, default, range), validated
+  generically, and the stages whose keys they enter;
+- :meth:`Pipeline.encode` ``(request, image) -> {name: Named}``: every conditioning tensor
+  (embeddings, masks, pooled vectors, image latents...), each with dimension names;
+- :meth:`Pipeline.sample` ``(conditioning, request, resume, on_step) -> {name: Named}``: the
+  latents (video, and audio for audio+video families); ``on_step`` receives a thunk returning the
+  arrays a resume needs (latents + scheduler state), which the stage persists as a checkpoint and
+  hands back as ``resume``;
+- :meth:`Pipeline.decode_plan` ``(request) -> [DecodeSpan]`` and :meth:`Pipeline.decode`
+  ``(latents, span, carry) -> (outputs, carry)``: the persisted decode stages and what each hands
+  to the next (a causal-conv cache, a tile overlap);
+- :meth:`Pipeline.fingerprint` ``(component)``: a *content* fingerprint of a component's weights
+  (safetensors headers + sizes, zip CRCs, configs), never modification times;
+- ``GUIDANCE``: ``"cfg"`` (conditional + unconditional batch of two) or ``"embedded"``.
+
+``request`` is anything with the attributes of :class:`RequestLike` (``stages.request.Request``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from vidax.core.sampling import StepInfo
+
+
+class RequestLike(Protocol):
+    model: str
+    prompts: list[str]
+    negative_prompt: str | None
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    steps: int
+    guidance: float
+    dtype: str
+    options: Mapping[str, Any]
+
+
+# ------------------------------------------------------------------ declared options
+class OptionError(ValueError):
+    """A request option is invalid; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A family's own request option. ``type``: int | float | str | bool. ``stages``: the stage
+    kinds whose keys include it (and which read it): ``encode``, ``sample``, ``decode`` (every
+    decode stage), ``decode:audio`` / ``decode:video`` (the decode stages of that kind), ``mux``."""
+
+    name: str
+    type: type
+    default: Any = None
+    help: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple | None = None
+    stages: tuple[str, ...] = ("sample",)
+    cli: str | None = None  # flag name, default --<name with dashes>
+
+    @property
+    def flag(self) -> str:
+        return self.cli or "--" + self.name.replace("_", "-")
+
+    def check(self, value):
+        """The value, checked strictly (no float->int or bool->int coercion); None stays None."""
+        if value is None:
+            return None
+        t = self.type
+        if t is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                value = float(value)
+                if not math.isfinite(value):
+                    raise OptionError(self.name, f"{value!r} is not a finite number")
+        elif t is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif t is bool:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, t)
+        if not ok:
+            raise OptionError(self.name, f"{value!r} is not a{'n' if t.__name__[0] in 'aeiou' else ''} {t.__name__}")
+        if self.choices is not None and value not in self.choices:
+            raise OptionError(self.name, f"{value!r}: choose one of {', '.join(map(str, self.choices))}")
+        if self.minimum is not None and value < self.minimum:
+            raise OptionError(self.name, f"{value!r}: must be >= {self.minimum}")
+        if self.maximum is not None and value > self.maximum:
+            raise OptionError(self.name, f"{value!r}: must be <= {self.maximum}")
+        return value
+
+    def parse(self, text: str):
+        """A value from command-line / CSV text, then :meth:`check`."""
+        t = self.type
+        try:
+            if t is bool:
+                low = text.strip().lower()
+                if low not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                v = low in ("true", "1", "yes")
+            elif t is int:
+                v = int(text.strip(), 10)
+            elif t is float:
+                v = float(text)
+            else:
+                v = t(text)
+        except ValueError:
+            raise OptionError(self.name, f"{text!r} is not a{'n' if t.__name__[0] in 'aeiou' else ''} {t.__name__}") from None
+        return self.check(v)
+
+
+# ------------------------------------------------------------------ geometry
+@dataclass(frozen=True)
+class Geometry:
+    """Pixel <-> latent <-> token geometry of a model (from its configs, no weights)."""
+
+    spatial: int  # VAE spatial compression (pixels per latent cell)
+    temporal: int  # VAE temporal compression: num_frames = temporal * k + 1
+    latent_channels: int
+    patch: tuple[int, int, int] = (1, 2, 2)  # DiT patch (frames, height, width) over the latents
+    num_heads: int = 1  # attention heads (tp x sp must divide them)
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE factor x DiT patch)."""
+        return self.spatial * max(int(self.patch[1]), int(self.patch[2]))
+
+    @property
+    def frame_rule(self) -> str:
+        return f"{self.temporal}k+1"
+
+    def latent_frames(self, num_frames: int) -> int:
+        return (num_frames - 1) // self.temporal + 1
+
+    def tokens(self, height: int, width: int, num_frames: int) -> int:
+        pt, ph, pw = self.patch
+        return ((self.latent_frames(num_frames) // pt) * (height // self.spatial // ph)
+                * (width // self.spatial // pw))
+
+    def check(self, height, width, num_frames) -> None:
+        """Raise :class:`OptionError` naming ``height`` / ``width`` / ``num_frames``."""
+        m = self.size_multiple
+        for name, v in (("height", height), ("width", width)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % m:
+                near = max(m, round(v / m) * m) if isinstance(v, int) and not isinstance(v, bool) else m
+                raise OptionError(name, f"{v!r} is not a positive multiple of {m} (the model's spatial factor); "
+                                        f"nearest: {near}")
+        n, tf = num_frames, self.temporal
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (n - 1) % tf:
+            near = max(1, round((n - 1) / tf) * tf + 1) if isinstance(n, int) and not isinstance(n, bool) else 1 + tf
+            raise OptionError("num_frames", f"{n!r} frames cannot be decoded by this VAE: use {tf}k+1 (e.g. {near})")
+
+    def fit_size(self, image_height: int, image_width: int, area: int, sp: int = 1) -> tuple[int, int]:
+        """(height, width) for an image-conditioned run: multiples of :attr:`size_multiple`, about
+        ``area`` pixels, the image's aspect ratio, and a per-frame token count divisible by the
+        sequence-parallel degree ``sp``. With ``sp == 1`` this is the reference examples' rule
+        ``round(sqrt(area * aspect)) // multiple * multiple``."""
+        m = self.size_multiple
+        ar = image_height / image_width
+        h0 = max(m, round(math.sqrt(area * ar)) // m * m)
+        w0 = max(m, round(math.sqrt(area / ar)) // m * m)
+        if sp <= 1 or ((h0 // m) * (w0 // m)) % sp == 0:
+            return int(h0), int(w0)
+        best = None
+        for dh in range(-4, 5):
+            for dw in range(-4, 5):
+                h, w = h0 + dh * m, w0 + dw * m
+                if h < m or w < m or ((h // m) * (w // m)) % sp:
+                    continue
+                err = abs(math.log((h / w) / ar)) + abs(math.log(h * w / area))
+                if best is None or err < best[0]:
+                    best = (err, h, w)
+        if best is None:
+            raise OptionError("image", f"no size near {w0}x{h0} gives a token count divisible by sp={sp}")
+        return int(best[1]), int(best[2])
+
+
+# ------------------------------------------------------------------ stored tensors and decode spans
+@dataclass
+class Named:
+    """An array with its dimension names and attributes, as the run store keeps it."""
+
+    array: np.ndarray
+    dims: tuple[str, ...]
+    attrs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.array = np.asarray(self.array)
+        if len(self.dims) != self.array.ndim:
+            raise ValueError(f"{self.array.ndim}-d array with {len(self.dims)} dimension names {self.dims}")
+
+
+@dataclass(frozen=True)
+class DecodeSpan:
+    """One persisted decode stage. ``kind``: "video" (outputs ``frames`` uint8 [B, F, H, W, 3])
+    or "audio" (outputs ``waveform`` float32 [B, channels, samples] with a ``sample_rate``
+    attribute). ``frames``: the latent frame range it decodes; ``tile``: an optional spatial tile
+    (latent rows/cols ``(y0, y1, x0, x1)``); ``carry_from``: the span whose carry it starts from;
+    ``inputs``: the sample outputs it reads."""
+
+    name: str
+    kind: str = "video"
+    frames: tuple[int, int] | None = None
+    tile: tuple[int, int, int, int] | None = None
+    carry_from: str | None = None
+    inputs: tuple[str, ...] = ("latents",)
+
+
+def temporal_spans(latent_frames: int, stages: int | None = None, inputs=("latents",)) -> list[DecodeSpan]:
+    """Contiguous latent-frame ranges ``decode/0..k-1`` (default: up to 4), each carrying from the
+    previous one (causal decoders)."""
+    n = latent_frames
+    k = stages or min(n, 4)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [DecodeSpan(f"decode/{i}", "video", (bounds[i], bounds[i + 1]), None,
+                       f"decode/{i - 1}" if i else None, tuple(inputs)) for i in range(k)]
+
+
+OnStep = Callable[[StepInfo, Callable[[], dict]], None]
+
+
+# ------------------------------------------------------------------ the protocol
+class Pipeline:
+    """Base class of a family's pipeline (see the module docstring). Subclasses set ``FAMILY``,
+    ``OPTIONS``, ``GUIDANCE``, ``OUTPUTS`` and implement the phase methods."""
+
+    FAMILY: ClassVar[str] = ""
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    GUIDANCE: ClassVar[str] = "cfg"  # "cfg" (batch of two) | "embedded"
+    OUTPUTS: ClassVar[tuple[str, ...]] = ("video",)  # + "audio"
+    #: components whose fingerprints enter each stage kind's key
+    COMPONENTS: ClassVar[Mapping[str, tuple[str, ...]]] = {"encode": ("text",), "sample": ("dit",),
+                                                           "decode": ("vae",)}
+    #: other vidax packages this family's code runs (e.g. a VAE it reuses), for code-version keys
+    CODE_DEPS: ClassVar[tuple[str, ...]] = ()
+
+    # configuration
+    mesh: Any = None
+    offload_chunk_size: Any = None
+
+    def geometry(self) -> Geometry:
+        raise NotImplementedError
+
+    def encode(self, request: RequestLike, image: np.ndarray | None = None) -> dict[str, Named]:
+        raise NotImplementedError
+
+    def sample(self, conditioning: dict[str, np.ndarray], request: RequestLike, *, resume: dict | None = None,
+               on_step: OnStep | None = None) -> dict[str, Named]:
+        raise NotImplementedError
+
+    def decode_plan(self, request: RequestLike) -> list[DecodeSpan]:
+        return temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
+
+    def decode(self, latents: dict[str, np.ndarray], span: DecodeSpan, carry: dict[str, np.ndarray] | None,
+               request: RequestLike) -> tuple[dict[str, Named], dict[str, np.ndarray] | None]:
+        raise NotImplementedError
+
+    def assemble_video(self, parts: Sequence[tuple[DecodeSpan, np.ndarray]]) -> np.ndarray:
+        """The whole video [B, F, H, W, 3] from the video spans' frames (default: concatenated
+        in plan order; tiled plans override)."""
+        return np.concatenate([f for _, f in parts], axis=1)
+
+    def fingerprint(self, component: str) -> str:
+        raise NotImplementedError
+
+    def stage_params(self, kind: str, request: RequestLike, span: DecodeSpan | None = None) -> dict:
+        """Family parameters that enter a stage's key (default: the declared options read by that
+        stage kind, or for a decode stage by its span kind)."""
+        kinds = {kind} | ({f"{kind}:{span.kind}"} if span is not None else set())
+        return {o.name: request.options.get(o.name) for o in self.OPTIONS if kinds & set(o.stages)}
+
+    def describe(self) -> dict:
+        """Details recorded with the sample stage (mesh, offloading...)."""
+        return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
+
+
+# ------------------------------------------------------------------ recipes
+def _tpu(accelerator: str, topology: str, chips: int) -> dict:
+    return {"tpu_accelerator": accelerator, "tpu_topology": topology, "tpu_chips": chips}
+
+
+tpu = _tpu
+
+#: small sizes for the seeded random-weight presets, so a first run takes seconds
+PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8, area=64 * 64)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model id users ask for: the family pipeline, where its weights come from, its defaults,
+    image requirements and the pools its stages are routed to."""
+
+    model_id: str
+    pipeline: str  # "module:Class" (a Pipeline subclass)
+    presets: tuple[str, ...]
+    defaults: dict = field(default_factory=dict)  # request fields and option defaults
+    description: str = ""
+    stage_jobs: dict = field(default_factory=dict)  # preset (None: real) -> stage kind -> job variables
+    prefer_axis: str = "sp"  # what --mesh auto spreads the DiT over besides CFG's dp
+    image: str = "none"  # "none" | "required" | "optional"
+    preset_sources: dict = field(default_factory=dict)  # (preset, has_image) -> source name
+    pipeline_kwargs: dict = field(default_factory=dict)
+    option_names: tuple[str, ...] | None = None  # the family options this model takes (None: all)
+    default: bool = False  # the model a request without one gets (one recipe sets it)
+
+    @property
+    def family(self) -> str:
+        return self.pipeline_class().FAMILY
+
+    def pipeline_class(self):
+        import importlib
+
+        mod, cls = self.pipeline.split(":")
+        return getattr(importlib.import_module(mod), cls)
+
+    @property
+    def options(self) -> tuple[Option, ...]:
+        opts = tuple(self.pipeline_class().OPTIONS)
+        return opts if self.option_names is None else tuple(o for o in opts if o.name in self.option_names)
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.options if o.name == name), None)
+
+    def source(self, preset: str | None, checkpoint: str | None, has_image: bool = False) -> str:
+        if checkpoint:
+            return checkpoint
+        return self.preset_sources.get((preset, has_image), preset)
+
+    def build(self, preset: str | None, checkpoint: str | None, has_image: bool = False, **kw) -> Pipeline:
+        return self.pipeline_class()(self.source(preset, checkpoint, has_image), **{**self.pipeline_kwargs, **kw})
+
+    def default_mesh(self, n_devices: int, num_heads: int, tokens: int, cfg_parallel: bool) -> str | None:
+        """The mesh ``--mesh auto`` picks on ``n_devices``: the conditional/unconditional pair on
+        ``dp`` when guidance runs as a batch of two, the rest on the recipe's preferred axis
+        (``sp`` for models whose weights fit one chip, ``tp`` for the large ones), as large as the
+        heads (and, for sp, the token count) allow."""
+        if n_devices <= 1:
+            return None
+        dp = 2 if cfg_parallel and n_devices % 2 == 0 else 1
+        rest = n_devices // dp
+        ok = [d for d in range(1, rest + 1) if rest % d == 0 and num_heads % d == 0
+              and (self.prefer_axis != "sp" or tokens % d == 0)]
+        return f"dp={dp},{self.prefer_axis}={max(ok)}"
+
+    def job_variables(self, stage_kind: str, preset: str | None) -> dict:
+        return dict(self.stage_jobs.get(preset, {}).get(stage_kind, {}))
+
+    def settings(self, preset: str | None, **overrides) -> dict:
+        """Defaults for this model (and preset), with non-None overrides applied."""
+        s = {o.name: o.default for o in self.options}
+        s.update(self.defaults)
+        s.update(PRESET_DEFAULTS.get(preset, {}))
+        s.update({k: v for k, v in overrides.items() if v is not None})
+        return s
+
+
+# ------------------------------------------------------------------ shared helpers
+def to_unit_range(pixels: np.ndarray) -> np.ndarray:
+    """VAE output [B, 3, T, H, W] in [-1, 1] -> [B, T, H, W, 3] in [0, 1] (the reference's postprocess)."""
+    return np.clip(np.asarray(pixels).transpose(0, 2, 3, 4, 1) / 2 + 0.5, 0.0, 1.0)
+
+
+def to_uint8(video01: np.ndarray) -> np.ndarray:
+    return np.round(np.asarray(video01) * 255).astype(np.uint8)
+
+
+def pack_state(latents: np.ndarray, state) -> dict[str, np.ndarray]:
+    """A sampling checkpoint's arrays: the latents and the scheduler state's leaves."""
+    import jax
+
+    out = {"latents": np.asarray(latents)}
+    for i, leaf in enumerate(jax.tree.leaves(state)):
+        out[f"state_{i}"] = np.asarray(leaf)
+    return out
+
+
+def unpack_state(arrays: Mapping[str, np.ndarray], template):
+    """Inverse of :func:`pack_state` given a state of the same structure (``sched.init_state(x)``)."""
+    import jax
+
+    treedef = jax.tree.structure(template)
+    n = treedef.num_leaves
+    missing = [f"state_{i}" for i in range(n) if f"state_{i}" not in arrays]
+    if "latents" not in arrays or missing:
+        raise ValueError(f"sampling checkpoint is incomplete: missing {(['latents'] if 'latents' not in arrays else []) + missing}")
+    return arrays["latents"], jax.tree.unflatten(treedef, [arrays[f"state_{i}"] for i in range(n)])
