@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from datetime import timedelta
 
 from prefect import flow, get_run_logger, task
@@ -24,25 +25,10 @@ from prefect.tasks import exponential_backoff
 
 from stages import run as R
 from stages.request import Request, validate, validate_run_id
-from stages.store import RunStore, StoreError
+from stages.store import RunStore, is_transient
 from vidax import registry
 
-from .batch import parse_prompt_file
-
-TRANSIENT = (ConnectionError, TimeoutError, StoreError)
-
-
-def is_transient(exc: BaseException | None) -> bool:
-    """Storage hiccups worth retrying: connection/timeouts and HTTP 429/5xx from object stores."""
-    if exc is None:
-        return False
-    if isinstance(exc, TRANSIENT):
-        return True
-    code = getattr(exc, "code", None) or getattr(exc, "status", None)
-    if isinstance(code, int) and (code == 429 or 500 <= code < 600):
-        return True
-    return type(exc).__name__ in ("ClientConnectionError", "ServerDisconnectedError", "ClientOSError")
-
+from .batch import PromptFileError, parse_prompt_file
 
 def _retry_transient(task_, task_run, state) -> bool:
     try:
@@ -72,7 +58,7 @@ def stage_task(store: str, run_id: str, stage: str, key: str, force: bool = Fals
     keys = R.stage_keys(req, pipe)
     if keys.get(stage) != key:
         raise R.StageError(f"{stage}: the run's request changed since this task was planned")
-    if not force and R.committed(run, stage, key):
+    if not force and R.committed(run, stage, key, req=req, pipe=pipe):
         logger.info("%s is already committed (key %s): skipped", stage, key[:12])
         rec = run.record(stage)
         return {"stage": stage, "key": key, "status": "skipped", "seconds": rec["seconds"], "hardware": rec["hardware"]}
@@ -99,30 +85,118 @@ def _emit_stage_failed(store: str, run_id: str, stage: str, error: str, attempt:
     )
 
 
-def _run_local(store: str, run_id: str, stage: str, key: str, force: bool = False) -> dict:
+def _run_local(store: str, run_id: str, stage: str, key: str, force: bool = False, req=None, pipe=None) -> dict:
     run = RunStore(store).run(run_id)
-    fresh = not force and R.committed(run, stage, key)
+    if req is None:
+        req = R.load_request(run)
+        pipe = R.make_pipeline(req)
+    fresh = not force and R.committed(run, stage, key, req=req, pipe=pipe)
     return stage_task.with_options(refresh_cache=not fresh)(store, run_id, stage, key, force)
 
 
+#: how long a stage's child run may take, per stage kind (seconds); VIDAX_STAGE_TIMEOUT_<KIND> overrides
+STAGE_TIMEOUTS = {"encode": 3600, "sample": 6 * 3600, "decode": 3600, "mux": 1800}
+#: a Running child whose stage has no live lease for this long is taken for crashed (dead worker)
+CRASH_GRACE = float(os.environ.get("VIDAX_CRASH_GRACE", "60"))
+
+
+def stage_timeout(kind: str) -> float:
+    return float(os.environ.get(f"VIDAX_STAGE_TIMEOUT_{kind.upper()}", STAGE_TIMEOUTS.get(kind, 3600)))
+
+
+def _flow_run_url(flow_run_id) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return f"{ui}/runs/flow-run/{flow_run_id}" if ui else str(flow_run_id)
+
+
 def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: dict, attempt: int) -> dict:
+    """Launch the stage as a run of its deployment on its pool and wait for it, bounded: the
+    child must finish within the stage kind's timeout, and a child that is Running while its
+    stage holds no live lease (the worker died: SIGKILL, OOM, preemption) is marked Crashed after
+    :data:`CRASH_GRACE` seconds. Either way the parent fails the stage within a bounded time and
+    announces it (``vidax.stage.failed``) so the rerun automation can pick it up."""
+    import asyncio
+
+    from prefect import get_client
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
+    from prefect.states import Crashed
 
+    logger = get_run_logger()
     kind = stage.split("/")[0]
     name = registry.STAGE_DEPLOYMENTS[kind]
     fr = run_deployment(
         name, parameters={"store": store, "run_id": run_id, "stage": stage}, job_variables=job_variables or None,
-        idempotency_key=f"{flow_run.id}:{stage}:{key}:attempt-{attempt}", timeout=None, as_subflow=True,
+        idempotency_key=f"{flow_run.id}:{stage}:{key}:attempt-{attempt}", timeout=0, as_subflow=True,
+        tags=[f"vidax-run:{run_id}", f"vidax-stage:{stage}"],
     )
-    state = fr.state
+    pool = (job_variables or {}).get("tpu_accelerator") or name
+    logger.info("%s -> %s (%s): child run %s %s", stage, name, pool, fr.name, _flow_run_url(fr.id))
+    run = RunStore(store).run(run_id)
+    deadline = time.time() + stage_timeout(kind)
+    orphaned_since = None
+
+    async def read_state():
+        async with get_client() as c:
+            return (await c.read_flow_run(fr.id)).state
+
+    async def crash(message):
+        async with get_client() as c:
+            await c.set_flow_run_state(fr.id, Crashed(message=message), force=True)
+
+    while True:
+        state = asyncio.run(read_state())
+        if state is not None and state.is_final():
+            break
+        now = time.time()
+        if now > deadline:
+            asyncio.run(crash(f"vidax: {stage} exceeded its timeout ({stage_timeout(kind):.0f} s)"))
+            state = asyncio.run(read_state())
+            break
+        if state is not None and state.is_running():
+            lease = run.lease(stage)
+            if lease is not None and lease.live():
+                orphaned_since = None
+            elif orphaned_since is None:
+                orphaned_since = now
+            elif now - orphaned_since > CRASH_GRACE and run.record(stage) is None:
+                asyncio.run(crash(f"vidax: {stage} stopped renewing its lease for {CRASH_GRACE:.0f} s "
+                                  f"(its worker died)"))
+                state = asyncio.run(read_state())
+                break
+        time.sleep(2.0)
     if state is None or not state.is_completed():
-        raise R.StageError(f"{stage}: child flow run {fr.name} ({name}) ended "
-                           f"{state.type.value if state else 'without a state'}: {state.message if state else ''}")
+        # (a crashed child is announced by Prefect's own flow-run state event, which the rerun
+        # automation listens to; a failed one by the vidax.stage.failed event its flow emits)
+        what = state.type.value if state else "without a state"
+        raise R.StageError(f"{stage}: child flow run {fr.name} ({name}) ended {what}: "
+                           f"{state.message if state else ''}")
+    logger.info("%s done (child run %s)", stage, fr.name)
     return {"stage": stage, "key": key, "status": "ran", "flow_run": str(fr.id)}
 
 
-def _report(run, req: Request, results: list[dict]) -> None:
+def resolve_store(store: str) -> str:
+    """The run store of a flow: the parameter, else $VIDAX_STORE, else ``vidax-runs`` in the
+    working directory, which a deployment refuses: its runs execute in a temporary folder that is
+    deleted afterwards, so the videos would be lost."""
+    from prefect.runtime import deployment
+
+    store = store or os.environ.get("VIDAX_STORE", "")
+    in_deployment = deployment.id is not None
+    if not store:
+        if in_deployment:
+            raise ValueError("store: no run store given; a deployment runs in a temporary folder, so pass "
+                             "store='gs://bucket/vidax' (or an absolute path) or set VIDAX_STORE on the work pool")
+        store = "vidax-runs"
+    if in_deployment and "://" not in store and not os.path.isabs(store):
+        raise ValueError(f"store: {store!r} is relative; a deployment runs in a temporary folder, so give a URL "
+                         f"or an absolute path")
+    return store
+
+
+def _report(run, req: Request, results: list[dict], rerun_of: str | None = None) -> None:
     keys_rows = []
     for r in results:
         rec = run.record(r["stage"]) or {}
@@ -133,9 +207,10 @@ def _report(run, req: Request, results: list[dict]) -> None:
     videos = "\n".join(f"- video: `{run.url(n)}`" for n in R.video_names(len(req.prompts)))
     previews = "\n".join(f"- preview: `{run.url(n.replace('video', 'preview').replace('.mp4', '.png'))}`"
                          for n in R.video_names(len(req.prompts)))
+    origin = f"\n\nThis rerun finished the run started by flow run {rerun_of}.\n" if rerun_of else ""
     create_markdown_artifact(
         f"# vidax run `{run.run_id}`\n\n{req.model}, {req.width}x{req.height}, {req.num_frames} frames, "
-        f"{req.steps} steps, seed {req.seed}\n\n> {req.prompts[0]}\n\n{videos}\n{previews}\n",
+        f"{req.steps} steps, seed {req.seed}\n\n> {req.prompts[0]}\n\n{videos}\n{previews}\n{origin}",
         key=_artifact_key("vidax", run.run_id, "output"), description=f"Output of run {run.run_id}")
 
 
@@ -148,7 +223,7 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
     from prefect.runtime import flow_run
 
     logger = get_run_logger()
-    store = store or os.environ.get("VIDAX_STORE", "vidax-runs")
+    store = resolve_store(store)
     req = validate(Request.from_json(request))
     if mode not in ("local", "distributed"):
         raise ValueError(f"mode: {mode!r}; choose local or distributed")
@@ -161,16 +236,22 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
     run.write_json("request.json", req.to_json())
     recipe = registry.get(req.model)
     attempt = flow_run.run_count or 1
-    logger.info("run %s in %s: %s stages, mode %s", run_id, rs.url, len(keys), mode)
+    logger.info("run %s in %s: %s stages (%s), mode %s", run_id, rs.url, len(keys), ", ".join(keys), mode)
+    run.write_json("prefect.json", {"generate_flow_run": str(flow_run.id), "url": _flow_run_url(flow_run.id),
+                                    "mode": mode})
+    progress = create_progress_artifact(progress=0.0, key=_artifact_key("vidax", run_id, "stages-progress"),
+                                        description=f"stages of run {run_id} committed")
     results = []
-    for stage in keys:
+    for n, stage in enumerate(keys):
+        if n:
+            update_progress_artifact(progress, progress=round(100 * n / len(keys), 1))
         try:
             if mode == "local":
-                results.append(_run_local(rs.url, run_id, stage, keys[stage]))
+                results.append(_run_local(rs.url, run_id, stage, keys[stage], req=req, pipe=pipe))
             else:
                 kind = stage.split("/")[0]
                 jv = {**recipe.job_variables(kind, req.preset), **(job_variables or {}).get(kind, {})}
-                if R.committed(run, stage, keys[stage]):
+                if R.committed(run, stage, keys[stage], req=req, pipe=pipe):
                     results.append({"stage": stage, "key": keys[stage], "status": "skipped"})
                 else:
                     results.append(_run_remote(rs.url, run_id, stage, keys[stage], jv, attempt))
@@ -180,6 +261,7 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
             R.write_manifest(run, req, keys)
             raise
     R.write_manifest(run, req, keys)
+    update_progress_artifact(progress, progress=100.0)
     _report(run, req, results)
     videos = [run.url(n) for n in R.video_names(len(req.prompts))]
     for v in videos:
@@ -218,9 +300,15 @@ def rerun_stage(store: str, run_id: str, stage: str) -> dict:
     for later in names[names.index(stage) + 1:]:
         results.append(_run_local(store, run_id, later, keys[later]))
     R.write_manifest(run, req, keys)
-    _report(run, req, results)
-    logger.info("run %s complete: %s", run_id, ", ".join(run.url(n) for n in R.video_names(len(req.prompts))))
-    return {"run_id": run_id, "stages": results}
+    origin = {}
+    try:
+        origin = run.read_json("prefect.json") or {}
+    except Exception:  # noqa: BLE001 - the link is informational
+        pass
+    _report(run, req, results, rerun_of=origin.get("url"))
+    logger.info("run %s complete (it was started by %s): %s", run_id, origin.get("url", "an unknown flow run"),
+                ", ".join(run.url(n) for n in R.video_names(len(req.prompts))))
+    return {"run_id": run_id, "stages": results, "started_by": origin.get("generate_flow_run")}
 
 
 @task(name="vidax-prompt", task_run_name="line {line}")
@@ -235,9 +323,13 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     Empty ``store`` / ``mode`` (e.g. from an event that names none) mean $VIDAX_STORE (default
     ``vidax-runs``) and $VIDAX_MODE (default local)."""
     logger = get_run_logger()
-    store = store or os.environ.get("VIDAX_STORE", "vidax-runs")
+    store = resolve_store(store)
     mode = mode or os.environ.get("VIDAX_MODE", "local")
-    lines = parse_prompt_file(prompt_file, defaults)
+    try:
+        lines = parse_prompt_file(prompt_file, defaults)
+    except PromptFileError as e:
+        logger.error("%s", e)
+        return Failed(message=str(e))
     bad = [b for b in lines if b.error]
     for b in bad:
         logger.error("%s line %d rejected: %s", prompt_file, b.line, b.error)
@@ -265,7 +357,9 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     summary = {"file": prompt_file, "rows": rows, "done": sum(r["status"] == "done" for r in rows),
                "failed": [r["line"] for r in rows if r["status"] == "failed"],
                "rejected": [r["line"] for r in rows if r["status"] == "rejected"]}
-    if summary["failed"] or summary["rejected"]:
-        return Failed(message=f"{summary['done']} done; failed lines {summary['failed']}; rejected lines "
-                              f"{summary['rejected']}", data=summary)
+    message = (f"{summary['done']} done; failed lines {summary['failed']}; rejected lines {summary['rejected']} "
+               f"(table artifact: batch summary for {prompt_file})")
+    logger.info(message)
+    if summary["failed"] or not good:  # rejected lines alone do not fail a batch whose prompts all ran
+        return Failed(message=message)
     return summary

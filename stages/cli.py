@@ -211,7 +211,7 @@ def cmd_stage(a, force: bool = False) -> int:
         raise RequestError("stage", f"{a.stage!r} is not a stage of run {a.run_id}; stages: {', '.join(keys)}")
     con = _console()
     t0 = time.perf_counter()
-    if not force and R.committed(run, a.stage, keys[a.stage]):
+    if not force and R.committed(run, a.stage, keys[a.stage], req=req, pipe=pipe):
         con.print(f"[{a.stage}] up to date, skipped (use `vidax rerun` to recompute)")
         return 0
     with _Reporter(con) as rep:
@@ -231,16 +231,34 @@ def cmd_status(a) -> int:
     validate_run_id(a.run_id)
     run = _store(a.store, write=False).run(a.run_id)
     req = R.load_request(run)
-    keys = R.stage_keys(req, R.make_pipeline(req))
+    pipe = R.make_pipeline(req)
+    keys = R.stage_keys(req, pipe)
+    records = R.Records(run)
     rows = []
     for name, key in keys.items():
-        rec = run.record(name) or {}
-        rows.append([name, R.stage_status(run, name, key), key[:12], f"{rec['seconds']:.2f}s" if rec else "",
-                     rec.get("hardware", ""), rec.get("finished", "")])
+        status = R.stage_status(run, name, key, "full" if a.verify else "quick", req=req, pipe=pipe, records=records)
+        rec = records.get(name)
+        rec = rec if isinstance(rec, dict) else {}
+        row = [name, status, key[:12], f"{rec['seconds']:.2f}s" if rec.get("seconds") is not None else "",
+               rec.get("hardware", ""), rec.get("finished", "")]
+        if a.io:
+            io, d = rec.get("io") or {}, rec.get("details") or {}
+            row += [io.get("requests", ""), _mib(io.get("bytes_read")), _mib(io.get("bytes_written")),
+                    _mib(d.get("frames_bytes")), _mib(d.get("carry_bytes"))]
+        rows.append(row)
     con = _console()
     con.print(f"run {a.run_id} in {run.store.url}: {req.model}, prompt {req.prompts[0]!r}")
-    con.print(_table(rows, ["stage", "status", "key", "time", "hardware", "finished"]))
+    header = ["stage", "status", "key", "time", "hardware", "finished"]
+    if a.io:
+        header += ["requests", "read MiB", "written MiB", "frames MiB", "carry MiB"]
+    con.print(_table(rows, header))
+    for n in R.video_names(len(req.prompts)):
+        con.print(f"video: {run.url(n)}")
     return 0
+
+
+def _mib(n) -> str:
+    return "" if n is None else f"{n / 2**20:.2f}"
 
 
 def cmd_ls(a) -> int:
@@ -292,8 +310,10 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("run_id")
     r.add_argument("--stage", required=True)
     store_arg(r)
-    st = sub.add_parser("status", help="show a run's stages")
+    st = sub.add_parser("status", help="show a run's stages (checks each against one listing; no data read)")
     st.add_argument("run_id")
+    st.add_argument("--verify", action="store_true", help="also re-read every output and check its content digest")
+    st.add_argument("--io", action="store_true", help="requests and bytes each stage moved, frames vs carry sizes")
     store_arg(st)
     ls = sub.add_parser("ls", help="list runs in a store")
     store_arg(ls)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,12 @@ from vidax import registry
 from vidax.pipeline import OptionError
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_SEED = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds without x64: larger ones would alias
+MAX_GUIDANCE = 100.0
+MAX_STEPS = 1000
+MAX_FPS = 240.0
+MAX_PROMPT_CHARS = 20_000
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 class RequestError(ValueError):
@@ -53,7 +60,7 @@ class Request:
     # ---------------------------------------------------------------- derived
     @property
     def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        return list(self.prompt) if isinstance(self.prompt, (list, tuple)) else [self.prompt]
 
     def resolved(self) -> "Request":
         """A copy with the model's (and preset's) defaults filled in, options included."""
@@ -109,7 +116,9 @@ def validate(req: Request, pipeline=None) -> Request:
         recipe = registry.get(req.model)
     except ValueError:
         raise RequestError("model", f"unknown model {req.model!r}; available: {', '.join(sorted(registry.MODELS))}") from None
-    if req.checkpoint:
+    if req.checkpoint is not None:
+        if not isinstance(req.checkpoint, str) or not req.checkpoint.strip():
+            raise RequestError("checkpoint", f"{req.checkpoint!r}: give a checkpoint folder")
         if not Path(req.checkpoint).is_dir():
             raise RequestError("checkpoint", f"{req.checkpoint!r} is not a folder")
     elif req.preset not in recipe.presets:
@@ -123,9 +132,17 @@ def validate(req: Request, pipeline=None) -> Request:
                                      f"{', '.join(sorted(declared)) or 'none'}")
     prompts = req.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise RequestError("prompt", "must be a non-empty string")
+        got = next((p for p in prompts if not isinstance(p, str)), None) if prompts else None
+        raise RequestError("prompt", "must be a non-empty string" + (f", got {type(got).__name__} {got!r}" if got is not None else ""))
     if req.negative_prompt is not None and not isinstance(req.negative_prompt, str):
         raise RequestError("negative_prompt", "must be a string")
+    for name, texts in (("prompt", prompts), ("negative_prompt", [req.negative_prompt or ""])):
+        for t in texts:
+            if len(t) > MAX_PROMPT_CHARS:
+                raise RequestError(name, f"{len(t)} characters; at most {MAX_PROMPT_CHARS}")
+            m = _CONTROL.search(t)
+            if m:
+                raise RequestError(name, f"contains the control character {m.group()!r} at position {m.start()}")
     if recipe.image == "required" and not req.image:
         raise RequestError("image", f"{req.model} is an image-to-video model: give the first frame (--image PATH|URL)")
     if recipe.image == "none" and req.image:
@@ -139,12 +156,20 @@ def validate(req: Request, pipeline=None) -> Request:
     if r.mesh not in (None, "auto"):
         from vidax.core.mesh import parse_mesh_spec
 
+        if not isinstance(r.mesh, str):
+            raise RequestError("mesh", f"{r.mesh!r}: a spec like dp=1,tp=4,sp=2, or auto")
         try:
             parse_mesh_spec(r.mesh)
         except ValueError as e:
             raise RequestError("mesh", f"{r.mesh!r}: {e}; e.g. dp=1,tp=4,sp=2 or auto") from None
-    pipe = pipeline or build_pipeline(r, mesh=None)
-    geo = pipe.geometry()
+    try:
+        pipe = pipeline or build_pipeline(r, mesh=None)
+        geo = pipe.geometry()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not r.checkpoint:
+            raise
+        msg = str(e).replace(str(r.checkpoint), "").strip(" :") or type(e).__name__
+        raise RequestError("checkpoint", f"{r.checkpoint}: not a usable {r.model} checkpoint ({msg})") from None
     if r.image:
         from stages.images import image_size
 
@@ -163,14 +188,16 @@ def validate(req: Request, pipeline=None) -> Request:
         geo.check(r.height, r.width, r.num_frames)
     except OptionError as e:
         raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
-    if not isinstance(r.steps, int) or isinstance(r.steps, bool) or r.steps < 1:
-        raise RequestError("steps", f"{r.steps!r}: must be an integer >= 1")
-    if not isinstance(r.guidance, (int, float)) or isinstance(r.guidance, bool) or r.guidance < 0:
-        raise RequestError("guidance", f"{r.guidance!r}: must be a number >= 0")
-    if not isinstance(r.seed, int) or isinstance(r.seed, bool) or r.seed < 0:
-        raise RequestError("seed", f"{r.seed!r}: must be an integer >= 0")
-    if r.fps is None or r.fps <= 0:
-        raise RequestError("fps", f"{r.fps!r}: must be > 0")
+    if not isinstance(r.steps, int) or isinstance(r.steps, bool) or not 1 <= r.steps <= MAX_STEPS:
+        raise RequestError("steps", f"{r.steps!r}: must be an integer between 1 and {MAX_STEPS}")
+    if (not isinstance(r.guidance, (int, float)) or isinstance(r.guidance, bool) or not math.isfinite(r.guidance)
+            or not 0 <= r.guidance <= MAX_GUIDANCE):
+        raise RequestError("guidance", f"{r.guidance!r}: must be a finite number between 0 and {MAX_GUIDANCE:g}")
+    if not isinstance(r.seed, int) or isinstance(r.seed, bool) or not 0 <= r.seed <= MAX_SEED:
+        raise RequestError("seed", f"{r.seed!r}: must be an integer between 0 and {MAX_SEED}")
+    if (not isinstance(r.fps, (int, float)) or isinstance(r.fps, bool) or not math.isfinite(r.fps)
+            or not 0 < r.fps <= MAX_FPS):
+        raise RequestError("fps", f"{r.fps!r}: must be a finite number in (0, {MAX_FPS:g}]")
     lat = geo.latent_frames(r.num_frames)
     if r.decode_stages is not None and not (1 <= r.decode_stages <= lat):
         raise RequestError("decode_stages", f"{r.decode_stages!r}: must be between 1 and {lat} (the latent frame count)")
@@ -178,6 +205,11 @@ def validate(req: Request, pipeline=None) -> Request:
         raise RequestError("checkpoint_every", f"{r.checkpoint_every!r}: must be an integer >= 1")
     if r.dtype not in ("float32", "bfloat16"):
         raise RequestError("dtype", f"{r.dtype!r}: choose float32 or bfloat16")
+    _check_mesh(r.mesh, geo)
+    try:
+        pipe.check(r)
+    except OptionError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
     if r.offload_chunk_size is not None:
         v = r.offload_chunk_size
         if not (v == "all" or (str(v).isdigit() and int(v) >= 1)):
@@ -185,6 +217,28 @@ def validate(req: Request, pipeline=None) -> Request:
         if v != "all":
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
+
+
+def _check_mesh(mesh, geo) -> None:
+    """The mesh against the visible devices and the model's divisibility rules."""
+    if mesh in (None, "auto"):
+        return
+    import jax
+
+    from vidax.core.mesh import parse_mesh_spec
+
+    sizes = parse_mesh_spec(mesh)
+    n = 1
+    for v in sizes.values():
+        n *= max(1, int(v))  # -1 fills the remaining devices
+    have = jax.device_count()
+    if n > have:
+        raise RequestError("mesh", f"{mesh!r} needs {n} devices; {have} visible ({jax.default_backend()})")
+    par = max(1, int(sizes.get("tp", 1))) * max(1, int(sizes.get("sp", 1)))
+    if geo.num_heads % par:
+        ok = [d for d in range(1, geo.num_heads + 1) if geo.num_heads % d == 0]
+        raise RequestError("mesh", f"{mesh!r}: tp*sp={par} does not divide the model's {geo.num_heads} attention heads; "
+                                   f"tp*sp can be {', '.join(map(str, ok))}")
 
 
 def build_pipeline(req: Request, mesh="request"):

@@ -21,7 +21,9 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -31,7 +33,8 @@ from typing import Callable
 import numpy as np
 
 from stages.request import Request, build_pipeline
-from stages.store import Run, checksum, local_tmpdir, read_array, write_array
+from stages.store import (CorruptDocument, DigestMismatch, IOCounter, Run, is_transient, local_tmpdir, pack,
+                          read_array, unpack)
 from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
@@ -167,39 +170,133 @@ def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:
     return keys
 
 
+# ------------------------------------------------------------------ dependencies
+def inputs_of(stage: str, keys: dict[str, str], plan: dict[str, DecodeSpan]) -> list[str]:
+    """The stages whose committed outputs ``stage`` reads."""
+    if stage == "encode":
+        return []
+    if stage == "sample":
+        return ["encode"]
+    if stage in plan:
+        span = plan[stage]
+        return ["sample"] + ([span.carry_from] if span.carry_from else [])
+    return [n for n in keys if n.startswith("decode/")]
+
+
+def _plan(req: Request, pipe: Pipeline) -> dict[str, DecodeSpan]:
+    return {s.name: s for s in decode_plan(req, pipe)}
+
+
+class Records:
+    """The run's completion records, each read once per instance (fresh from the store)."""
+
+    def __init__(self, run: Run):
+        self.run, self._cache, self.statuses = run, {}, {}
+
+    def get(self, stage: str):
+        """The record, None if absent, or the CorruptDocument it raised."""
+        if stage not in self._cache:
+            try:
+                self._cache[stage] = self.run.record(stage)
+            except CorruptDocument as e:
+                self._cache[stage] = e
+        return self._cache[stage]
+
+    def digest(self, stage: str) -> str | None:
+        rec = self.get(stage)
+        return rec.get("digest") if isinstance(rec, dict) else None
+
+    def forget(self, stage: str) -> None:
+        self._cache.pop(stage, None)
+        self.statuses.clear()  # anything downstream may change with it
+
+
 # ------------------------------------------------------------------ commit / verify
-def committed(run: Run, stage: str, key: str, verify: bool = True) -> bool:
-    return stage_status(run, stage, key, verify) == "done"
+def committed(run: Run, stage: str, key: str, verify: bool = True, req: Request | None = None, pipe=None) -> bool:
+    return stage_status(run, stage, key, verify="quick" if verify else "none", req=req, pipe=pipe) == "done"
 
 
-def stage_status(run: Run, stage: str, key: str | None, verify: bool = True) -> str:
-    """done | stale (other key) | corrupt (outputs missing or checksums differ) | missing."""
-    rec = run.record(stage)
+def stage_status(run: Run, stage: str, key: str | None, verify: str | bool = "quick", *, req: Request | None = None,
+                 pipe: Pipeline | None = None, records: Records | None = None) -> str:
+    """done | stale (another key, or an input changed since) | corrupt (a record or output that
+    cannot be trusted) | missing.
+
+    ``verify``: "quick" compares the record's object signatures with one listing (no data read);
+    "full" also re-reads every output and checks its content digest; "none" trusts the record.
+    With ``req``/``pipe`` given, the digests of the inputs the stage was computed from must equal
+    its upstream stages' current ones (content-addressed: recompute upstream into different
+    content and everything after it is stale)."""
+    if verify is True:
+        verify = "quick"
+    elif verify is False:
+        verify = "none"
+    records = records or Records(run)
+    memo = (stage, key, verify, req is not None)
+    if memo not in records.statuses:
+        records.statuses[memo] = _status(run, stage, key, verify, req, pipe, records)
+    return records.statuses[memo]
+
+
+def _status(run, stage, key, verify, req, pipe, records) -> str:
+    rec = records.get(stage)
+    if isinstance(rec, CorruptDocument):
+        return "corrupt"
     if rec is None:
         return "missing"
+    if not isinstance(rec, dict) or not isinstance(rec.get("outputs"), dict):
+        return "corrupt"
     if key is not None and rec.get("key") != key:
         return "stale"
-    if verify and not _verify_outputs(run, rec):
+    if req is not None and pipe is not None:
+        keys = stage_keys_cached(req, pipe)
+        deps = inputs_of(stage, keys, _plan(req, pipe))
+        if rec.get("inputs") != {d: records.digest(d) for d in deps}:
+            return "stale"
+        # everything after a stage that is not done is stale too (it will be recomputed from it)
+        if any(stage_status(run, d, keys[d], verify, req=req, pipe=pipe, records=records) != "done" for d in deps):
+            return "stale"
+    if verify in ("quick", "full"):
+        objects = rec.get("objects")
+        if not isinstance(objects, dict) or run.objects(*_locations(rec)) != objects:
+            return "corrupt"
+    if verify == "full" and not _verify_content(run, rec):
         return "corrupt"
     return "done"
 
 
-def _verify_outputs(run: Run, rec: dict) -> bool:
-    try:
-        groups = {}
-        for ref, digest in rec.get("outputs", {}).items():
+def _locations(rec: dict) -> list[str]:
+    """Where a record's outputs live (groups and files), for one listing each."""
+    return sorted({ref.split("::", 1)[0] for ref in rec.get("outputs", {})})
+
+
+def _verify_content(run: Run, rec: dict) -> bool:
+    """Re-read every output and check its content digest (``vidax status --verify``)."""
+    groups = {}
+    for ref, digest in rec.get("outputs", {}).items():
+        try:
             if "::" in ref:
                 gname, aname = ref.split("::", 1)
                 g = groups.get(gname) or groups.setdefault(gname, run.group(gname))
-                if checksum(read_array(g, aname)) != digest:
-                    return False
+                read_array(g, aname, digest)
             else:
-                with run.fs.open(run.path(ref), "rb") as f:
-                    if hashlib.sha256(f.read()).hexdigest() != digest:
-                        return False
-        return True
-    except Exception:  # noqa: BLE001 - unreadable output == corrupt
-        return False
+                data = run.read_bytes(ref)
+                if data is None or hashlib.sha256(data).hexdigest() != digest:
+                    return False
+        except (DigestMismatch, KeyError, FileNotFoundError, ValueError):
+            return False
+    return True
+
+
+_KEYS_CACHE: dict = {}
+
+
+def stage_keys_cached(req: Request, pipe: Pipeline) -> dict[str, str]:
+    k = (id(pipe), json.dumps(req.to_json(), sort_keys=True, default=str))
+    if k not in _KEYS_CACHE:
+        if len(_KEYS_CACHE) > 64:
+            _KEYS_CACHE.clear()
+        _KEYS_CACHE[k] = stage_keys(req, pipe)
+    return _KEYS_CACHE[k]
 
 
 @dataclass
@@ -216,8 +313,18 @@ Log = Callable[[str], None]
 Progress = Callable[[str, float], None]  # (stage, fraction done)
 
 
+class CorruptInput(StageError):
+    """A stage's committed input does not match its record (detected when read)."""
+
+    def __init__(self, stage: str, message: str):
+        self.stage = stage
+        super().__init__(message)
+
+
 def _fault(stage: str, what: str) -> str | None:
-    """Test-only fault switch: VIDAX_FAULTS="sample:kill_after_step=3,decode/1:fail"."""
+    """Fault injection for tests and drills: ``VIDAX_FAULTS="sample:kill_after_step=3,decode/1:fail"``
+    (``fail``: raise; ``kill``: SIGKILL the process; ``kill_after_step=N``: SIGKILL after the
+    sampling checkpoint of step N)."""
     for item in filter(None, os.environ.get("VIDAX_FAULTS", "").split(",")):
         s, _, f = item.partition(":")
         if s == stage and f.split("=")[0] == what:
@@ -225,27 +332,50 @@ def _fault(stage: str, what: str) -> str | None:
     return None
 
 
-def _write_named(g, outputs: dict[str, Named], prefix: str, out: dict) -> None:
+class _Inputs:
+    """Reads a stage's inputs, each checked against the content digest its record committed."""
+
+    def __init__(self, run: Run, records: Records):
+        self.run, self.records = run, records
+
+    def arrays(self, stage: str, group: str, names=None) -> dict[str, np.ndarray]:
+        rec = self.records.get(stage)
+        if not isinstance(rec, dict):
+            raise CorruptInput(stage, f"{stage} has no readable record")
+        outs = rec["outputs"]
+        prefix = f"{group}::"
+        wanted = sorted(r[len(prefix):] for r in outs if r.startswith(prefix) and "/" not in r[len(prefix):])
+        if names is not None:
+            missing = [n for n in names if n not in wanted]
+            if missing:
+                raise CorruptInput(stage, f"{stage} committed no {', '.join(missing)} (it has {', '.join(wanted)})")
+            wanted = list(names)
+        try:
+            g = self.run.group(group)
+            return {n: read_array(g, n, outs[prefix + n]) for n in wanted}
+        except Exception as e:  # noqa: BLE001 - anything but a transient error means damaged data
+            if is_transient(e):
+                raise
+            raise CorruptInput(stage, f"{stage}'s output in {group} is damaged ({type(e).__name__}: {e})") from None
+
+
+def _write_named(w, outputs: dict[str, Named], prefix: str, out: dict) -> None:
     for name, t in outputs.items():
-        out[f"{prefix}::{name}"] = write_array(g, name, t.array, tuple(t.dims), **t.attrs)
-
-
-def _read_group(run: Run, name: str, arrays=None) -> dict[str, np.ndarray]:
-    g = run.group(name)
-    return {n: read_array(g, n) for n in (arrays if arrays is not None else sorted(g.array_keys()))}
+        out[f"{prefix}::{name}"] = w.array(name, t.array, tuple(t.dims), **t.attrs)
 
 
 # ------------------------------------------------------------------ stages
-def run_encode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log) -> dict:
+def run_encode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs) -> dict:
     image = None
     if req.image is not None:
         from stages.images import load_image
 
         image = load_image(req.image)
     outputs = pipe.encode(req, image)
-    g = run.group("encode.zarr", "w")
+    w = run.writer("encode.zarr")
     out: dict = {}
-    _write_named(g, outputs, "encode.zarr", out)
+    _write_named(w, outputs, "encode.zarr", out)
+    w.flush()
     log("  " + ", ".join(f"{n} {list(t.array.shape)} {t.attrs.get('stored_as', t.array.dtype)}"
                          for n, t in outputs.items()))
     if image is not None:
@@ -253,32 +383,57 @@ def run_encode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log) -> di
     return out
 
 
-def _ckpt_groups(run: Run):
-    try:
-        g = run.group("sample.zarr", "a")
-    except Exception:  # noqa: BLE001 - unreadable: treated as absent
-        return None, []
-    names = sorted((n for n in g.group_keys() if n.startswith("ckpt_")), key=lambda n: int(n[5:]))
-    return g, names
+# sampling checkpoints: checkpoints/<step>.zarr (arrays) + checkpoints/<step>.json (the marker,
+# written last, holding the key and every array's content digest). Deleting removes the marker first.
+def _ckpt_name(step: int) -> str:
+    return f"checkpoints/{step:05d}"
 
 
-def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, progress: Progress | None = None) -> dict:
-    cond = _read_group(run, "encode.zarr")
-    # newest committed checkpoint of *this* key, if any
-    resume = None
-    g, names = _ckpt_groups(run)
-    for n in reversed(names):
-        a = g[n].attrs
-        if a.get("key") == key and a.get("committed"):
-            c = g[n]
-            resume = {"step": int(a["next_step"]), "arrays": {m: read_array(c, m) for m in c.array_keys()}}
-            break
-    if resume is None or g is None:
-        g = run.group("sample.zarr", "w")  # nothing reusable: start clean
+def _checkpoint_markers(run: Run) -> list[int]:
+    if run.store.local:
+        from pathlib import Path as _P
+
+        d = _P(run.path("checkpoints"))
+        names = [p.name for p in d.glob("*.json")] if d.is_dir() else []
     else:
-        for n in names:  # drop checkpoints of other keys
-            if g[n].attrs.get("key") != key:
-                run.delete(f"sample.zarr/{n}")
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in run.fs.find(run.path("checkpoints"), maxdepth=1)]
+        except FileNotFoundError:
+            names = []
+        run.counter.add()
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _delete_checkpoint(run: Run, step: int) -> None:
+    run.delete(_ckpt_name(step) + ".json")  # the marker first: what is left never looks whole
+    run.delete(_ckpt_name(step) + ".zarr")
+
+
+def _load_checkpoint(run: Run, key: str, log: Log) -> dict | None:
+    """The newest checkpoint of this key that verifies; damaged ones are skipped with a warning."""
+    for step in reversed(_checkpoint_markers(run)):
+        name = _ckpt_name(step)
+        try:
+            m = run.read_json(name + ".json")
+        except CorruptDocument:
+            log(f"  warning: checkpoint marker {name}.json is unreadable; skipped")
+            continue
+        if not isinstance(m, dict) or m.get("key") != key:
+            continue
+        try:
+            g = run.group(name + ".zarr")
+            state = read_array(g, "state", m["digest"])
+            return {"step": int(m["step"]), "arrays": unpack(state, m["index"])}
+        except (DigestMismatch, KeyError, FileNotFoundError, ValueError, TypeError) as e:
+            log(f"  warning: checkpoint {name} fails verification ({type(e).__name__}: {e}); not resumed from")
+    return None
+
+
+def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs,
+               progress: Progress | None = None) -> dict:
+    cond = inputs.arrays("encode", "encode.zarr")
+    resume = _load_checkpoint(run, key, log)
+    if resume is not None:
         log(f"  resuming from the step checkpoint at step {resume['step']}/{req.steps}")
     kill_after = _fault("sample", "kill_after_step")
     every = req.checkpoint_every
@@ -289,47 +444,59 @@ def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, progr
         if progress is not None:
             progress("sample", done / info.total)
         if done % every == 0 and done < info.total:
-            name = f"ckpt_{done:05d}"
-            c = g.create_group(name, overwrite=True)
-            for m, arr in snapshot().items():
-                arr = np.asarray(arr)
-                write_array(c, m, arr, tuple(f"d{j}" for j in range(arr.ndim)))
-            c.attrs.update({"key": key, "next_step": done, "committed": True})
-            for old in [n for n in g.group_keys() if n.startswith("ckpt_") and n != name]:
-                run.delete(f"sample.zarr/{old}")
+            name = _ckpt_name(done)
+            flat, index = pack({m: np.asarray(a) for m, a in snapshot().items()})
+            c = run.writer(name + ".zarr")
+            digest = c.array("state", flat, ("element",), role="sampling checkpoint (latents + scheduler state)")
+            c.flush()
+            run.write_json(name + ".json", {"key": key, "step": done, "digest": digest, "index": index})
+            for old in _checkpoint_markers(run):
+                if old != done:
+                    _delete_checkpoint(run, old)
             if kill_after is not None and done >= int(kill_after):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     outputs = pipe.sample(cond, req, resume=resume, on_step=on_step)
+    w = run.writer("sample.zarr")
     out: dict = {}
-    _write_named(g, outputs, "sample.zarr", out)
-    for n in [n for n in g.group_keys() if n.startswith("ckpt_")]:
-        run.delete(f"sample.zarr/{n}")
+    _write_named(w, outputs, "sample.zarr", out)
+    w.flush()
     details = {f"_{k}": v for k, v in pipe.describe().items()}
     return {**out, "_resumed_from_step": resume["step"] if resume else 0, **details}
 
 
-def run_decode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, span: DecodeSpan) -> dict:
+def _cleanup_checkpoints(run: Run) -> None:
+    for step in _checkpoint_markers(run):
+        _delete_checkpoint(run, step)
+
+
+def run_decode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs, span: DecodeSpan) -> dict:
     if _fault(span.name, "fail"):
         raise StageError(f"{span.name}: injected fault (VIDAX_FAULTS)")
-    latents = _read_group(run, "sample.zarr", span.inputs)
+    if _fault(span.name, "kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    latents = inputs.arrays("sample", "sample.zarr", span.inputs)
     carry = None
     if span.carry_from is not None:
-        prev = run.group(f"{span.carry_from}.zarr")
-        carry = {n: read_array(prev["cache"], n) for n in prev["cache"].array_keys()}
+        prev = inputs.arrays(span.carry_from, f"{span.carry_from}.zarr", ["carry"])["carry"]
+        index = inputs.records.get(span.carry_from)["details"]["carry_index"]
+        carry = unpack(prev, index)
     outputs, carry = pipe.decode(latents, span, carry, req)
-    g = run.group(f"{span.name}.zarr", "w")
+    w = run.writer(f"{span.name}.zarr")
     out: dict = {}
-    _write_named(g, outputs, f"{span.name}.zarr", out)
+    _write_named(w, outputs, f"{span.name}.zarr", out)
     if carry:
-        cg = g.create_group("cache")
-        for n, v in carry.items():
-            v = np.asarray(v)
-            out[f"{span.name}.zarr::cache/{n}"] = write_array(cg, n, v, tuple(f"d{j}" for j in range(v.ndim)),
-                                                              role="state handed to the next decode stage")
+        flat, index = pack({n: np.asarray(v) for n, v in carry.items()})
+        out[f"{span.name}.zarr::carry"] = w.array("carry", flat, ("element",),
+                                                  role="state handed to the next decode stage, packed")
+        out["_carry_index"] = index
+        out["_carry_bytes"] = int(flat.nbytes)
+    w.flush()
     if span.kind == "video":
         f = outputs["frames"].array
-        log(f"  latent frames {span.frames[0]}..{span.frames[1] - 1} -> {f.shape[1]} video frames")
+        out["_frames_bytes"] = int(f.nbytes)
+        log(f"  latent frames {span.frames[0]}..{span.frames[1] - 1} -> {f.shape[1]} video frames"
+            + (f" (carry {flat.nbytes / 2**20:.1f} MiB)" if carry else ""))
     else:
         w = outputs["waveform"]
         log(f"  audio: {w.array.shape[-1]} samples at {w.attrs.get('sample_rate')} Hz")
@@ -340,82 +507,151 @@ def video_names(batch: int) -> list[str]:
     return ["video.mp4"] if batch == 1 else [f"video-{i}.mp4" for i in range(batch)]
 
 
-def run_mux(run: Run, req: Request, pipe: Pipeline, key: str, log: Log) -> dict:
+def run_mux(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs) -> dict:
+    import shutil
+
     from vidax.video import write_mp4, write_png
 
     plan = decode_plan(req, pipe)
-    parts = [(s, read_array(run.group(f"{s.name}.zarr"), "frames")) for s in plan if s.kind == "video"]
+    parts = [(s, inputs.arrays(s.name, f"{s.name}.zarr", ["frames"])["frames"]) for s in plan if s.kind == "video"]
     frames = pipe.assemble_video(parts)
     audio, rate = None, None
     audio_spans = [s for s in plan if s.kind == "audio"]
     if audio_spans:
-        g = run.group(f"{audio_spans[0].name}.zarr")
-        audio, rate = read_array(g, "waveform"), int(g["waveform"].attrs["sample_rate"])
+        name = audio_spans[0].name
+        audio = inputs.arrays(name, f"{name}.zarr", ["waveform"])["waveform"]
+        rate = int(run.group(f"{name}.zarr")["waveform"].attrs["sample_rate"])
     tmp = Path(local_tmpdir())
     out = {}
-    for i, name in enumerate(video_names(frames.shape[0])):
-        f = frames[i]
-        local = write_mp4(f, tmp / name, fps=req.fps, audio=None if audio is None else audio[i], sample_rate=rate)
-        strip = np.concatenate([f[0], f[len(f) // 2], f[-1]], axis=1)
-        prev = name.replace("video", "preview").replace(".mp4", ".png")
-        write_png(strip, tmp / prev)
-        run.put_file(tmp / prev, prev)
-        run.put_file(local, name)
-        out[name] = hashlib.sha256(local.read_bytes()).hexdigest()
-        sound = f", audio {audio.shape[1]} ch @ {rate} Hz" if audio is not None else ""
-        log(f"  {frames.shape[1]} frames {f.shape[2]}x{f.shape[1]} @ {req.fps} fps{sound} -> {run.url(name)}")
+    try:
+        for i, name in enumerate(video_names(frames.shape[0])):
+            f = frames[i]
+            local = write_mp4(f, tmp / name, fps=req.fps, audio=None if audio is None else audio[i], sample_rate=rate)
+            strip = np.concatenate([f[0], f[len(f) // 2], f[-1]], axis=1)
+            prev = name.replace("video", "preview").replace(".mp4", ".png")
+            write_png(strip, tmp / prev)
+            run.put_file(tmp / prev, prev)
+            run.put_file(local, name)
+            out[name] = hashlib.sha256(local.read_bytes()).hexdigest()
+            out[prev] = hashlib.sha256((tmp / prev).read_bytes()).hexdigest()
+            sound = f", audio {audio.shape[1]} ch @ {rate} Hz" if audio is not None else ""
+            log(f"  {frames.shape[1]} frames {f.shape[2]}x{f.shape[1]} @ {req.fps} fps{sound} -> {run.url(name)}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
+# ------------------------------------------------------------------ running a stage
+LEASE_SECONDS = float(os.environ.get("VIDAX_LEASE_SECONDS", "120"))
+
+
+class _Heartbeat:
+    """Renews a stage's lease while it computes."""
+
+    def __init__(self, run: Run, stage: str, owner: str, seconds: float):
+        self.run, self.stage, self.owner, self.seconds = run, stage, owner, seconds
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def _loop(self):
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.run.renew_lease(self.stage, self.owner, self.seconds)
+            except Exception:  # noqa: BLE001 - a missed renewal only shortens the lease
+                pass
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=5)
+        return False
+
+
+def _wait_for_other(run: Run, stage: str, key: str, log: Log, req: Request, pipe: Pipeline) -> str:
+    """Another worker holds the stage's lease: wait until it commits (-> "done") or its lease
+    expires (-> "expired")."""
+    log(f"[{stage}] another worker is computing it; waiting for its commit")
+    while True:
+        lease = run.lease(stage)
+        if stage_status(run, stage, key, req=req, pipe=pipe) == "done":
+            return "done"
+        if lease is None or not lease.live():
+            return "expired"
+        time.sleep(min(2.0, max(0.2, lease.expires - time.time())))
+
+
 def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str, str], log: Log,
-              progress: Progress | None = None) -> StageResult:
-    """Run one stage unconditionally (inputs must be committed) and commit it."""
+              progress: Progress | None = None, records: Records | None = None) -> StageResult:
+    """Run one stage unconditionally (inputs must be committed) and commit it. One worker at a
+    time: the stage's lease is taken first; if another live worker holds it, this waits for its
+    commit (and reports the stage as skipped) or for the lease to expire."""
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
-    plan = {s.name: s for s in decode_plan(req, pipe)}
-    for d in _inputs(stage, keys, plan):
-        if not committed(run, d, keys[d]):
+    records = records or Records(run)
+    plan = _plan(req, pipe)
+    deps = inputs_of(stage, keys, plan)
+    for d in deps:
+        if stage_status(run, d, keys[d], req=req, pipe=pipe, records=records) != "done":
             raise StageError(f"stage {stage} needs {d}, which is not committed for this request; run it first")
+    owner = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    while not run.acquire_lease(stage, owner, LEASE_SECONDS):
+        if _wait_for_other(run, stage, keys[stage], log, req, pipe) == "done":
+            records.forget(stage)
+            rec = run.record(stage) or {}
+            log(f"[{stage}] committed by another worker")
+            return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0, rec.get("hardware", ""))
+    try:
+        with _Heartbeat(run, stage, owner, LEASE_SECONDS):
+            return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+    finally:
+        run.release_lease(stage, owner)
+
+
+def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) -> StageResult:
     log(f"[{stage}] running")
     run.delete_record(stage)  # from here on, whatever is there is uncommitted
+    records.forget(stage)
+    before = run.counter.snapshot()
     t0, started = time.perf_counter(), now()
     kind = stage.split("/")[0]
+    inputs = _Inputs(run, records)
     if kind == "decode":
-        outputs = run_decode(run, req, pipe, keys[stage], log, plan[stage])
+        outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
     elif kind == "sample":
-        outputs = run_sample(run, req, pipe, keys[stage], log, progress)
+        outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
     else:
-        outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log)
+        outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
     gc.collect()
     seconds = time.perf_counter() - t0
     hw = hardware()
-    kind_code = code_version(kind, pipe)
-    run.write_record(stage, {"stage": stage, "key": keys[stage], "status": "done", "started": started,
-                             "finished": now(), "seconds": round(seconds, 3), "hardware": hw,
-                             "outputs": outputs, "code": kind_code, "details": details})
+    rec = {"stage": stage, "key": keys[stage], "status": "done", "started": started, "finished": now(),
+           "seconds": round(seconds, 3), "hardware": hw, "outputs": outputs, "code": code_version(kind, pipe),
+           "details": details, "inputs": {d: records.digest(d) for d in deps},
+           "digest": hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()}
+    rec["objects"] = run.objects(*_locations(rec))
+    rec["io"] = IOCounter.delta(before, run.counter.snapshot())
+    run.write_record(stage, rec)
+    records.forget(stage)
+    if kind == "sample":
+        _cleanup_checkpoints(run)
     log(f"[{stage}] committed in {seconds:.2f}s")
     return StageResult(stage, keys[stage], "ran", seconds, hw, details)
 
 
-def _inputs(stage: str, keys: dict[str, str], plan: dict[str, DecodeSpan]) -> list[str]:
-    if stage == "encode":
-        return []
-    if stage == "sample":
-        return ["encode"]
-    if stage in plan:
-        span = plan[stage]
-        return ["sample"] + ([span.carry_from] if span.carry_from else [])
-    return [n for n in keys if n.startswith("decode/")]
-
-
-def write_manifest(run: Run, req: Request, keys: dict[str, str]) -> dict:
+def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Records | None = None) -> dict:
+    records = records or Records(run)
     stages = []
     for name in keys:
-        rec = run.record(name) or {}
+        rec = records.get(name)
+        rec = rec if isinstance(rec, dict) else {}
         status = "missing" if not rec else ("done" if rec.get("key") == keys[name] else "stale")
         stages.append({"stage": name, "key": keys[name], "status": status, "seconds": rec.get("seconds"),
-                       "hardware": rec.get("hardware"), "finished": rec.get("finished")})
+                       "hardware": rec.get("hardware"), "finished": rec.get("finished"), "io": rec.get("io")})
     m = {"run_id": run.run_id, "model": req.model, "updated": now(), "code": code_version(), "stages": stages,
          "outputs": [run.url(n) for n in video_names(len(req.prompts))]}
     run.write_json("manifest.json", m)
@@ -423,26 +659,49 @@ def write_manifest(run: Run, req: Request, keys: dict[str, str]) -> dict:
 
 
 def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Progress | None = None) -> list[StageResult]:
-    """Run every stage that is not already committed with a matching key, in order."""
+    """Run every stage that is not already committed (with a matching key and inputs), in order.
+    A committed input found damaged when read is recomputed, and the plan re-checked from the
+    start (later stages computed from it may be stale now)."""
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
     run.write_json("request.json", req.to_json())
-    results = []
-    for stage in keys:
-        t0 = time.perf_counter()
-        if committed(run, stage, keys[stage]):
-            results.append(StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
-                                       (run.record(stage) or {}).get("hardware", "")))
-            log(f"[{stage}] up to date, skipped")
-            continue
-        results.append(run_stage(run, req, pipe, stage, keys, log, progress))
-        write_manifest(run, req, keys)
-    write_manifest(run, req, keys)
-    return results
+    records = Records(run)
+    results: dict[str, StageResult] = {}
+    for _ in range(len(keys) + 3):
+        try:
+            for stage in keys:
+                t0 = time.perf_counter()
+                status = stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records)
+                if status == "done":
+                    if stage not in results:
+                        rec = records.get(stage)
+                        results[stage] = StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
+                                                     rec.get("hardware", "") if isinstance(rec, dict) else "")
+                        log(f"[{stage}] up to date, skipped")
+                    continue
+                if status in ("stale", "corrupt"):
+                    log(f"[{stage}] {status}: recomputing")
+                results[stage] = run_stage(run, req, pipe, stage, keys, log, progress, records)
+            break
+        except CorruptInput as e:
+            log(f"[{e.stage}] damaged ({e}); recomputing it")
+            run.delete_record(e.stage)
+            records.forget(e.stage)
+    else:
+        raise StageError(f"run {run.run_id}: stages kept failing verification; see the log above")
+    write_manifest(run, req, keys, records)
+    return [results[s] for s in keys]
 
 
 def load_request(run: Run) -> Request:
-    d = run.read_json("request.json")
+    try:
+        d = run.read_json("request.json")
+    except CorruptDocument as e:
+        raise StageError(f"run {run.run_id!r}: its request.json is unreadable ({e}); start it again with "
+                         f"`vidax generate ... --run-id {run.run_id}`") from None
     if d is None:
         raise StageError(f"run {run.run_id!r} not found in {run.store.url}")
-    return Request.from_json(d)
+    try:
+        return Request.from_json(d)
+    except (TypeError, ValueError) as e:
+        raise StageError(f"run {run.run_id!r}: its request.json does not hold a valid request ({e})") from None

@@ -1,36 +1,183 @@
 """The run store: Zarr v3 groups, JSON documents and files under any fsspec URL.
 
-    <root>/runs/<run_id>/request.json        the validated request
-    <root>/runs/<run_id>/manifest.json       summary: stages, keys, status, timings, hardware
-    <root>/runs/<run_id>/records/<stage>.json completion records (the commit markers)
-    <root>/runs/<run_id>/encode.zarr         prompt / negative embeddings
-    <root>/runs/<run_id>/sample.zarr         final latents + the newest step checkpoint
-    <root>/runs/<run_id>/decode/<k>.zarr     decode stage k: frames + the cache it hands on
+    <root>/runs/<run_id>/request.json          the validated request
+    <root>/runs/<run_id>/manifest.json         summary: stages, keys, status, timings, hardware
+    <root>/runs/<run_id>/records/<stage>.json  completion records (the commit markers)
+    <root>/runs/<run_id>/leases/<stage>.json   who is computing a stage, until when
+    <root>/runs/<run_id>/encode.zarr           conditioning tensors
+    <root>/runs/<run_id>/sample.zarr           final latents
+    <root>/runs/<run_id>/checkpoints/<step>.zarr + <step>.json   sampling checkpoints + their markers
+    <root>/runs/<run_id>/decode/<k>.zarr       decode stage k: its outputs + the packed carry it hands on
     <root>/runs/<run_id>/video.mp4, preview.png
 
-A stage commits by writing its completion record **last**; readers trust only outputs whose record
-exists, whose key matches and whose checksums verify.
+A stage commits by writing its completion record **last**. The record holds, for every output,
+a **content digest** (every byte that gives the data its meaning: values, dtype, shape, dimension
+names, attributes) and, for every object written, the object store's own **signature** (size +
+CRC32C/MD5/generation on GCS, size + modification time on a file system). Checking that a stage is
+intact compares one listing with the record — no data is read; a consumer checks the content
+digest of what it actually reads.
+
+Every array is one object (Zarr's sharding codec when it has several chunks); state read on an
+object store is always fresh (no listing or size cache), so a long-lived worker sees what other
+processes wrote. Each :class:`RunStore` counts its requests and bytes (:class:`IOCounter`).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import posixpath
+import random
 import tempfile
+import threading
+import time
 import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 import ml_dtypes
 import numpy as np
 import zarr
+from zarr.storage import WrapperStore
 
 
 class StoreError(RuntimeError):
     """The store URL cannot be reached or written."""
 
 
+class CorruptDocument(ValueError):
+    """A JSON document of the run store exists but cannot be parsed."""
+
+
+class TransientStoreError(StoreError):
+    """A storage request kept failing with a transient error (timeouts, 429/5xx, resets)."""
+
+
+# ------------------------------------------------------------------ transient errors
+def is_transient(exc: BaseException | None) -> bool:
+    """Storage hiccups worth retrying: connection errors, timeouts, HTTP 429 and 5xx."""
+    if exc is None:
+        return False
+    if isinstance(exc, (TransientStoreError, ConnectionError, TimeoutError)):
+        return True
+    code = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(code, int) and (code in (408, 429) or 500 <= code < 600):
+        return True
+    name = type(exc).__name__
+    if name in ("ClientConnectionError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
+                "ServerTimeoutError", "RetryError", "TransientError"):
+        return True
+    return is_transient(exc.__cause__) if exc.__cause__ is not None and exc.__cause__ is not exc else False
+
+
+def retry(fn, *args, attempts: int = 6, base: float = 0.25, what: str = "storage request", **kw):
+    """``fn(*args, **kw)``, retried with exponential backoff (and jitter) on transient errors;
+    other errors propagate at once. After ``attempts`` transient failures: TransientStoreError."""
+    for i in range(attempts):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not is_transient(e):
+                raise
+            if i == attempts - 1:
+                raise TransientStoreError(f"{what} kept failing after {attempts} attempts: {type(e).__name__}: {e}") from e
+            time.sleep(base * 2 ** i * (0.5 + random.random()))
+
+
+# ------------------------------------------------------------------ traffic
+class IOCounter:
+    """Requests and bytes moved through a store (documents, files and Zarr objects)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = self.bytes_read = self.bytes_written = 0
+
+    def add(self, requests: int = 1, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.requests += requests
+            self.bytes_read += read
+            self.bytes_written += written
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"requests": self.requests, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        return {k: after[k] - before[k] for k in after}
+
+
+class CountingStore(WrapperStore):
+    """A Zarr store that counts requests and bytes into an :class:`IOCounter` and retries
+    transient errors."""
+
+    def __init__(self, store, counter: IOCounter):
+        super().__init__(store)
+        self.counter = counter
+
+    def _with_store(self, store):
+        return type(self)(store, self.counter)
+
+    async def _retry(self, coro_fn, what):
+        import asyncio
+
+        for i in range(6):
+            try:
+                return await coro_fn()
+            except Exception as e:  # noqa: BLE001
+                if not is_transient(e) or i == 5:
+                    if is_transient(e):
+                        raise TransientStoreError(f"{what}: {type(e).__name__}: {e}") from e
+                    raise
+                await asyncio.sleep(0.25 * 2 ** i * (0.5 + random.random()))
+
+    async def get(self, key, prototype, byte_range=None):
+        buf = await self._retry(lambda: self._store.get(key, prototype, byte_range), f"read {key}")
+        self.counter.add(read=len(buf) if buf is not None else 0)
+        return buf
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        out = await self._retry(lambda: self._store.get_partial_values(prototype, key_ranges), "partial read")
+        self.counter.add(requests=len(key_ranges), read=sum(len(b) for b in out if b is not None))
+        return out
+
+    async def set(self, key, value):
+        await self._retry(lambda: self._store.set(key, value), f"write {key}")
+        self.counter.add(written=len(value))
+
+    async def exists(self, key):
+        self.counter.add()
+        return await self._retry(lambda: self._store.exists(key), f"exists {key}")
+
+    async def delete(self, key):
+        self.counter.add()
+        return await self._retry(lambda: self._store.delete(key), f"delete {key}")
+
+    async def getsize(self, key):
+        self.counter.add()
+        return await self._store.getsize(key)
+
+    async def list(self):
+        self.counter.add()
+        async for k in self._store.list():
+            yield k
+
+    async def list_prefix(self, prefix):
+        self.counter.add()
+        async for k in self._store.list_prefix(prefix):
+            yield k
+
+    async def list_dir(self, prefix):
+        self.counter.add()
+        async for k in self._store.list_dir(prefix):
+            yield k
+
+
+# ------------------------------------------------------------------ stores
 def _prepare_env(url: str) -> None:
     if url.startswith(("gs://", "gcs://")):
         # gcsfs probes for hierarchical-namespace buckets on every call unless told not to
@@ -44,20 +191,51 @@ def normalize_url(url: str | os.PathLike) -> str:
     return url.rstrip("/")
 
 
+def _fs_options(protocol: str) -> dict:
+    if protocol == "file":
+        return {"auto_mkdir": True}
+    opts = {"use_listings_cache": False, "skip_instance_cache": True}  # always fresh run state
+    if protocol in ("gs", "gcs"):
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            opts["token"] = "anon"
+        opts["retries"] = 2  # we retry with backoff ourselves; keep gcsfs's own loop short
+    return opts
+
+
+def _close_async_session(fs) -> None:
+    """Close an asynchronous filesystem's HTTP session on Zarr's event loop, where it was opened
+    (left to garbage collection it is closed on another loop, with a traceback at exit)."""
+    session = getattr(fs, "_session", None)
+    if session is None or session.closed:
+        return
+    try:
+        from zarr.core.sync import sync
+
+        sync(session.close())
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
+
+
 class RunStore:
     def __init__(self, url: str | os.PathLike):
-        self.url = normalize_url(url)
+        if not str(url).strip():
+            raise StoreError("the store URL is empty")
+        raw = str(url).strip()
+        if "://" in raw:
+            protocol, rest = raw.split("://", 1)
+            if protocol != "file" and protocol != "memory" and not rest.split("/", 1)[0]:
+                raise StoreError(f"store {raw}: no bucket named (e.g. {protocol}://my-bucket/vidax)")
+        self.url = normalize_url(raw)
         _prepare_env(self.url)
         protocol = self.url.split("://", 1)[0]
-        opts = {"auto_mkdir": True} if protocol == "file" else {}
-        if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-            opts["token"] = "anon"
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **opts)
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **_fs_options(protocol))
         except (ImportError, ValueError) as e:
             raise StoreError(f"store {self.url}: {e}") from None
         self.protocol = protocol
         self.local = protocol == "file"
+        self.counter = IOCounter()
+        self._afs = None  # one asynchronous filesystem for every Zarr group of this store
 
     def __repr__(self):
         return f"RunStore({self.url})"
@@ -69,14 +247,25 @@ class RunStore:
         p = self.path(*parts)
         return p if self.local else f"{self.protocol}://{p.removeprefix(self.protocol + '://')}"
 
+    def async_fs(self):
+        """The asynchronous twin of :attr:`fs` that Zarr reads through (created once)."""
+        if self._afs is None:
+            from zarr.core.sync import _get_loop
+
+            self._afs, _ = fsspec.core.url_to_fs(self.url, asynchronous=True, loop=_get_loop(),
+                                                 **_fs_options(self.protocol))
+            atexit.register(_close_async_session, self._afs)
+        return self._afs
+
     def check_writable(self) -> None:
         """Write and delete a probe object; raise :class:`StoreError` naming the URL on failure."""
         probe = self.path(f".vidax-probe-{uuid.uuid4().hex}")
         try:
-            self.fs.pipe_file(probe, b"ok")
+            retry(self.fs.pipe_file, probe, b"ok", attempts=3, what=f"write to {self.url}")
             self.fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001 - any backend error means "not writable"
-            raise StoreError(f"cannot write to store {self.url}: {type(e).__name__}: {e}") from None
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise StoreError(f"cannot write to store {self.url}: {type(e).__name__}: {msg}") from None
 
     def run(self, run_id: str) -> "Run":
         return Run(self, run_id)
@@ -84,15 +273,39 @@ class RunStore:
     def list_runs(self) -> list[str]:
         base = self.path("runs")
         try:
-            entries = self.fs.ls(base, detail=False)
+            entries = retry(self.fs.find, base, maxdepth=2, withdirs=False)
         except FileNotFoundError:
             return []
-        out = []
+        self.counter.add()
+        out = set()
         for e in entries:
-            name = posixpath.basename(e.rstrip("/"))
-            if self.fs.exists(posixpath.join(e, "request.json")):
-                out.append(name)
+            rel = posixpath.relpath(e, base)
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == "request.json":
+                out.add(parts[0])
         return sorted(out)
+
+
+@dataclass
+class Lease:
+    stage: str
+    owner: str
+    expires: float
+    host: str = ""
+    pid: int = 0
+
+    def live(self) -> bool:
+        """Unexpired, and (when held on this machine) its process still exists."""
+        if self.expires <= time.time():
+            return False
+        if self.host == _host() and self.pid:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+        return True
 
 
 class Run:
@@ -110,23 +323,40 @@ class Run:
     def fs(self):
         return self.store.fs
 
-    # -------------------------------------------------------------- documents
+    @property
+    def counter(self) -> IOCounter:
+        return self.store.counter
+
+    # -------------------------------------------------------------- documents and files
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self.path(name))
+        self.counter.add()
+        return retry(self.fs.exists, self.path(name))
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            data = retry(self.fs.cat_file, self.path(name), what=f"read {name}")
+        except FileNotFoundError:
+            self.counter.add()
+            return None
+        self.counter.add(read=len(data))
+        return data
 
     def read_json(self, name: str):
-        try:
-            with self.fs.open(self.path(name), "rb") as f:
-                return json.loads(f.read())
-        except FileNotFoundError:
+        """The parsed document, None if absent; :class:`CorruptDocument` if unreadable."""
+        data = self.read_bytes(name)
+        if data is None:
             return None
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptDocument(f"{self.url(name)} is not valid JSON ({e})") from None
 
     def write_json(self, name: str, obj) -> None:
-        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
-        self.write_bytes(name, data)
+        self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
 
     def write_bytes(self, name: str, data: bytes) -> None:
         path = self.path(name)
+        self.counter.add(written=len(data))
         if self.store.local:  # atomic on a file system: write aside, then rename
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             tmp = f"{path}.{uuid.uuid4().hex}.tmp"
@@ -134,50 +364,140 @@ class Run:
                 f.write(data)
             os.replace(tmp, path)
         else:  # object stores make single-object writes atomic
-            self.fs.pipe_file(path, data)
+            retry(self.fs.pipe_file, path, data, what=f"write {name}")
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` only if it does not exist (an if-not-exists precondition on object
+        stores, ``O_EXCL`` on file systems). True if this call created it."""
+        path = self.path(name)
+        self.counter.add(written=len(data))
+        if self.store.local:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        try:
+            retry(self.fs.pipe_file, path, data, mode="create", what=f"create {name}")
+            return True
+        except FileExistsError:
+            return False
+        except Exception as e:  # noqa: BLE001 - 412 Precondition Failed
+            if getattr(e, "code", None) == 412 or "412" in str(e) or "precondition" in str(e).lower():
+                return False
+            raise
 
     def put_file(self, local_path: str | os.PathLike, name: str) -> None:
         path = self.path(name)
+        self.counter.add(written=os.path.getsize(local_path))
         if self.store.local:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
             import shutil
 
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
             shutil.copyfile(local_path, tmp)
             os.replace(tmp, path)
         else:
-            self.fs.put_file(str(local_path), path)
+            retry(self.fs.put_file, str(local_path), path, what=f"upload {name}")
 
     def get_file(self, name: str, local_path: str | os.PathLike) -> None:
-        self.fs.get_file(self.path(name), str(local_path))
+        retry(self.fs.get_file, self.path(name), str(local_path), what=f"download {name}")
+        self.counter.add(read=os.path.getsize(local_path))
 
     def delete(self, name: str) -> None:
         path = self.path(name)
+        self.counter.add()
         try:
-            if self.fs.isdir(path):
-                self.fs.rm(path, recursive=True)
-            elif self.fs.exists(path):
-                self.fs.rm_file(path)
+            if self.store.local:
+                p = Path(path)
+                if p.is_dir():
+                    import shutil
+
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.exists():
+                    p.unlink(missing_ok=True)
+                return
+            try:
+                retry(self.fs.rm, path, recursive=True, what=f"delete {name}")
+            except FileNotFoundError:
+                pass
         except FileNotFoundError:
             pass
 
+    # -------------------------------------------------------------- object signatures
+    def objects(self, *names: str) -> dict[str, str]:
+        """``{relative path: signature}`` of every object under ``names`` (folders or files),
+        from one listing each: size + the store's checksum (CRC32C / MD5 / generation on GCS,
+        size + mtime on a file system). No data is read."""
+        out = {}
+        for name in names:
+            root = self.path(name)
+            self.counter.add()
+            if self.store.local:
+                p = Path(root)
+                files = [p] if p.is_file() else (sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [])
+                for f in files:
+                    if f.name.endswith(".tmp"):
+                        continue
+                    st = f.stat()
+                    out[posixpath.relpath(f.as_posix(), self.base)] = f"size={st.st_size};mtime={st.st_mtime_ns}"
+                continue
+            try:
+                found = retry(self.fs.find, root, detail=True, what=f"list {name}")
+            except FileNotFoundError:
+                continue
+            for path, info in sorted(found.items()):
+                if info.get("type") == "directory":
+                    continue
+                sig = [f"size={info.get('size')}"]
+                for k in ("crc32c", "md5Hash", "generation", "ETag", "etag"):
+                    if info.get(k) is not None:
+                        sig.append(f"{k}={info[k]}")
+                out[posixpath.relpath(path, self.base)] = ";".join(sig)
+        return out
+
     # -------------------------------------------------------------- zarr
-    def group(self, name: str, mode: str = "r") -> zarr.Group:
-        """Open the Zarr group ``name`` (e.g. ``encode.zarr``); mode "w" replaces it."""
-        if mode == "w":
-            self.delete(name)
+    def zstore(self, name: str, read_only: bool = True):
         if self.store.local:
-            Path(self.path(name)).mkdir(parents=True, exist_ok=True) if mode != "r" else None
-            zstore = zarr.storage.LocalStore(self.path(name), read_only=mode == "r")
+            if not read_only:
+                Path(self.path(name)).mkdir(parents=True, exist_ok=True)
+            inner = zarr.storage.LocalStore(self.path(name), read_only=read_only)
         else:
-            zstore = zarr.storage.FsspecStore.from_url(
-                self.url(name), read_only=mode == "r",
-                storage_options={"token": "anon"} if self.store.protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST") else None,
-            )
-        return zarr.open_group(store=zstore, mode="r" if mode == "r" else "a")
+            inner = zarr.storage.FsspecStore(fs=self.store.async_fs(), path=self.path(name), read_only=read_only)
+        return CountingStore(inner, self.counter)
+
+    def group(self, name: str, mode: str = "r") -> zarr.Group:
+        """Open the Zarr group ``name`` (e.g. ``encode.zarr``) for reading (one metadata read:
+        groups are written with consolidated metadata). Mode "a" opens it for changes in place
+        (tests); stages write whole groups through :meth:`writer`."""
+        zs = self.zstore(name, read_only=mode == "r")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=UserWarning)
+            return zarr.open_group(store=zs, mode="r" if mode == "r" else "a", zarr_format=3)
+
+    def writer(self, name: str) -> "GroupWriter":
+        """A new Zarr group ``name``, built in memory and uploaded whole by ``flush()`` (replacing
+        whatever was there): one request per object, no reads, no listings."""
+        return GroupWriter(self, name)
+
+    def put_objects(self, name: str, objects: dict[str, bytes]) -> None:
+        """Write the objects ``{relative key: bytes}`` under ``name`` (concurrently on object stores)."""
+        self.counter.add(requests=len(objects), written=sum(len(v) for v in objects.values()))
+        if self.store.local:
+            for k, v in objects.items():
+                p = Path(self.path(posixpath.join(name, k)))
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(v)
+            return
+        retry(self.fs.pipe, {self.path(posixpath.join(name, k)): v for k, v in objects.items()},
+              what=f"write {name}")
 
     # -------------------------------------------------------------- records
     def record(self, stage: str):
+        """The stage's completion record; None if absent; :class:`CorruptDocument` if unreadable."""
         return self.read_json(f"records/{record_name(stage)}.json")
 
     def write_record(self, stage: str, rec: dict) -> None:
@@ -186,16 +506,109 @@ class Run:
     def delete_record(self, stage: str) -> None:
         self.delete(f"records/{record_name(stage)}.json")
 
+    # -------------------------------------------------------------- leases
+    def lease(self, stage: str) -> Lease | None:
+        try:
+            d = self.read_json(f"leases/{record_name(stage)}.json")
+        except CorruptDocument:
+            return Lease(stage, "?", 0.0)  # unreadable: as good as expired
+        if not d:
+            return None
+        try:
+            return Lease(stage, str(d.get("owner")), float(d.get("expires", 0)), str(d.get("host", "")),
+                         int(d.get("pid", 0)))
+        except (TypeError, ValueError):
+            return Lease(stage, "?", 0.0)
+
+    def acquire_lease(self, stage: str, owner: str, seconds: float) -> bool:
+        """Take the stage's lease if nobody holds a live one (an expired lease is taken over)."""
+        name = f"leases/{record_name(stage)}.json"
+        doc = json.dumps({"owner": owner, "expires": time.time() + seconds, "host": _host(), "pid": os.getpid()}).encode()
+        if self.create_exclusive(name, doc):
+            return self._confirm_lease(stage, owner)
+        cur = self.lease(stage)
+        if cur is not None and cur.live() and cur.owner != owner:
+            return False
+        # expired (or ours, or vanished): take it over, then confirm nobody else did the same
+        self.delete(name)
+        if not self.create_exclusive(name, doc):
+            return False
+        return self._confirm_lease(stage, owner)
+
+    def _confirm_lease(self, stage: str, owner: str) -> bool:
+        # object stores without precondition support (emulators) let two creators both succeed:
+        # the last write wins, so read back after a moment and yield if it is not ours
+        if not self.store.local:
+            time.sleep(0.2)
+        cur = self.lease(stage)
+        return cur is not None and cur.owner == owner
+
+    def renew_lease(self, stage: str, owner: str, seconds: float) -> None:
+        cur = self.lease(stage)
+        if cur is not None and cur.owner == owner:
+            self.write_json(f"leases/{record_name(stage)}.json",
+                            {"owner": owner, "expires": time.time() + seconds, "host": _host(), "pid": os.getpid()})
+
+    def release_lease(self, stage: str, owner: str) -> None:
+        cur = self.lease(stage)
+        if cur is not None and cur.owner == owner:
+            self.delete(f"leases/{record_name(stage)}.json")
+
+
+class GroupWriter:
+    """Arrays of one stage output group, assembled in a memory store with consolidated metadata,
+    then uploaded in one batch (see :meth:`Run.writer`)."""
+
+    def __init__(self, run: Run, name: str):
+        self.run, self.name = run, name
+        self._objects: dict = {}
+        self.group = zarr.open_group(store=zarr.storage.MemoryStore(store_dict=self._objects), mode="w",
+                                     zarr_format=3)
+
+    def array(self, name: str, arr: np.ndarray, dims: tuple[str, ...], **attrs) -> str:
+        return write_array(self.group, name, arr, dims, **attrs)
+
+    def flush(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=UserWarning)  # consolidated metadata is a v3 extension
+            zarr.consolidate_metadata(self.group.store)
+        objects = {k: v.to_bytes() for k, v in self._objects.items()}
+        self.run.delete(self.name)
+        self.run.put_objects(self.name, objects)
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
 
 def record_name(stage: str) -> str:
     return stage.replace("/", "-")
 
 
 # ------------------------------------------------------------------ arrays
-def write_array(group: zarr.Group, name: str, arr: np.ndarray, dims: tuple[str, ...], **attrs) -> str:
-    """Write ``arr`` with dimension names and attributes; bfloat16 is stored losslessly as its
-    uint16 bits with ``logical_dtype="bfloat16"``. Returns the sha256 of the stored bytes."""
+def content_digest(arr: np.ndarray, dims=(), attrs: dict | None = None) -> str:
+    """sha256 over everything that gives stored data its meaning: dtype, shape, dimension
+    names, attributes and the values."""
     arr = np.ascontiguousarray(arr)
+    logical = "bfloat16" if arr.dtype == ml_dtypes.bfloat16 else str(arr.dtype)
+    if arr.dtype == ml_dtypes.bfloat16:
+        arr = arr.view(np.uint16)
+    meta = {"dtype": logical, "stored": arr.dtype.str, "shape": list(arr.shape), "dims": list(dims or ()),
+            "attrs": {k: v for k, v in (attrs or {}).items() if k != "logical_dtype"}}
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode())
+    h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def write_array(group: zarr.Group, name: str, arr: np.ndarray, dims: tuple[str, ...], **attrs) -> str:
+    """Write ``arr`` with dimension names and attributes as one object (Zarr's sharding codec
+    when it has several chunks); bfloat16 is stored losslessly as its uint16 bits with
+    ``logical_dtype="bfloat16"``. Returns its :func:`content_digest`."""
+    arr = np.ascontiguousarray(arr)
+    attrs = json.loads(json.dumps(attrs, default=_plain))  # exactly what the store will hold
+    digest = content_digest(arr, dims, attrs)
     logical = str(arr.dtype)
     if arr.dtype == ml_dtypes.bfloat16:
         arr = arr.view(np.uint16)
@@ -203,15 +616,26 @@ def write_array(group: zarr.Group, name: str, arr: np.ndarray, dims: tuple[str, 
     if len(dims) != arr.ndim:
         raise ValueError(f"array {name}: {arr.ndim} dims but names {dims}")
     chunks = _chunks(arr)
-    a = group.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, dimension_names=dims,
-                           overwrite=True, fill_value=0)
+    kw = {}
+    if arr.ndim and chunks != arr.shape:
+        kw["shards"] = arr.shape  # one object, several inner chunks
+    a = group.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks if arr.ndim else None,
+                           dimension_names=dims, overwrite=True, fill_value=0,
+                           attributes={"logical_dtype": logical, **attrs}, **kw)
     a[...] = arr
-    a.attrs.update({"logical_dtype": logical, **attrs})
-    return checksum(arr)
+    return digest
+
+
+def _plain(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return str(v)
 
 
 def _chunks(arr: np.ndarray):
-    # one chunk up to ~64 MiB, else split along the leading axes
+    # inner chunks up to ~64 MiB, split along the leading axes
     shape = list(arr.shape) or [1]
     budget = 64 * 2**20 // max(arr.itemsize, 1)
     chunks = list(shape)
@@ -220,25 +644,58 @@ def _chunks(arr: np.ndarray):
         chunks[i] = max(1, chunks[i] // max(2, int(np.prod(chunks)) // budget + 1))
         if chunks[i] == 1:
             i += 1
-    return tuple(chunks) if arr.ndim else None
+    return tuple(chunks)
 
 
-def read_array(group: zarr.Group, name: str) -> np.ndarray:
+class DigestMismatch(ValueError):
+    """Stored data does not match the digest its record holds."""
+
+
+def read_array(group: zarr.Group, name: str, digest: str | None = None) -> np.ndarray:
+    """Read an array (bfloat16 restored from its bits). With ``digest``: check the content
+    digest (values, dtype, shape, dimension names, attributes) and raise :class:`DigestMismatch`."""
     a = group[name]
+    attrs = dict(a.attrs)
+    logical = attrs.get("logical_dtype")
     data = np.asarray(a[...])
-    if a.attrs.get("logical_dtype") == "bfloat16":
+    if logical == "bfloat16":
         data = data.view(ml_dtypes.bfloat16)
+    elif logical is not None and logical != str(data.dtype):
+        raise DigestMismatch(f"{name}: stored as {data.dtype} but its logical dtype says {logical}")
+    if digest is not None:
+        dims = tuple(a.metadata.dimension_names or ())
+        if logical is None:
+            raise DigestMismatch(f"{name}: the logical_dtype attribute is missing")
+        got = content_digest(data, dims, attrs)
+        if got != digest:
+            raise DigestMismatch(f"{name}: content digest {got[:12]} does not match the committed {digest[:12]}")
     return data
 
 
-def checksum(arr: np.ndarray) -> str:
-    arr = np.ascontiguousarray(arr)
-    if arr.dtype == ml_dtypes.bfloat16:
-        arr = arr.view(np.uint16)
-    h = hashlib.sha256()
-    h.update(f"{arr.dtype.str}{arr.shape}".encode())
-    h.update(arr.tobytes())
-    return h.hexdigest()
+# ------------------------------------------------------------------ packed state (decode carry)
+def pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, list]:
+    """Many small arrays -> one flat array per dtype group (here: one array of float32 or the
+    arrays' common dtype) + an index ``[[name, dtype, shape, offset], ...]``."""
+    if not arrays:
+        return np.zeros((0,), np.float32), []
+    dtypes = {np.asarray(v).dtype for v in arrays.values()}
+    common = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+    flat, index, off = [], [], 0
+    for n in sorted(arrays):
+        v = np.asarray(arrays[n])
+        index.append([n, str(v.dtype), list(v.shape), off])
+        flat.append(v.astype(common, copy=False).reshape(-1))
+        off += v.size
+    return np.concatenate(flat), index
+
+
+def unpack(flat: np.ndarray, index: list) -> dict[str, np.ndarray]:
+    out = {}
+    for n, dt, shape, off in index:
+        size = int(np.prod(shape)) if shape else 1
+        dt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
+        out[n] = flat[off:off + size].astype(dt, copy=False).reshape(shape)
+    return out
 
 
 def local_tmpdir() -> str:

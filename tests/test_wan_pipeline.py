@@ -126,7 +126,7 @@ def test_stage_keys_follow_content_not_paths_or_mtimes(ref_pipeline, tmp_path):
     import shutil
 
     from stages import run as R
-    from stages.request import Request, validate
+    from stages.request import Request
 
     _, folder = ref_pipeline
     a, b = tmp_path / "copy-a", tmp_path / "copy-b"
@@ -135,9 +135,9 @@ def test_stage_keys_follow_content_not_paths_or_mtimes(ref_pipeline, tmp_path):
     for i, f in enumerate(sorted(p for p in b.rglob("*") if p.is_file())):
         os.utime(f, (1_000_000 + i, 1_000_000 + i))
 
-    def keys(path):
-        req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(path), prompt="x", height=32, width=32,
-                               num_frames=5, steps=2, options={"scheduler": "unipc"}))
+    def keys(path):  # (the fixture folder has no text encoder, so the request is not validated)
+        req = Request(model="wan2.1-t2v-1.3b", checkpoint=str(path), prompt="x", height=32, width=32,
+                      num_frames=5, steps=2, options={"scheduler": "unipc"}).resolved()
         return R.stage_keys(req, R.make_pipeline(req))
 
     ka, kb = keys(a), keys(b)

@@ -144,6 +144,7 @@ class Geometry:
     latent_channels: int
     patch: tuple[int, int, int] = (1, 2, 2)  # DiT patch (frames, height, width) over the latents
     num_heads: int = 1  # attention heads (tp x sp must divide them)
+    max_grid: int | None = None  # the most tokens along any axis (positional tables), None: no limit
 
     @property
     def size_multiple(self) -> int:
@@ -174,6 +175,15 @@ class Geometry:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (n - 1) % tf:
             near = max(1, round((n - 1) / tf) * tf + 1) if isinstance(n, int) and not isinstance(n, bool) else 1 + tf
             raise OptionError("num_frames", f"{n!r} frames cannot be decoded by this VAE: use {tf}k+1 (e.g. {near})")
+        if self.max_grid is not None:
+            pt, ph, pw = self.patch
+            for name, v, cells, limit_px in (
+                    ("num_frames", n, self.latent_frames(n) // pt, (self.max_grid * pt - 1) * tf + 1),
+                    ("height", height, height // self.spatial // ph, self.max_grid * self.spatial * ph),
+                    ("width", width, width // self.spatial // pw, self.max_grid * self.spatial * pw)):
+                if cells > self.max_grid:
+                    raise OptionError(name, f"{v} gives {cells} tokens along this axis; the model's positional "
+                                            f"tables hold {self.max_grid} (at most {limit_px})")
 
     def fit_size(self, image_height: int, image_width: int, area: int, sp: int = 1) -> tuple[int, int]:
         """(height, width) for an image-conditioned run: multiples of :attr:`size_multiple`, about
@@ -265,6 +275,11 @@ class Pipeline:
 
     def geometry(self) -> Geometry:
         raise NotImplementedError
+
+    def check(self, request: RequestLike) -> None:
+        """Family checks of a request before anything is written (prompt lengths against the
+        tokenizer, the checkpoint folder's completeness...). Raise :class:`OptionError` naming the
+        field (``prompt``, ``checkpoint``...)."""
 
     def encode(self, request: RequestLike, image: np.ndarray | None = None) -> dict[str, Named]:
         raise NotImplementedError

@@ -78,6 +78,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
             if "=" not in part:
                 raise ShardingConfigError(f"mesh spec {spec!r}: expected items like 'tp=4', got {part!r}")
             k, v = part.split("=", 1)
+            if k in items:
+                raise ShardingConfigError(f"mesh spec {spec!r}: axis {k!r} is given twice")
             try:
                 items[k] = int(v)
             except ValueError:

@@ -54,6 +54,10 @@ class ByteTokenizer:
         seqs = [self.encode(p)[: max_length - 1] + [self.eos_id] for p in _as_list(prompts)]
         return _pack(seqs, max_length, self.pad_id)
 
+    def count(self, prompts) -> list[int]:
+        """Tokens per prompt, special tokens included, before any truncation."""
+        return [len(self.encode(p)) + 1 for p in _as_list(prompts)]
+
     def decode(self, ids) -> str:
         return bytes(int(i) - self.offset for i in ids if int(i) >= self.offset).decode("utf-8", "replace")
 
@@ -67,6 +71,12 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def count(self, prompts) -> list[int]:
+        """Tokens per prompt, special tokens included, before any truncation."""
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        return [len(e.ids) for e in self.tok.encode_batch(_as_list(prompts), add_special_tokens=True)]
 
     def __call__(self, prompts, max_length: int):
         self.tok.enable_truncation(max_length=max_length, strategy="longest_first", direction="right")
@@ -98,6 +108,10 @@ class SentencePieceTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    def count(self, prompts) -> list[int]:
+        """Tokens per prompt, special tokens included, before any truncation."""
+        return [len(t) + 1 for t in self.sp.encode([" ".join(p.split()) for p in _as_list(prompts)], out_type=int)]
 
     def __call__(self, prompts, max_length: int):
         if max_length < 1:

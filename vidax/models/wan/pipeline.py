@@ -57,7 +57,7 @@ class TinyPreset:
     dit: wdit.WanDiTConfig = wdit.PRESETS["tiny"]
     # Wan2.1-shaped VAE (16 latent channels, 8x spatial / 4x temporal) at a small width
     vae: wvae.WanVAEConfig = field(default_factory=lambda: wvae.WanVAEConfig(base_dim=16, z_dim=16, num_res_blocks=1))
-    max_text_len: int = 64
+    max_text_len: int = 256
     seed: int = 0
     clip: object = None  # a vidax.text.clip.CLIPVisionConfig (Wan2.1 I2V's image encoder)
     index: tuple = ()  # model_index.json-like ((key, value), ...): the recipe
@@ -168,6 +168,25 @@ class WanT2V(Pipeline):
         if self.boundary_ratio is not None and not self.has_transformer_2:
             raise ValueError(f"{source}: boundary_ratio is set but there is no transformer_2")
 
+    def _required_files(self) -> list[tuple[str, list[str]]]:
+        """(what, [globs]) every run of this checkpoint reads."""
+        if self.layout == "diffusers":
+            req = [("the text encoder (text_encoder/*.safetensors)", ["text_encoder/*.safetensors"]),
+                   ("the tokenizer (tokenizer/)", ["tokenizer/tokenizer.json", "tokenizer/spiece.model"]),
+                   ("the DiT (transformer/*.safetensors)", ["transformer/*.safetensors"]),
+                   ("the VAE (vae/*.safetensors)", ["vae/*.safetensors"]),
+                   ("the scheduler config (scheduler/scheduler_config.json)", ["scheduler/scheduler_config.json"])]
+            if self.has_transformer_2:
+                req.append(("the low-noise expert (transformer_2/*.safetensors)", ["transformer_2/*.safetensors"]))
+            if self.image_to_video and self.has_image_encoder:
+                req.append(("the image encoder (image_encoder/*.safetensors)", ["image_encoder/*.safetensors"]))
+            return req
+        return [("the DiT (diffusion_pytorch_model*.safetensors)", ["diffusion_pytorch_model*.safetensors"]),
+                ("the text encoder (models_t5_*.pth)", ["models_t5_*.pth"]),
+                ("the tokenizer (google/umt5-xxl/)", ["google/umt5-xxl/tokenizer.json", "google/umt5-xxl/spiece.model",
+                                                      "tokenizer/tokenizer.json", "tokenizer/spiece.model"]),
+                ("the VAE (Wan2.1_VAE.pth)", ["Wan2.*_VAE.pth"])]
+
     # ------------------------------------------------------------------ component loaders
     def load_tokenizer(self):
         if self.preset:
@@ -260,7 +279,29 @@ class WanT2V(Pipeline):
         dc = self.dit_config()
         sf, tf = self.scale_factors()
         return Geometry(spatial=sf, temporal=tf, latent_channels=dc.out_channels, patch=tuple(dc.patch_size),
-                        num_heads=dc.num_heads)
+                        num_heads=dc.num_heads, max_grid=dc.rope_max_seq_len)
+
+    def check(self, request) -> None:
+        """A checkpoint folder with every component the run loads; prompts within the text
+        encoder's length (the reference cuts them silently)."""
+        from vidax.pipeline import OptionError
+
+        if self.folder is not None:
+            missing = [what for what, globs in self._required_files() if not any(any(self.folder.glob(g)) for g in globs)]
+            if missing:
+                raise OptionError("checkpoint", f"{self.folder}: missing {'; '.join(missing)} "
+                                                f"({self.layout} layout)")
+        try:
+            tok = self.load_tokenizer()
+        except (OSError, ValueError) as e:
+            raise OptionError("checkpoint", f"{self.folder}: the tokenizer cannot be loaded ({e})") from None
+        neg = request.negative_prompt or ""
+        for name, texts in (("prompt", request.prompts), ("negative_prompt", [neg])):
+            for i, n in enumerate(tok.count([prompt_clean(t) for t in texts])):
+                if n > self.max_text_len:
+                    which = f" {i + 1}" if len(texts) > 1 else ""
+                    raise OptionError(name, f"prompt{which} is {n} tokens long; the text encoder reads at most "
+                                            f"{self.max_text_len}: shorten it")
 
     @property
     def uses_clip(self) -> bool:
