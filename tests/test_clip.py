@@ -9,6 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -128,28 +129,49 @@ def test_parity_with_projection_and_prefixed_names(tmp_path):
     assert_parity(enc.penultimate(x), ref.hidden_states[-2].numpy(), what="load_clip(pipeline folder)")
 
 
-def test_init_params_penultimate_and_jit_reuse():
+def test_init_penultimate_and_jit_reuse():
     cfg = clip.CLIPVisionConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=48, num_layers=3,
                                 num_heads=4, hidden_act="gelu", projection_dim=8)
-    params = clip.init_params(cfg, seed=0)
+    enc = clip.init(cfg, seed=0)
+    params = nnx.to_pure_dict(enc.state)
     shapes = clip.param_shapes(cfg)
     assert jax.tree.structure(params) == jax.tree.structure(shapes)
     for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shapes)):
         assert a.shape == s.shape and a.dtype == np.float32
         assert np.all(a != 0) and not np.all(a == 1)
     x = _pixels(2, size=16)
-    out = clip.encode_image(params, cfg, x, output_hidden_states=True)
+    out = enc(x, output_hidden_states=True)
     assert out["last_hidden_state"].shape == (2, 17, 32) and out["image_embeds"].shape == (2, 8)
     assert out["hidden_states"].shape == (4, 2, 17, 32)
-    pen = clip.penultimate(params, cfg, x)
+    pen = enc.penultimate(x)
     np.testing.assert_allclose(pen, out["penultimate"], atol=1e-6, rtol=1e-6)
     np.testing.assert_array_equal(out["hidden_states"][-2], out["penultimate"])
     np.testing.assert_array_equal(out["hidden_states"][-1], out["last_hidden_state"])
+    enc2 = clip.init(dataclasses.replace(cfg), seed=0)
     with CompileCounter() as cc:
-        clip.penultimate(params, dataclasses.replace(cfg), x + 1)
+        enc2.penultimate(x + 1)
     assert cc.count == 0, "same shapes + equal config must hit the jit cache"
     with pytest.raises(ValueError, match="doesn't match model"):
-        clip.penultimate(params, cfg, _pixels(1, size=20))
+        enc.penultimate(_pixels(1, size=20))
+
+
+def test_parameters_carry_logical_axes():
+    """Every parameter names its axes (the sharding rules' input); the stack leads with ``layers``."""
+    cfg = clip.CLIPVisionConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=48, num_layers=3,
+                                num_heads=4, projection_dim=8)
+    enc = clip.abstract(cfg)
+    params = {jax.tree_util.keystr(p): v for p, v in
+              jax.tree_util.tree_leaves_with_path(enc.state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    axes = {k: v.get_metadata()["out_sharding"] for k, v in params.items()}
+    for k, v in params.items():
+        assert len(axes[k]) == len(v.shape), k
+    assert axes["['blocks']['q']['kernel']"] == ("layers", "embed", "heads")
+    assert axes["['blocks']['q']['bias']"] == ("layers", "heads")
+    assert axes["['blocks']['o']['kernel']"] == ("layers", "heads", "embed")
+    assert axes["['blocks']['fc1']['kernel']"] == ("layers", "embed", "ffn")
+    assert axes["['blocks']['fc2']['kernel']"] == ("layers", "ffn", "embed")
+    assert axes["['blocks']['norm1']['scale']"] == ("layers", "embed")
+    assert axes["['patch']['kernel']"] == (None, None, None, "embed")
 
 
 # ------------------------------------------------------------------------------------------ Wan naming
@@ -301,8 +323,8 @@ def test_infer_config_vit_h14_shapes():
     assert clip.infer_config(ck) == clip.WAN_VIT_H_14
     # full-size shapes trace (no compute): 257 tokens of width 1280 from the first 31 layers
     px = jax.ShapeDtypeStruct((2, 3, 224, 224), np.float32)
-    out = jax.eval_shape(lambda p, x: clip.penultimate(p, clip.WAN_VIT_H_14, x),
-                         clip.param_shapes(clip.WAN_VIT_H_14, np.float16), px)
+    enc = clip.abstract(clip.WAN_VIT_H_14, np.float16)
+    out = jax.eval_shape(lambda s, x: enc.replace(state=s).penultimate(x), enc.state, px)
     assert out.shape == (2, 257, 1280) and out.dtype == np.float32
 
 

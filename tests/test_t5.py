@@ -10,6 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -126,23 +127,24 @@ def test_padding_does_not_leak_into_real_tokens():
     cfg = t5.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
                       relative_attention_num_buckets=8, relative_attention_max_distance=16,
                       feed_forward_proj="gated-gelu", per_layer_rel_bias=True)
-    params = t5.init_params(cfg, seed=1)
+    enc = t5.init(cfg, seed=1)
     ids, mask = _inputs(24, lengths=(9,), seed=3)
-    long = np.asarray(t5.encode(params, cfg, ids, mask))
-    short = np.asarray(t5.encode(params, cfg, ids[:, :9], mask[:, :9]))
+    long = np.asarray(enc(ids, mask))
+    short = np.asarray(enc(ids[:, :9], mask[:, :9]))
     np.testing.assert_allclose(long[:, :9], short, atol=1e-5, rtol=1e-5)
     # garbage in the padded slots must not matter either
     ids2 = ids.copy()
     ids2[:, 9:] = 77
-    np.testing.assert_allclose(np.asarray(t5.encode(params, cfg, ids2, mask))[:, :9], short, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(enc(ids2, mask))[:, :9], short, atol=1e-5, rtol=1e-5)
 
 
-def test_init_params_and_jit_reuse():
+def test_init_and_jit_reuse():
     for proj, per_layer in [("gated-gelu", True), ("relu", False)]:
         cfg = t5.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
                           relative_attention_num_buckets=8, relative_attention_max_distance=16,
                           feed_forward_proj=proj, per_layer_rel_bias=per_layer)
-        params = t5.init_params(cfg, seed=0)
+        enc = t5.init(cfg, seed=0)
+        params = nnx.to_pure_dict(enc.state)
         shapes = t5.param_shapes(cfg)
         assert jax.tree.structure(params) == jax.tree.structure(shapes)
         for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shapes)):
@@ -150,10 +152,11 @@ def test_init_params_and_jit_reuse():
             assert np.all(a != 0) and not np.all(a == 1)
         ids, mask = _inputs(10, lengths=(None, 3), seed=0)
         ids = ids % 64
-        out = t5.encode(params, cfg, ids, mask)
+        out = enc(ids, mask)
         assert out.shape == (2, 10, 16) and out.dtype == np.float32 and np.isfinite(np.asarray(out)).all()
+        enc2 = t5.init(dataclasses.replace(cfg), seed=0)
         with CompileCounter() as cc:
-            t5.encode(params, dataclasses.replace(cfg), (ids + 1) % 64, mask)
+            enc2((ids + 1) % 64, mask)
         assert cc.count == 0, "same shapes + equal config must hit the jit cache"
 
 
@@ -161,7 +164,7 @@ def test_bf16_params_compute_in_fp32(tmp_path):
     model = _ref_model("umt5")
     model.save_pretrained(tmp_path)
     enc = t5.load_t5(tmp_path, dtype=ml_dtypes.bfloat16)
-    assert enc.params["blocks"]["q"]["w"].dtype == ml_dtypes.bfloat16
+    assert enc.state["blocks"]["q"]["kernel"].dtype == ml_dtypes.bfloat16
     ids, mask = _inputs(20)
     out = np.asarray(enc(ids, mask))
     assert out.dtype == np.float32
@@ -367,7 +370,7 @@ def test_embed_under_either_tied_name():
     a = t5.load_params_from(sd, cfg, naming="hf")
     alt = {("encoder.embed_tokens.weight" if k == "shared.weight" else k): v for k, v in sd.items()}
     b = t5.load_params_from(alt, cfg, naming="hf")
-    np.testing.assert_array_equal(a["embed"], b["embed"])
+    np.testing.assert_array_equal(a["embed"]["embedding"], b["embed"]["embedding"])
     both = dict(sd, **{"encoder.embed_tokens.weight": sd["shared.weight"]})
     t5.load_params_from(both, cfg, naming="hf")
     # encoder half of a full encoder-decoder checkpoint: decoder / lm_head tensors ignored
@@ -477,3 +480,21 @@ def test_tokenizer_feeds_encoder(tmp_path):
     out = np.asarray(t5.load_t5(tmp_path / "enc")(ids, mask))
     assert_parity(out, ref, what="tokenizer + encoder")
     assert math.isfinite(float(np.abs(out).max()))
+
+
+def test_parameters_carry_logical_axes():
+    """Every parameter names its axes (the sharding rules' input); the stack leads with ``layers``."""
+    cfg = t5.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", per_layer_rel_bias=True)
+    enc = t5.abstract(cfg)
+    params = {jax.tree_util.keystr(p): v for p, v in
+              jax.tree_util.tree_leaves_with_path(enc.state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    axes = {k: v.get_metadata()["out_sharding"] for k, v in params.items()}
+    for k, v in params.items():
+        assert len(axes[k]) == len(v.shape), k
+    assert axes["['embed']['embedding']"] == ("vocab", "embed")
+    assert axes["['blocks']['q']['kernel']"] == ("layers", "embed", "heads")
+    assert axes["['blocks']['o']['kernel']"] == ("layers", "heads", "embed")
+    assert axes["['blocks']['wi_0']['kernel']"] == ("layers", "embed", "ffn")
+    assert axes["['blocks']['wo']['kernel']"] == ("layers", "ffn", "embed")
+    assert axes["['blocks']['rel_bias']['embedding']"] == ("layers", None, "heads")

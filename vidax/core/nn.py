@@ -221,3 +221,125 @@ def fill(state, pure: dict):
     numpy, as the key maps produce it), in place; returns it."""
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+# --- added by nnx-text ---
+# Norms and embeddings with the references' numerics, in-place layer ranges, and the split-once
+# call path every loaded model uses (``Split``: graphdef + state, one jitted pure function).
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def LayerNorm(dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5, axes=("embed",), param_dtype=jnp.float32) -> nnx.LayerNorm:
+    """``nnx.LayerNorm`` with torch's numerics: two-pass variance (``use_fast_variance=False``),
+    statistics in at least float32; scale and bias carry the logical ``axes``."""
+    return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, param_dtype=param_dtype, rngs=rngs,
+                         scale_init=logical(nnx.initializers.ones_init(), *axes),
+                         bias_init=logical(nnx.initializers.zeros_init(), *axes))
+
+
+def RMSNorm(dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, axes=("embed",), param_dtype=jnp.float32) -> nnx.RMSNorm:
+    """``nnx.RMSNorm`` (T5 / Llama): ``x * rsqrt(mean(x^2) + eps) * scale``, no mean subtraction,
+    statistics in at least float32; the scale carries the logical ``axes``."""
+    return nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype, rngs=rngs,
+                       scale_init=logical(nnx.initializers.ones_init(), *axes))
+
+
+def Embed(num: int, dim: int, *, rngs: nnx.Rngs, axes=("vocab", "embed"), std: float = 1.0,
+          param_dtype=jnp.float32) -> nnx.Embed:
+    """``nnx.Embed`` (table ``[num, dim]``, ``normal(std)`` init). A lookup returns the table's own
+    dtype: callers cast the gathered rows, never the whole (vocabulary-sized) table."""
+    return nnx.Embed(num, dim, param_dtype=param_dtype, rngs=rngs,
+                     embedding_init=logical(nnx.initializers.normal(std), *axes))
+
+
+def scan_range(blocks: nnx.Module | tuple, carry, body: Callable, start: int = 0, stop: int | None = None,
+               collect: bool = False):
+    """:func:`scan` over layers ``start .. stop-1`` of stacked ``blocks``, each layer indexed in
+    place (no copy of a slice of the stack). Returns ``(carry, per-layer carries [stop-start, ...])``
+    with ``collect``, else ``(carry, None)``."""
+    graphdef, state = nnx.split(blocks) if isinstance(blocks, nnx.Module) else blocks
+    stop = jax.tree.leaves(state)[0].shape[0] if stop is None else stop
+
+    def step(c, i):
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), state)
+        c = body(nnx.merge(graphdef, layer), c)
+        return c, (c if collect else None)
+
+    return jax.lax.scan(step, carry, jnp.arange(start, stop, dtype=jnp.int32))
+
+
+class _Graph:
+    """A graphdef as a jit static argument with its hash computed once (hashing a graphdef walks
+    every node: tens of microseconds per call otherwise); equal graphs compare equal."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, _Graph) and (self is other or self.graphdef == other.graphdef)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _apply(graph: _Graph, method: str, static: tuple, state, *args):
+    return getattr(nnx.merge(graph.graphdef, state), method)(*args, **dict(static))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    """A module split once (``nnx.split``): ``graphdef`` (static) + ``state`` (the pytree loaders
+    fill, shardings place, offloading streams) + its ``cfg``.
+
+    Calls run one jitted pure function of the state that merges the module inside the trace:
+    one compile per (graph, method, keyword options, input shapes and dtypes), shared by every
+    ``Split`` with an equal graph. Positional arguments are arrays (or ``None``); keyword
+    arguments are static Python values."""
+
+    graphdef: Any
+    state: Any
+    cfg: Any = None
+    _graph: _Graph = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_graph", _Graph(self.graphdef))
+
+    @classmethod
+    def of(cls, module: nnx.Module):
+        """Split a built module (its ``cfg`` attribute, if any, is kept)."""
+        return cls(*nnx.split(module), getattr(module, "cfg", None))
+
+    @classmethod
+    def from_pure(cls, build: Callable[[], nnx.Module], pure: dict, device_put: bool = True):
+        """``build()``'s split with every weight taken from the nested dict ``pure`` (host numpy,
+        as the key maps produce it). ``build`` runs abstractly: no random init is materialised."""
+        graphdef, state = abstract_state(build)
+        leaves = lambda tree: {jax.tree_util.keystr(p): tuple(np.shape(a))  # noqa: E731
+                               for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+        want, got = leaves(nnx.to_pure_dict(state)), leaves(pure)
+        bad = sorted(want.keys() ^ got.keys()) + [f"{k} {got[k]} (expected {want[k]})"
+                                                  for k in sorted(want.keys() & got.keys()) if got[k] != want[k]]
+        if bad:
+            raise ValueError(f"weights do not fit the module: {bad[:5]}" + (" ..." if len(bad) > 5 else ""))
+        cfg = getattr(nnx.merge(graphdef, state), "cfg", None)
+        fill(state, pure)
+        return cls(graphdef, jax.device_put(state) if device_put else state, cfg)
+
+    def apply(self, method: str, *args, **static):
+        """``module.<method>(*args, **static)`` through the jitted pure function."""
+        return _apply(self._graph, method, tuple(sorted(static.items())), self.state, *args)
+
+    def __call__(self, *args, **static):
+        return self.apply("__call__", *args, **static)
+
+    def merge(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state)
+
+    def replace(self, **changes):
+        """A copy with some fields replaced (e.g. ``state=`` placed with shardings)."""
+        return dataclasses.replace(self, **changes)

@@ -4,22 +4,25 @@ Wan2.1 I2V conditions on the **penultimate** hidden state of an open-clip XLM-Ro
 image encoder: diffusers' ``WanImageToVideoPipeline`` calls
 ``image_encoder(**image, output_hidden_states=True).hidden_states[-2]``, the original release runs
 ``visual(x, use_31_block=True)`` (the first 31 of its 32 blocks). Both are the output of the
-second-to-last encoder layer, before ``post_layernorm``; :func:`penultimate` computes exactly that
+second-to-last encoder layer, before ``post_layernorm``; :meth:`CLIPVision.penultimate` computes exactly that
 and runs only ``num_layers - 1`` layers.
 
-Parameters are a nested dict; the encoder layers are stacked along a leading layer axis and run
-with ``jax.lax.scan``::
+The model is a Flax NNX module (:class:`CLIPVision`); its layers are stacked along a leading
+layer axis (``nn.stack``) and run with a scan. The state, as ``nnx.to_pure_dict`` nests it::
 
-    {"patch": {"w": [p, p, C, D]},                  # conv without bias, as a patch matmul
+    {"patch": {"kernel": [p, p, C, D]},             # stride = kernel conv, no bias
      "cls": [D], "pos": [1 + (S/p)^2, D],
-     "pre_ln": {"w": [D], "b": [D]},
-     "blocks": {"ln1"/"ln2": {"w": [N, D], "b": [N, D]},
-                "q"/"k"/"v"/"o": {"w": [N, D, D], "b": [N, D]},
-                "fc1": {"w": [N, D, F], "b": [N, F]}, "fc2": {"w": [N, F, D], "b": [N, D]}},
-     "post_ln": {"w": [D], "b": [D]},
-     "proj": {"w": [D, P]}}                         # CLIPVisionModelWithProjection / Wan's head only
+     "pre_norm": {"scale": [D], "bias": [D]},
+     "blocks": {"norm1"/"norm2": {"scale": [N, D], "bias": [N, D]},
+                "q"/"k"/"v"/"o": {"kernel": [N, D, D], "bias": [N, D]},
+                "fc1": {"kernel": [N, D, F], "bias": [N, F]}, "fc2": {"kernel": [N, F, D], "bias": [N, D]}},
+     "post_norm": {"scale": [D], "bias": [D]},
+     "proj": {"kernel": [D, P]}}                    # CLIPVisionModelWithProjection / Wan's head only
 
-Everything is computed in float32 at ``Precision.HIGHEST`` whatever the parameter dtype.
+Parameters carry logical axis names (``embed``, ``heads``, ``ffn``; ``layers`` on the stack). A
+loaded tower is a :class:`CLIPVisionEncoder`: the module split once, called through one jitted
+pure function of its state. Everything is computed in float32 at ``Precision.HIGHEST`` whatever
+the parameter dtype.
 
 Two checkpoint namings are understood:
 
@@ -45,19 +48,19 @@ import math
 import re
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from vidax.compat import CompatModel, register
+from vidax.core import nn
 from vidax.core.attention import attention
-from vidax.core.nn import ACTIVATIONS, Init, layer_norm
+from vidax.core.nn import ACTIVATIONS
 from vidax.weights import KeyMap, LazyTensor, Rule, load_params, open_checkpoint
 from vidax.weights.keymap import mismatch_error
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN
@@ -138,133 +141,130 @@ WAN_VIT_H_14 = CLIPVisionConfig(image_size=224, patch_size=14, hidden_size=1280,
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
-def _linear(p, x):
-    y = jnp.matmul(x, p["w"].astype(_F32), precision=_HIGHEST)
-    if "b" in p:
-        y = y + p["b"].astype(_F32)
-    return y
+class CLIPBlock(nnx.Module):
+    """One pre-LN encoder layer: self-attention, then the MLP (``fc2(act(fc1(x)))``), both residual."""
+
+    def __init__(self, cfg: CLIPVisionConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        lin = partial(nn.Linear, rngs=rngs, param_dtype=param_dtype)
+        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
+        self.norm1 = norm()
+        self.q, self.k, self.v = (lin(D, D, axes=("embed", "heads")) for _ in range(3))
+        self.o = lin(D, D, axes=("heads", "embed"))
+        self.norm2 = norm()
+        self.fc1 = lin(D, F, axes=("embed", "ffn"))
+        self.fc2 = lin(F, D, axes=("ffn", "embed"))
+
+    def __call__(self, x):
+        cfg = self.cfg
+        B, L, D = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).reshape(B, L, cfg.num_heads, cfg.head_dim) for p in (self.q, self.k, self.v))
+        a = attention(q, k, v, scale=cfg.head_dim**-0.5, impl="xla")
+        x = x + self.o(a.reshape(B, L, D))
+        return x + self.fc2(ACTIVATIONS[cfg.hidden_act](self.fc1(self.norm2(x))))
 
 
-def _ln(p, x, eps):
-    return layer_norm(x, p["w"], p["b"], eps=eps)
+class CLIPVision(nnx.Module):
+    """The vision tower: patch embedding (a stride = kernel convolution without bias), class token,
+    learned positions, pre-LN; ``num_layers`` stacked :class:`CLIPBlock` run by a scan; post-LN of
+    the class token; the visual projection (``projection_dim`` set). Computes in float32 whatever
+    the parameters' dtype."""
+
+    def __init__(self, cfg: CLIPVisionConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        D, p = cfg.hidden_size, cfg.patch_size
+        self.patch = nnx.Conv(cfg.num_channels, D, (p, p), strides=(p, p), padding="VALID", use_bias=False,
+                              precision=jax.lax.Precision.HIGHEST, param_dtype=param_dtype, rngs=rngs,
+                              kernel_init=nn.logical(nnx.initializers.lecun_normal(), None, None, None, "embed"))
+        self.cls = nnx.Param(nn.logical(nnx.initializers.normal(D**-0.5), "embed")(rngs.params(), (D,), param_dtype))
+        self.pos = nnx.Param(nn.logical(nnx.initializers.normal(0.02), None, "embed")(
+            rngs.params(), (cfg.seq_len, D), param_dtype))
+        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
+        self.pre_norm = norm()
+        self.blocks = nn.stack(lambda r: CLIPBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.post_norm = norm()
+        self.proj = None if cfg.projection_dim is None else nn.Linear(
+            D, cfg.projection_dim, rngs=rngs, axes=("embed", None), bias=False, param_dtype=param_dtype)
+
+    def embed(self, pixel_values):
+        """Pixels [B, C, H, W] (reference layout, normalised) -> pre-normed tokens [B, 1 + grid^2, D]:
+        ``hidden_states[0]`` of the reference."""
+        cfg = self.cfg
+        x = jnp.asarray(pixel_values, _F32)
+        if x.ndim != 4 or x.shape[1] != cfg.num_channels:
+            raise ValueError(f"pixel_values must be [B, {cfg.num_channels}, H, W], got {x.shape}")
+        B, _, H, W = x.shape
+        if (H, W) != (cfg.image_size, cfg.image_size):
+            raise ValueError(f"Input image size ({H}*{W}) doesn't match model ({cfg.image_size}*{cfg.image_size}); "
+                             "position-embedding interpolation is not supported")
+        patches = self.patch(x.transpose(0, 2, 3, 1)).reshape(B, cfg.grid**2, cfg.hidden_size)
+        cls = jnp.broadcast_to(self.cls[...].astype(_F32), (B, 1, cfg.hidden_size))
+        return self.pre_norm(jnp.concatenate([cls, patches], axis=1) + self.pos[...].astype(_F32)[None])
+
+    def _layers(self, x, start: int, stop: int, collect: bool = False):
+        """Layers ``start .. stop-1``: (output, per-layer outputs [stop-start, B, L, D] or None)."""
+        return nn.scan_range(self.blocks, x, lambda block, h: block(h), start, stop, collect=collect)
+
+    def __call__(self, pixel_values, output_hidden_states: bool = False) -> dict:
+        """Pixels [B, C, H, W] (normalised, reference layout) -> dict of float32 arrays:
+
+        - ``last_hidden_state`` [B, L, D] (no final norm, like the reference);
+        - ``pooler_output`` [B, D]: ``post_layernorm`` of the class token;
+        - ``penultimate`` [B, L, D]: ``hidden_states[-2]``, what Wan2.1 I2V conditions on;
+        - ``image_embeds`` [B, P]: the visual projection of ``pooler_output`` (models with a projection);
+        - ``hidden_states`` [N + 1, B, L, D] (with ``output_hidden_states``): the reference's
+          ``hidden_states`` tuple, stacked (entry 0 = pre-normed embeddings).
+        """
+        n = self.cfg.num_layers
+        x0 = self.embed(pixel_values)
+        pen, hs = self._layers(x0, 0, n - 1, collect=output_hidden_states)
+        last, _ = self._layers(pen, n - 1, n)
+        pooled = self.post_norm(last[:, 0])
+        out = {"last_hidden_state": last, "pooler_output": pooled, "penultimate": pen}
+        if self.proj is not None:
+            out["image_embeds"] = self.proj(pooled)
+        if output_hidden_states:
+            out["hidden_states"] = jnp.concatenate([x0[None], hs, last[None]], axis=0)
+        return out
+
+    def penultimate(self, pixel_values):
+        """``hidden_states[-2]`` [B, L, D] float32 (Wan2.1 I2V image tokens): runs only
+        ``num_layers - 1`` encoder layers; ``post_layernorm`` and the projection are not applied."""
+        return self._layers(self.embed(pixel_values), 0, self.cfg.num_layers - 1)[0]
 
 
-def embed(params, cfg: CLIPVisionConfig, pixel_values):
-    """Pixels [B, C, H, W] (reference layout, normalised) -> pre-normed tokens [B, 1 + grid^2, D]:
-    ``hidden_states[0]`` of the reference."""
-    x = jnp.asarray(pixel_values, _F32)
-    if x.ndim != 4 or x.shape[1] != cfg.num_channels:
-        raise ValueError(f"pixel_values must be [B, {cfg.num_channels}, H, W], got {x.shape}")
-    B, C, H, W = x.shape
-    if (H, W) != (cfg.image_size, cfg.image_size):
-        raise ValueError(f"Input image size ({H}*{W}) doesn't match model ({cfg.image_size}*{cfg.image_size}); "
-                         "position-embedding interpolation is not supported")
-    g, p, D = cfg.grid, cfg.patch_size, cfg.hidden_size
-    # stride == kernel convolution as one matmul over flattened (ph, pw, c) patches
-    x = x[:, :, : g * p, : g * p].reshape(B, C, g, p, g, p).transpose(0, 2, 4, 3, 5, 1).reshape(B, g * g, p * p * C)
-    w = params["patch"]["w"].astype(_F32).reshape(p * p * C, D)
-    patches = jnp.matmul(x, w, precision=_HIGHEST)
-    cls = jnp.broadcast_to(params["cls"].astype(_F32), (B, 1, D))
-    h = jnp.concatenate([cls, patches], axis=1) + params["pos"].astype(_F32)[None]
-    return _ln(params["pre_ln"], h, cfg.layer_norm_eps)
+class CLIPVisionEncoder(nn.Split):
+    """A CLIP vision tower split once (``graphdef``, ``state``, ``cfg``); its calls are one jitted
+    pure function of the state. Calling it returns :meth:`CLIPVision.__call__`'s dict;
+    :meth:`penultimate` gives only ``hidden_states[-2]`` (Wan2.1 I2V)."""
+
+    def __call__(self, pixel_values, output_hidden_states: bool = False) -> dict:
+        return self.apply("__call__", pixel_values, output_hidden_states=bool(output_hidden_states))
+
+    def penultimate(self, pixel_values):
+        return self.apply("penultimate", pixel_values)
 
 
-def _block(cfg: CLIPVisionConfig, x, blk):
-    B, L, D = x.shape
-    H, hd = cfg.num_heads, cfg.head_dim
-    h = _ln(blk["ln1"], x, cfg.layer_norm_eps)
-    q = _linear(blk["q"], h).reshape(B, L, H, hd)
-    k = _linear(blk["k"], h).reshape(B, L, H, hd)
-    v = _linear(blk["v"], h).reshape(B, L, H, hd)
-    a = attention(q, k, v, scale=hd**-0.5, impl="xla")
-    x = x + _linear(blk["o"], a.reshape(B, L, D))
-    h = _ln(blk["ln2"], x, cfg.layer_norm_eps)
-    return x + _linear(blk["fc2"], ACTIVATIONS[cfg.hidden_act](_linear(blk["fc1"], h)))
+def _build(cfg: CLIPVisionConfig, seed: int = 0, dtype=np.float32):
+    return lambda: CLIPVision(cfg, rngs=nnx.Rngs(seed), param_dtype=dtype)
 
 
-def _run_layers(cfg, x, blocks, start: int, stop: int, collect: bool = False):
-    """Layers ``start .. stop-1`` of the stacked ``blocks`` (indexed in place: no copy of a slice of
-    the weights). Returns (output, per-layer outputs [stop-start, B, L, D] or None)."""
-
-    def step(h, i):
-        blk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), blocks)
-        h = _block(cfg, h, blk)
-        return h, (h if collect else None)
-
-    return jax.lax.scan(step, x, jnp.arange(start, stop, dtype=jnp.int32))
+def init(cfg: CLIPVisionConfig, seed: int = 0, dtype=np.float32) -> CLIPVisionEncoder:
+    """Seeded random weights (tiny presets, tests): every parameter perturbed (nothing zero or one)."""
+    return CLIPVisionEncoder.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
 
 
-def _heads(params, cfg, last):
-    pooled = _ln(params["post_ln"], last[:, 0], cfg.layer_norm_eps)
-    out = {"last_hidden_state": last, "pooler_output": pooled}
-    if "proj" in params:
-        out["image_embeds"] = _linear(params["proj"], pooled)
-    return out
+def param_shapes(cfg: CLIPVisionConfig, dtype=np.float32) -> dict:
+    """Every parameter as a ``jax.ShapeDtypeStruct``, nested like the NNX state (the key maps' target)."""
+    return nn.shapes(_build(cfg, dtype=dtype))
 
 
-@partial(jax.jit, static_argnames=("cfg", "output_hidden_states"))
-def encode_image(params, cfg: CLIPVisionConfig, pixel_values, output_hidden_states: bool = False):
-    """Pixels [B, C, H, W] (normalised, reference layout) -> dict of float32 arrays:
-
-    - ``last_hidden_state`` [B, L, D] (no final norm, like the reference);
-    - ``pooler_output`` [B, D]: ``post_layernorm`` of the class token;
-    - ``penultimate`` [B, L, D]: ``hidden_states[-2]``, what Wan2.1 I2V conditions on;
-    - ``image_embeds`` [B, P]: the visual projection of ``pooler_output`` (models with a projection);
-    - ``hidden_states`` [N + 1, B, L, D] (with ``output_hidden_states``): the reference's
-      ``hidden_states`` tuple, stacked (entry 0 = pre-normed embeddings).
-    """
-    x0 = embed(params, cfg, pixel_values)
-    n = cfg.num_layers
-    pen, hs = _run_layers(cfg, x0, params["blocks"], 0, n - 1, collect=output_hidden_states)
-    last, _ = _run_layers(cfg, pen, params["blocks"], n - 1, n)
-    out = _heads(params, cfg, last)
-    out["penultimate"] = pen
-    if output_hidden_states:
-        out["hidden_states"] = jnp.concatenate([x0[None], hs, last[None]], axis=0)
-    return out
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def penultimate(params, cfg: CLIPVisionConfig, pixel_values):
-    """``hidden_states[-2]`` [B, L, D] float32 (Wan2.1 I2V image tokens): runs only ``num_layers - 1``
-    encoder layers; ``post_layernorm`` and the projection are not applied."""
-    x, _ = _run_layers(cfg, embed(params, cfg, pixel_values), params["blocks"], 0, cfg.num_layers - 1)
-    return x
-
-
-def param_shapes(cfg: CLIPVisionConfig, dtype=np.float32):
-    """``jax.ShapeDtypeStruct`` tree of every parameter (used as ``like`` by the loaders)."""
-    N, D, F, p, C = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.num_channels
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, np.dtype(dtype))  # noqa: E731
-    ln = lambda *lead: {"w": s(*lead, D), "b": s(*lead, D)}  # noqa: E731
-    lin = lambda i, o: {"w": s(N, i, o), "b": s(N, o)}  # noqa: E731
-    tree = {
-        "patch": {"w": s(p, p, C, D)}, "cls": s(D), "pos": s(cfg.seq_len, D), "pre_ln": ln(),
-        "blocks": {"ln1": ln(N), "q": lin(D, D), "k": lin(D, D), "v": lin(D, D), "o": lin(D, D),
-                   "ln2": ln(N), "fc1": lin(D, F), "fc2": lin(F, D)},
-        "post_ln": ln(),
-    }
-    if cfg.projection_dim is not None:
-        tree["proj"] = {"w": s(D, cfg.projection_dim)}
-    return tree
-
-
-def init_params(cfg: CLIPVisionConfig, seed: int = 0, dtype=np.float32):
-    """Seeded random parameters (tiny presets, tests): every tensor perturbed, nothing zero or one."""
-    init = Init(seed, dtype)
-    N, D, F, p, C = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.num_channels
-    ln = lambda *lead: {"w": init.norm_weight((*lead, D)), "b": init.bias((*lead, D))}  # noqa: E731
-    lin = lambda i, o: init.linear(i, o, bias=True, lead=(N,))  # noqa: E731
-    params = {
-        "patch": init.conv((p, p), C, D, bias=False), "cls": init.normal((D,), std=D**-0.5),
-        "pos": init.normal((cfg.seq_len, D), std=0.1), "pre_ln": ln(),
-        "blocks": {"ln1": ln(N), "q": lin(D, D), "k": lin(D, D), "v": lin(D, D), "o": lin(D, D),
-                   "ln2": ln(N), "fc1": lin(D, F), "fc2": lin(F, D)},
-        "post_ln": ln(),
-    }
-    if cfg.projection_dim is not None:
-        params["proj"] = init.linear(D, cfg.projection_dim, bias=False)
-    return params
+def abstract(cfg: CLIPVisionConfig, dtype=np.float32) -> CLIPVisionEncoder:
+    """An encoder whose state holds only ``jax.ShapeDtypeStruct`` s (shape checks with
+    ``jax.eval_shape``; nothing allocated)."""
+    return CLIPVisionEncoder(*nn.abstract_state(_build(cfg, dtype=dtype)), cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,23 +281,23 @@ def hf_keymap(cfg: CLIPVisionConfig, prefix: str = HF_PREFIX) -> KeyMap:
     text half, and ``visual_projection`` when the config has no projection."""
     P, b = prefix, prefix + "encoder.layers.{i}"
     rules = [
-        Rule(f"{P}embeddings.patch_embedding.weight", "patch.w", "conv2d"),
+        Rule(f"{P}embeddings.patch_embedding.weight", "patch.kernel", "conv2d"),
         Rule(f"{P}embeddings.class_embedding", "cls"),
         Rule(f"{P}embeddings.position_embedding.weight", "pos"),
-        Rule(f"{P}pre_layrnorm.weight", "pre_ln.w"),
-        Rule(f"{P}pre_layrnorm.bias", "pre_ln.b"),
-        Rule(f"{P}post_layernorm.weight", "post_ln.w"),
-        Rule(f"{P}post_layernorm.bias", "post_ln.b"),
+        Rule(f"{P}pre_layrnorm.weight", "pre_norm.scale"),
+        Rule(f"{P}pre_layrnorm.bias", "pre_norm.bias"),
+        Rule(f"{P}post_layernorm.weight", "post_norm.scale"),
+        Rule(f"{P}post_layernorm.bias", "post_norm.bias"),
     ]
-    for ours, theirs in (("ln1", "layer_norm1"), ("ln2", "layer_norm2")):
-        rules += [Rule(f"{b}.{theirs}.weight", f"blocks.{ours}.w"), Rule(f"{b}.{theirs}.bias", f"blocks.{ours}.b")]
+    for ours, theirs in (("norm1", "layer_norm1"), ("norm2", "layer_norm2")):
+        rules += [Rule(f"{b}.{theirs}.weight", f"blocks.{ours}.scale"), Rule(f"{b}.{theirs}.bias", f"blocks.{ours}.bias")]
     for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
                          ("o", "self_attn.out_proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
-        rules += [Rule(f"{b}.{theirs}.weight", f"blocks.{ours}.w", "linear"),
-                  Rule(f"{b}.{theirs}.bias", f"blocks.{ours}.b")]
+        rules += [Rule(f"{b}.{theirs}.weight", f"blocks.{ours}.kernel", "linear"),
+                  Rule(f"{b}.{theirs}.bias", f"blocks.{ours}.bias")]
     ignore = [r"(^|\.)embeddings\.position_ids$", r"^text_model\.", r"^text_projection\.", r"^logit_scale$"]
     if cfg.projection_dim is not None:
-        rules.append(Rule("visual_projection.weight", "proj.w", "linear"))
+        rules.append(Rule("visual_projection.weight", "proj.kernel", "linear"))
     else:
         ignore.append(r"^visual_projection\.")
     return KeyMap(rules, ignore=ignore)
@@ -443,8 +443,9 @@ def infer_config(ckpt, num_heads: int | None = None) -> CLIPVisionConfig:
                             projection_dim=proj)
 
 
-def load_params_from(ckpt, cfg: CLIPVisionConfig, dtype=np.float32, naming: str | None = None):
-    """Read a checkpoint (an opened ``Checkpoint`` or a name -> array mapping) into vidax params."""
+def load_params_from(ckpt, cfg: CLIPVisionConfig, dtype=np.float32, naming: str | None = None) -> dict:
+    """Read a checkpoint (an opened ``Checkpoint`` or a name -> array mapping) into the tower's
+    state as a nested dict of host numpy arrays (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
     naming = naming or detect_naming(list(ckpt))
     if naming == "wan":
         src = getattr(ckpt, "source", "checkpoint")
@@ -457,18 +458,10 @@ def load_params_from(ckpt, cfg: CLIPVisionConfig, dtype=np.float32, naming: str 
                        what="CLIP vision tower (transformers naming)")
 
 
-class CLIPVisionEncoder(NamedTuple):
-    """Loaded vision tower: ``params`` + ``cfg``. Calling it returns :func:`encode_image`'s dict;
-    :meth:`penultimate` gives only ``hidden_states[-2]`` (Wan2.1 I2V)."""
-
-    params: dict
-    cfg: CLIPVisionConfig
-
-    def __call__(self, pixel_values, output_hidden_states: bool = False):
-        return encode_image(self.params, self.cfg, pixel_values, output_hidden_states=output_hidden_states)
-
-    def penultimate(self, pixel_values):
-        return penultimate(self.params, self.cfg, pixel_values)
+def from_params(cfg: CLIPVisionConfig, params: dict, device_put: bool = True) -> CLIPVisionEncoder:
+    """A tower whose state is ``params`` (:func:`load_params_from`'s nested dict); no random
+    weights are created."""
+    return CLIPVisionEncoder.from_pure(_build(cfg), params, device_put=device_put)
 
 
 def load_clip(path, cfg: CLIPVisionConfig | None = None, dtype=np.float32, device_put: bool = True,
@@ -487,10 +480,7 @@ def load_clip(path, cfg: CLIPVisionConfig | None = None, dtype=np.float32, devic
     ckpt = open_checkpoint(p)
     if cfg is None:
         cfg = infer_config(ckpt, num_heads=num_heads)
-    params = load_params_from(ckpt, cfg, dtype=dtype)
-    if device_put:
-        params = jax.device_put(params)
-    return CLIPVisionEncoder(params, cfg)
+    return from_params(cfg, load_params_from(ckpt, cfg, dtype=dtype), device_put=device_put)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,14 +586,17 @@ class _CLIPVisionCompat(CompatModel):
     ``output_hidden_states`` the ``hidden_states`` tuple) and :meth:`penultimate`
     (``hidden_states[-2]``, only ``num_layers - 1`` layers run)."""
 
+    def __init__(self, name: str, config: dict, encoder: CLIPVisionEncoder):
+        super().__init__(name, config, encoder.state, model_config=encoder.cfg)
+        self.encoder = encoder
+
     def _pixels(self, pixel_values):
         if pixel_values is None:
             raise ValueError("pixel_values is required")
         return np.asarray(pixel_values, np.float32)
 
     def outputs(self, pixel_values=None, output_hidden_states: bool = False) -> dict:
-        out = encode_image(self.params, self.model_config, self._pixels(pixel_values),
-                           output_hidden_states=bool(output_hidden_states))
+        out = self.encoder(self._pixels(pixel_values), output_hidden_states=bool(output_hidden_states))
         res = {k: np.asarray(v) for k, v in out.items() if k != "hidden_states"}
         if output_hidden_states:
             res["hidden_states"] = tuple(np.asarray(out["hidden_states"]))
@@ -617,23 +610,23 @@ class _CLIPVisionCompat(CompatModel):
             raise ValueError(f"{self.name}: output_attentions is not supported")
         if interpolate_pos_encoding:
             raise ValueError(f"{self.name}: interpolate_pos_encoding is not supported")
-        out = encode_image(self.params, self.model_config, self._pixels(pixel_values))
+        out = self.encoder(self._pixels(pixel_values))
         return np.asarray(out["image_embeds" if self.model_config.projection_dim is not None else "last_hidden_state"])
 
     def penultimate(self, pixel_values) -> np.ndarray:
-        return np.asarray(penultimate(self.params, self.model_config, self._pixels(pixel_values)))
+        return np.asarray(self.encoder.penultimate(self._pixels(pixel_values)))
 
 
 @register("CLIPVisionModel", "CLIPVisionModelWithProjection")
 def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
     name = (config.get("architectures") or ["CLIPVisionModel"])[0]
     cfg = CLIPVisionConfig.from_hf(config, with_projection=name == "CLIPVisionModelWithProjection")
-    params = jax.device_put(load_params_from(open_checkpoint(folder), cfg, dtype=dtype, naming="hf"))
-    return _CLIPVisionCompat(name, config, params, model_config=cfg)
+    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype, naming="hf"))
+    return _CLIPVisionCompat(name, config, enc)
 
 
 __all__ = [
-    "CLIPVisionConfig", "CLIPVisionEncoder", "WAN_VIT_H_14", "CLIP_MEAN", "CLIP_STD", "embed", "encode_image",
-    "penultimate", "init_params", "param_shapes", "hf_keymap", "wan_expected_shapes", "wan_to_hf",
-    "detect_naming", "hf_prefix", "infer_config", "load_params_from", "load_clip", "preprocess",
+    "CLIPVisionConfig", "CLIPVision", "CLIPBlock", "CLIPVisionEncoder", "WAN_VIT_H_14", "CLIP_MEAN", "CLIP_STD",
+    "init", "abstract", "param_shapes", "hf_keymap", "wan_expected_shapes", "wan_to_hf", "detect_naming",
+    "hf_prefix", "infer_config", "load_params_from", "from_params", "load_clip", "preprocess",
 ]

@@ -6,17 +6,21 @@ One implementation covers
 - UMT5 (Wan's text encoder): every layer owns its relative attention bias table
   (``per_layer_rel_bias=True``).
 
-Parameters are a nested dict; the encoder blocks are stacked along a leading layer axis and run
-with ``jax.lax.scan``::
+The model is a Flax NNX module (:class:`T5`); its blocks are stacked along a leading layer axis
+(``nn.stack``) and run with a scan. The state, as ``nnx.to_pure_dict`` nests it::
 
-    {"embed": [V, D],
-     "rel_bias": [buckets, H]                  # shared variant only
-     "blocks": {"ln1": [N, D], "q"/"k"/"v": {"w": [N, D, H*dk]}, "o": {"w": [N, H*dk, D]},
-                "ln2": [N, D],
-                "wi_0"/"wi_1": {"w": [N, D, F]} (gated) or "wi": {"w": [N, D, F]} (plain),
-                "wo": {"w": [N, F, D]},
-                "rel_bias": [N, buckets, H]}   # per-layer variant only
-     "final_ln": [D]}
+    {"embed": {"embedding": [V, D]},
+     "rel_bias": {"embedding": [buckets, H]},            # shared variant only
+     "blocks": {"norm1"/"norm2": {"scale": [N, D]},
+                "q"/"k"/"v": {"kernel": [N, D, H*dk]}, "o": {"kernel": [N, H*dk, D]},
+                "wi_0"/"wi_1": {"kernel": [N, D, F]} (gated) or "wi": {"kernel": [N, D, F]} (plain),
+                "wo": {"kernel": [N, F, D]},
+                "rel_bias": {"embedding": [N, buckets, H]}},  # per-layer variant only
+     "final_norm": {"scale": [D]}}
+
+Parameters carry logical axis names (``vocab``, ``embed``, ``heads``, ``ffn``; ``layers`` on the
+stack) for the sharding rules. A loaded encoder is a :class:`T5Encoder`: the module split once,
+called through one jitted pure function of its state.
 
 Everything is computed in float32 whatever the parameter dtype (the prompt-encoding design
 rule); the caller casts the output down. Matmuls run at ``Precision.HIGHEST`` so that GPUs do not
@@ -32,18 +36,17 @@ import json
 import math
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from vidax.compat import CompatModel, register
+from vidax.core import nn
 from vidax.core.attention import attention
-from vidax.core.nn import ACTIVATIONS, Init, rms_norm
+from vidax.core.nn import ACTIVATIONS
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
-
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 # ---------------------------------------------------------------------------------------------
 # activations: transformers' ACT2FN names that T5 configs may name (core covers the common ones)
@@ -162,112 +165,124 @@ def relative_position_buckets(q_len: int, k_len: int, num_buckets: int, max_dist
     return (bucket + np.where(small, dist, large)).astype(np.int32)
 
 
-def _position_bias(table, buckets):
-    """table [buckets, H], buckets [Lq, Lk] -> additive bias [1, H, Lq, Lk] (float32)."""
-    vals = jnp.take(table.astype(jnp.float32), buckets, axis=0)  # [Lq, Lk, H]
-    return jnp.transpose(vals, (2, 0, 1))[None]
-
-
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
-def _linear(p, x):
-    return jnp.matmul(x, p["w"].astype(jnp.float32), precision=_HIGHEST)
+def _rel_bias_table(cfg: T5Config, rngs: nnx.Rngs, param_dtype) -> nnx.Embed:
+    """The relative attention bias: one learned scalar per (bucket, head)."""
+    return nn.Embed(cfg.relative_attention_num_buckets, cfg.num_heads, rngs=rngs, axes=(None, "heads"),
+                    std=cfg.d_model**-0.5, param_dtype=param_dtype)
 
 
-def _block(cfg: T5Config, x, blk, bias, mask):
-    B, L, _ = x.shape
-    h = rms_norm(x, blk["ln1"].astype(jnp.float32), eps=cfg.layer_norm_epsilon)
-    q = _linear(blk["q"], h).reshape(B, L, cfg.num_heads, cfg.d_kv)
-    k = _linear(blk["k"], h).reshape(B, L, cfg.num_heads, cfg.d_kv)
-    v = _linear(blk["v"], h).reshape(B, L, cfg.num_heads, cfg.d_kv)
-    a = attention(q, k, v, bias=bias, mask=mask, scale=1.0, impl="xla")  # T5: no 1/sqrt(d)
-    x = x + _linear(blk["o"], a.reshape(B, L, cfg.inner_dim))
-    h = rms_norm(x, blk["ln2"].astype(jnp.float32), eps=cfg.layer_norm_epsilon)
-    act = _activation(cfg.act_name)
-    if cfg.is_gated:
-        f = act(_linear(blk["wi_0"], h)) * _linear(blk["wi_1"], h)
-    else:
-        f = act(_linear(blk["wi"], h))
-    return x + _linear(blk["wo"], f)
+def _position_bias(table: nnx.Embed, buckets) -> jax.Array:
+    """Bucket table, buckets [Lq, Lk] -> additive attention bias [1, H, Lq, Lk] (float32)."""
+    return jnp.transpose(table(buckets).astype(jnp.float32), (2, 0, 1))[None]
 
 
-def encode_embeds(params, cfg: T5Config, x, attention_mask=None):
-    """Encoder stack on input embeddings ``x`` [B, L, D] -> last hidden state [B, L, D] float32."""
-    x = jnp.asarray(x, jnp.float32)
-    B, L, _ = x.shape
-    mask = None
-    if attention_mask is not None:
-        mask = (jnp.asarray(attention_mask) != 0)[:, None, None, :]  # [B, 1, 1, Lk]: keys only
-    buckets = jnp.asarray(relative_position_buckets(
-        L, L, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance))
-    shared_bias = None if cfg.per_layer_rel_bias else _position_bias(params["rel_bias"], buckets)
+class T5Block(nnx.Module):
+    """One encoder layer: RMS-normed self-attention (no 1/sqrt(d) scale, additive relative position
+    bias), then the RMS-normed (gated) feed-forward, both residual."""
 
-    def step(h, blk):
-        bias = _position_bias(blk["rel_bias"], buckets) if cfg.per_layer_rel_bias else shared_bias
-        return _block(cfg, h, blk, bias, mask), None
+    def __init__(self, cfg: T5Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        D, I, F = cfg.d_model, cfg.inner_dim, cfg.d_ff
+        lin = partial(nn.Linear, rngs=rngs, bias=False, param_dtype=param_dtype)
+        norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+        self.norm1 = norm()
+        self.q, self.k, self.v = (lin(D, I, axes=("embed", "heads")) for _ in range(3))
+        self.o = lin(I, D, axes=("heads", "embed"))
+        self.norm2 = norm()
+        if cfg.is_gated:
+            self.wi_0, self.wi_1 = (lin(D, F, axes=("embed", "ffn")) for _ in range(2))
+        else:
+            self.wi = lin(D, F, axes=("embed", "ffn"))
+        self.wo = lin(F, D, axes=("ffn", "embed"))
+        # UMT5: every layer owns its bucket table; T5: the encoder's shared one is passed in
+        self.rel_bias = _rel_bias_table(cfg, rngs, param_dtype) if cfg.per_layer_rel_bias else None
 
-    x, _ = jax.lax.scan(step, x, params["blocks"])
-    return rms_norm(x, params["final_ln"].astype(jnp.float32), eps=cfg.layer_norm_epsilon)
-
-
-_encode_embeds_jit = jax.jit(encode_embeds, static_argnames=("cfg",))
-
-
-@partial(jax.jit, static_argnames=("cfg",))
-def encode(params, cfg: T5Config, input_ids, attention_mask=None):
-    """Token ids [B, L] (+ mask [B, L], 1 = real token) -> last hidden state [B, L, d_model] float32.
-
-    Padded positions are excluded as attention *keys* exactly like transformers; their own output
-    rows are still computed (and match the reference)."""
-    x = jnp.take(params["embed"], jnp.asarray(input_ids, jnp.int32), axis=0).astype(jnp.float32)
-    return encode_embeds(params, cfg, x, attention_mask)
-
-
-def param_shapes(cfg: T5Config, dtype=np.float32):
-    """``jax.ShapeDtypeStruct`` tree of every parameter (used as ``like`` by the loaders)."""
-    N, D, I, F = cfg.num_layers, cfg.d_model, cfg.inner_dim, cfg.d_ff
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, np.dtype(dtype))  # noqa: E731
-    blocks = {
-        "ln1": s(N, D), "q": {"w": s(N, D, I)}, "k": {"w": s(N, D, I)}, "v": {"w": s(N, D, I)},
-        "o": {"w": s(N, I, D)}, "ln2": s(N, D), "wo": {"w": s(N, F, D)},
-    }
-    if cfg.is_gated:
-        blocks["wi_0"] = {"w": s(N, D, F)}
-        blocks["wi_1"] = {"w": s(N, D, F)}
-    else:
-        blocks["wi"] = {"w": s(N, D, F)}
-    tree = {"embed": s(cfg.vocab_size, D), "blocks": blocks, "final_ln": s(D)}
-    nb = cfg.relative_attention_num_buckets
-    if cfg.per_layer_rel_bias:
-        blocks["rel_bias"] = s(N, nb, cfg.num_heads)
-    else:
-        tree["rel_bias"] = s(nb, cfg.num_heads)
-    return tree
+    def __call__(self, x, bias, mask):
+        """``x`` [B, L, D] float32, ``bias`` [1, H, L, L], ``mask`` [B, 1, 1, L] bool or None."""
+        cfg = self.cfg
+        B, L, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).reshape(B, L, cfg.num_heads, cfg.d_kv) for p in (self.q, self.k, self.v))
+        a = attention(q, k, v, bias=bias, mask=mask, scale=1.0, impl="xla")
+        x = x + self.o(a.reshape(B, L, cfg.inner_dim))
+        h = self.norm2(x)
+        act = _activation(cfg.act_name)
+        f = act(self.wi_0(h)) * self.wi_1(h) if cfg.is_gated else act(self.wi(h))
+        return x + self.wo(f)
 
 
-def init_params(cfg: T5Config, seed: int = 0, dtype=np.float32):
-    """Seeded random parameters (tiny presets, tests): nothing zero, norm weights around 1."""
-    init = Init(seed, dtype)
-    N, D, I, F = cfg.num_layers, cfg.d_model, cfg.inner_dim, cfg.d_ff
-    lin = lambda din, dout: init.linear(din, dout, bias=False, lead=(N,))  # noqa: E731
-    blocks = {
-        "ln1": init.norm_weight((N, D)), "q": lin(D, I), "k": lin(D, I), "v": lin(D, I), "o": lin(I, D),
-        "ln2": init.norm_weight((N, D)),
-    }
-    if cfg.is_gated:
-        blocks["wi_0"], blocks["wi_1"] = lin(D, F), lin(D, F)
-    else:
-        blocks["wi"] = lin(D, F)
-    blocks["wo"] = lin(F, D)
-    nb = cfg.relative_attention_num_buckets
-    params = {"embed": init.normal((cfg.vocab_size, D), std=1.0), "blocks": blocks,
-              "final_ln": init.norm_weight((D,))}
-    if cfg.per_layer_rel_bias:
-        blocks["rel_bias"] = init.normal((N, nb, cfg.num_heads), std=0.5)
-    else:
-        params["rel_bias"] = init.normal((nb, cfg.num_heads), std=0.5)
-    return params
+class T5(nnx.Module):
+    """T5 / UMT5 encoder stack: token embedding, ``num_layers`` stacked :class:`T5Block` run by a
+    scan, final RMS norm. Computes in float32 whatever the parameters' dtype (each layer's weights
+    are upcast as it runs; the embedding rows after the gather)."""
+
+    def __init__(self, cfg: T5Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, axes=("vocab", "embed"), param_dtype=param_dtype)
+        self.rel_bias = None if cfg.per_layer_rel_bias else _rel_bias_table(cfg, rngs, param_dtype)
+        self.blocks = nn.stack(lambda r: T5Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.final_norm = nn.RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+
+    def __call__(self, input_ids, attention_mask=None):
+        """Token ids [B, L] (+ mask [B, L], 1 = real token) -> last hidden state [B, L, d_model] float32.
+
+        Padded positions are excluded as attention *keys* exactly like transformers; their own
+        output rows are still computed (and match the reference)."""
+        x = self.embed(jnp.asarray(input_ids, jnp.int32)).astype(jnp.float32)
+        return self.encode_embeds(x, attention_mask)
+
+    def encode_embeds(self, inputs_embeds, attention_mask=None):
+        """The stack on input embeddings [B, L, D] -> last hidden state [B, L, D] float32."""
+        cfg = self.cfg
+        x = jnp.asarray(inputs_embeds, jnp.float32)
+        L = x.shape[1]
+        mask = None if attention_mask is None else (jnp.asarray(attention_mask) != 0)[:, None, None, :]  # keys only
+        buckets = jnp.asarray(relative_position_buckets(
+            L, L, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance))
+        shared = None if self.rel_bias is None else _position_bias(self.rel_bias, buckets)
+
+        def layer(block: T5Block, h):
+            bias = shared if shared is not None else _position_bias(block.rel_bias, buckets)
+            return block(h, bias, mask)
+
+        return self.final_norm(nn.scan(self.blocks, x, layer))
+
+
+class T5Encoder(nn.Split):
+    """A T5 / UMT5 encoder split once (``graphdef``, ``state``, ``cfg``); its calls are one jitted
+    pure function of the state. ``enc(input_ids, attention_mask)`` -> last hidden state
+    [B, L, d_model] float32 (:meth:`T5.__call__`)."""
+
+    def __call__(self, input_ids, attention_mask=None):
+        return self.apply("__call__", input_ids, attention_mask)
+
+    def encode_embeds(self, inputs_embeds, attention_mask=None):
+        """:meth:`T5.encode_embeds`: the stack on input embeddings [B, L, D]."""
+        return self.apply("encode_embeds", inputs_embeds, attention_mask)
+
+
+def _build(cfg: T5Config, seed: int = 0, dtype=np.float32):
+    return lambda: T5(cfg, rngs=nnx.Rngs(seed), param_dtype=dtype)
+
+
+def init(cfg: T5Config, seed: int = 0, dtype=np.float32) -> T5Encoder:
+    """Seeded random weights (tiny presets, tests): every parameter perturbed (nothing zero, norm
+    scales around 1)."""
+    return T5Encoder.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
+
+
+def param_shapes(cfg: T5Config, dtype=np.float32) -> dict:
+    """Every parameter as a ``jax.ShapeDtypeStruct``, nested like the NNX state (the key maps' target)."""
+    return nn.shapes(_build(cfg, dtype=dtype))
+
+
+def abstract(cfg: T5Config, dtype=np.float32) -> T5Encoder:
+    """An encoder whose state holds only ``jax.ShapeDtypeStruct`` s (shape checks with
+    ``jax.eval_shape``; nothing allocated)."""
+    return T5Encoder(*nn.abstract_state(_build(cfg, dtype=dtype)), cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,25 +301,25 @@ def hf_keymap(cfg: T5Config, embed_name: str = "shared.weight") -> KeyMap:
         raise ValueError(f"embed_name must be one of {HF_EMBED_NAMES}")
     b = "encoder.block.{i}.layer"
     rules = [
-        Rule(embed_name, "embed"),
-        Rule(f"{b}.0.layer_norm.weight", "blocks.ln1"),
-        Rule(f"{b}.0.SelfAttention.q.weight", "blocks.q.w", "linear"),
-        Rule(f"{b}.0.SelfAttention.k.weight", "blocks.k.w", "linear"),
-        Rule(f"{b}.0.SelfAttention.v.weight", "blocks.v.w", "linear"),
-        Rule(f"{b}.0.SelfAttention.o.weight", "blocks.o.w", "linear"),
-        Rule(f"{b}.1.layer_norm.weight", "blocks.ln2"),
-        Rule(f"{b}.1.DenseReluDense.wo.weight", "blocks.wo.w", "linear"),
-        Rule("encoder.final_layer_norm.weight", "final_ln"),
+        Rule(embed_name, "embed.embedding"),
+        Rule(f"{b}.0.layer_norm.weight", "blocks.norm1.scale"),
+        Rule(f"{b}.0.SelfAttention.q.weight", "blocks.q.kernel", "linear"),
+        Rule(f"{b}.0.SelfAttention.k.weight", "blocks.k.kernel", "linear"),
+        Rule(f"{b}.0.SelfAttention.v.weight", "blocks.v.kernel", "linear"),
+        Rule(f"{b}.0.SelfAttention.o.weight", "blocks.o.kernel", "linear"),
+        Rule(f"{b}.1.layer_norm.weight", "blocks.norm2.scale"),
+        Rule(f"{b}.1.DenseReluDense.wo.weight", "blocks.wo.kernel", "linear"),
+        Rule("encoder.final_layer_norm.weight", "final_norm.scale"),
     ]
     if cfg.is_gated:
-        rules += [Rule(f"{b}.1.DenseReluDense.wi_0.weight", "blocks.wi_0.w", "linear"),
-                  Rule(f"{b}.1.DenseReluDense.wi_1.weight", "blocks.wi_1.w", "linear")]
+        rules += [Rule(f"{b}.1.DenseReluDense.wi_0.weight", "blocks.wi_0.kernel", "linear"),
+                  Rule(f"{b}.1.DenseReluDense.wi_1.weight", "blocks.wi_1.kernel", "linear")]
     else:
-        rules.append(Rule(f"{b}.1.DenseReluDense.wi.weight", "blocks.wi.w", "linear"))
+        rules.append(Rule(f"{b}.1.DenseReluDense.wi.weight", "blocks.wi.kernel", "linear"))
     if cfg.per_layer_rel_bias:
-        rules.append(Rule(f"{b}.0.SelfAttention.relative_attention_bias.weight", "blocks.rel_bias"))
+        rules.append(Rule(f"{b}.0.SelfAttention.relative_attention_bias.weight", "blocks.rel_bias.embedding"))
     else:
-        rules.append(Rule("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "rel_bias"))
+        rules.append(Rule("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "rel_bias.embedding"))
     other = [n for n in HF_EMBED_NAMES if n != embed_name]
     ignore = ["^" + n.replace(".", r"\.") + "$" for n in other] + [r"^decoder\.", r"^lm_head\."]
     return KeyMap(rules, ignore=ignore)
@@ -318,22 +333,22 @@ def wan_keymap(cfg: T5Config) -> KeyMap:
         raise ValueError("the Wan T5 naming only exists for the gated feed-forward")
     b = "blocks.{i}"
     rules = [
-        Rule("token_embedding.weight", "embed"),
-        Rule(f"{b}.norm1.weight", "blocks.ln1"),
-        Rule(f"{b}.attn.q.weight", "blocks.q.w", "linear"),
-        Rule(f"{b}.attn.k.weight", "blocks.k.w", "linear"),
-        Rule(f"{b}.attn.v.weight", "blocks.v.w", "linear"),
-        Rule(f"{b}.attn.o.weight", "blocks.o.w", "linear"),
-        Rule(f"{b}.norm2.weight", "blocks.ln2"),
-        Rule(f"{b}.ffn.gate.0.weight", "blocks.wi_0.w", "linear"),
-        Rule(f"{b}.ffn.fc1.weight", "blocks.wi_1.w", "linear"),
-        Rule(f"{b}.ffn.fc2.weight", "blocks.wo.w", "linear"),
-        Rule("norm.weight", "final_ln"),
+        Rule("token_embedding.weight", "embed.embedding"),
+        Rule(f"{b}.norm1.weight", "blocks.norm1.scale"),
+        Rule(f"{b}.attn.q.weight", "blocks.q.kernel", "linear"),
+        Rule(f"{b}.attn.k.weight", "blocks.k.kernel", "linear"),
+        Rule(f"{b}.attn.v.weight", "blocks.v.kernel", "linear"),
+        Rule(f"{b}.attn.o.weight", "blocks.o.kernel", "linear"),
+        Rule(f"{b}.norm2.weight", "blocks.norm2.scale"),
+        Rule(f"{b}.ffn.gate.0.weight", "blocks.wi_0.kernel", "linear"),
+        Rule(f"{b}.ffn.fc1.weight", "blocks.wi_1.kernel", "linear"),
+        Rule(f"{b}.ffn.fc2.weight", "blocks.wo.kernel", "linear"),
+        Rule("norm.weight", "final_norm.scale"),
     ]
     if cfg.per_layer_rel_bias:
-        rules.append(Rule(f"{b}.pos_embedding.embedding.weight", "blocks.rel_bias"))
+        rules.append(Rule(f"{b}.pos_embedding.embedding.weight", "blocks.rel_bias.embedding"))
     else:
-        rules.append(Rule("pos_embedding.embedding.weight", "rel_bias"))
+        rules.append(Rule("pos_embedding.embedding.weight", "rel_bias.embedding"))
     return KeyMap(rules)
 
 
@@ -390,8 +405,9 @@ def infer_config(ckpt) -> T5Config:
                     per_layer_rel_bias=per_layer)
 
 
-def load_params_from(ckpt, cfg: T5Config, dtype=np.float32, naming: str | None = None):
-    """Read a checkpoint (an opened ``Checkpoint`` or a name -> array mapping) into vidax params."""
+def load_params_from(ckpt, cfg: T5Config, dtype=np.float32, naming: str | None = None) -> dict:
+    """Read a checkpoint (an opened ``Checkpoint`` or a name -> array mapping) into the encoder's
+    state as a nested dict of host numpy arrays (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
     naming = naming or detect_naming(list(ckpt))
     if naming == "wan":
         km = wan_keymap(cfg)
@@ -403,14 +419,10 @@ def load_params_from(ckpt, cfg: T5Config, dtype=np.float32, naming: str | None =
     return load_params(ckpt, km, param_shapes(cfg, dtype), dtype=dtype, what=f"T5 encoder ({naming} naming)")
 
 
-class T5Encoder(NamedTuple):
-    """Loaded encoder: ``params`` + ``cfg``; call it with ``(input_ids, attention_mask)``."""
-
-    params: dict
-    cfg: T5Config
-
-    def __call__(self, input_ids, attention_mask=None):
-        return encode(self.params, self.cfg, input_ids, attention_mask)
+def from_params(cfg: T5Config, params: dict, device_put: bool = True) -> T5Encoder:
+    """An encoder whose state is ``params`` (:func:`load_params_from`'s nested dict); no random
+    weights are created."""
+    return T5Encoder.from_pure(_build(cfg), params, device_put=device_put)
 
 
 def load_t5(path, cfg: T5Config | None = None, dtype=np.float32, device_put: bool = True) -> T5Encoder:
@@ -425,16 +437,17 @@ def load_t5(path, cfg: T5Config | None = None, dtype=np.float32, device_put: boo
     ckpt = open_checkpoint(p)
     if cfg is None:
         cfg = infer_config(ckpt)
-    params = load_params_from(ckpt, cfg, dtype=dtype)
-    if device_put:
-        params = jax.device_put(params)
-    return T5Encoder(params, cfg)
+    return from_params(cfg, load_params_from(ckpt, cfg, dtype=dtype), device_put=device_put)
 
 
 # ---------------------------------------------------------------------------------------------
 # compat adapter (transformers calling convention)
 # ---------------------------------------------------------------------------------------------
 class _T5Compat(CompatModel):
+    def __init__(self, name: str, config: dict, encoder: T5Encoder):
+        super().__init__(name, config, encoder.state, model_config=encoder.cfg)
+        self.encoder = encoder
+
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs) -> np.ndarray:
         for k, v in kwargs.items():
             if v is not None and k not in ("return_dict", "output_hidden_states", "output_attentions"):
@@ -443,23 +456,21 @@ class _T5Compat(CompatModel):
             raise ValueError("pass exactly one of input_ids / inputs_embeds")
         mask = None if attention_mask is None else np.asarray(attention_mask)
         if input_ids is not None:
-            out = encode(self.params, self.model_config, np.asarray(input_ids), mask)
+            out = self.encoder(np.asarray(input_ids), mask)
         else:
-            out = _encode_embeds_jit(self.params, self.model_config, np.asarray(inputs_embeds, np.float32), mask)
+            out = self.encoder.encode_embeds(np.asarray(inputs_embeds, np.float32), mask)
         return np.asarray(out)
 
 
 @register("T5EncoderModel", "UMT5EncoderModel")
 def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
     cfg = T5Config.from_hf(config)
-    params = load_params_from(open_checkpoint(folder), cfg, dtype=dtype, naming="hf")
-    params = jax.device_put(params)
+    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype, naming="hf"))
     name = (config.get("architectures") or ["T5EncoderModel"])[0]
-    return _T5Compat(name, config, params, model_config=cfg)
+    return _T5Compat(name, config, enc)
 
 
 __all__ = [
-    "T5Config", "T5Encoder", "encode", "encode_embeds", "init_params", "param_shapes",
-    "relative_position_buckets", "hf_keymap", "wan_keymap", "detect_naming", "infer_config",
-    "load_params_from", "load_t5",
+    "T5Config", "T5", "T5Block", "T5Encoder", "init", "abstract", "param_shapes", "relative_position_buckets", "hf_keymap",
+    "wan_keymap", "detect_naming", "infer_config", "load_params_from", "from_params", "load_t5",
 ]

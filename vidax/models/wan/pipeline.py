@@ -201,7 +201,7 @@ class WanT2V(Pipeline):
     def load_text_encoder(self) -> t5mod.T5Encoder:
         if self.preset:
             cfg = self.preset.text
-            return t5mod.T5Encoder(jax.device_put(t5mod.init_params(cfg, seed=self.preset.seed + 1)), cfg)
+            return t5mod.init(cfg, seed=self.preset.seed + 1)
         if self.layout == "diffusers":
             return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32)
         pth = sorted(self.folder.glob("models_t5_*.pth"))
@@ -314,7 +314,7 @@ class WanT2V(Pipeline):
 
         if self.preset:
             cfg = self.preset.clip
-            enc = clipmod.CLIPVisionEncoder(jax.device_put(clipmod.init_params(cfg, seed=self.preset.seed + 4)), cfg)
+            enc = clipmod.init(cfg, seed=self.preset.seed + 4)
             return enc, dict(size=cfg.image_size, crop_size=cfg.image_size)
         if self.layout != "diffusers":
             cands = sorted(self.folder.glob("models_clip_*.pth"))
@@ -355,7 +355,7 @@ class WanT2V(Pipeline):
         tok = tokenizer or self.load_tokenizer()
         enc = encoder or self.load_text_encoder()
         ids, mask = tok([prompt_clean(p) for p in prompts], self.max_text_len)
-        h = np.asarray(jax.jit(t5mod.encode, static_argnums=1)(enc.params, enc.cfg, jnp.asarray(ids), jnp.asarray(mask)))
+        h = np.asarray(enc(jnp.asarray(ids), jnp.asarray(mask)))
         return (h * (np.asarray(mask)[..., None] > 0)).astype(np.float32)
 
     def latent_shape(self, batch: int, height: int, width: int, num_frames: int, cfg: wdit.WanDiTConfig | None = None,
@@ -509,7 +509,7 @@ class WanT2V(Pipeline):
 
             enc, pre = image_encoder or self.load_image_encoder()
             pix = clipmod.preprocess(rgb, **pre)
-            out["clip"] = np.asarray(clipmod.penultimate(enc.params, enc.cfg, jnp.asarray(pix)), np.float32)
+            out["clip"] = np.asarray(enc.penultimate(jnp.asarray(pix)), np.float32)
             del enc
         vparams, vcfg = vae or self.load_vae()
         px = resize_for_vae(rgb, height, width)  # [3, H, W] in [-1, 1]
