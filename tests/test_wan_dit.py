@@ -106,10 +106,10 @@ def test_forward_compiles_once_over_ten_calls(tmp_path):
     import jax.numpy as jnp
 
     from vidax.core.jit import CompileCounter
-    from vidax.models.wan.dit import PRESETS, forward, init_params
+    from vidax.models.wan.dit import PRESETS, forward, init_state
 
     cfg = PRESETS["tiny"]
-    params = jax.tree.map(jnp.asarray, init_params(cfg, seed=0))
+    params = jax.tree.map(jnp.asarray, init_state(cfg, seed=0))
     fwd = jax.jit(forward, static_argnums=1)
     rng = np.random.default_rng(0)
     xs = [jnp.asarray(rng.standard_normal((1, 2, 4, 4, cfg.in_channels)), jnp.float32) for _ in range(10)]

@@ -221,3 +221,44 @@ def fill(state, pure: dict):
     numpy, as the key maps produce it), in place; returns it."""
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+# --- added by nnx-dit ---
+def param(rngs: nnx.Rngs, init, shape, *axes, dtype=jnp.float32) -> nnx.Param:
+    """A parameter of ``shape`` drawn from ``init`` with one logical axis name per dim."""
+    if len(axes) != len(shape):
+        raise ValueError(f"param of shape {tuple(shape)} needs {len(shape)} logical axes, got {axes}")
+    return nnx.Param(logical(init, *axes)(rngs.params(), tuple(shape), dtype))
+
+
+def LayerNorm(dim: int, *, eps: float, rngs: nnx.Rngs, affine: bool = True, axis: str | None = None,
+              param_dtype=jnp.float32) -> nnx.LayerNorm:
+    """``nnx.LayerNorm`` with the PyTorch references' numerics: two-pass variance, statistics and
+    output in float32 (callers cast back); the optional affine parameters carry ``axis``."""
+    return nnx.LayerNorm(dim, epsilon=eps, use_scale=affine, use_bias=affine, use_fast_variance=False,
+                         dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
+                         scale_init=logical(nnx.initializers.ones_init(), axis),
+                         bias_init=logical(nnx.initializers.zeros_init(), axis))
+
+
+class RMSNorm(nnx.Module):
+    """RMS norm over the last axis with float32 statistics and a learned ``scale`` (``[dim]``,
+    logical axis ``axis``).
+
+    The feature dim may be split across devices: Wan's q/k norm spans every attention head, so
+    under tensor parallelism its input and ``scale`` are split with the heads. Inside
+    ``shard_map``, ``par`` (a :class:`vidax.core.sharding.ParallelContext`) reads that from the
+    scale's metadata and completes the sum of squares across the devices
+    (``par.feature_sum(var, sum_of_squares, n) -> (total, n_total)``)."""
+
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, axis: str | None = None, param_dtype=jnp.float32):
+        self.eps = eps
+        self.scale = param(rngs, nnx.initializers.ones_init(), (dim,), axis, dtype=param_dtype)
+
+    def __call__(self, x, par=None):
+        xf = x.astype(jnp.float32)
+        ss, n = jnp.sum(jnp.square(xf), axis=-1, keepdims=True), x.shape[-1]
+        if par is not None:
+            ss, n = par.feature_sum(self.scale, ss, n)
+        y = xf * jax.lax.rsqrt(ss / n + self.eps) * self.scale[...].astype(jnp.float32)
+        return y.astype(x.dtype)
