@@ -329,7 +329,7 @@ def abstract_state(cfg: WanDiTConfig, dtype=np.float32) -> nnx.State:
 
 def param_shapes(cfg: WanDiTConfig, dtype=np.float32) -> dict:
     """The state's shapes as a pure nested dict (the target of the key maps)."""
-    return nnx.to_pure_dict(abstract_state(cfg, dtype))
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
 
 
 @functools.lru_cache(maxsize=None)
