@@ -109,8 +109,8 @@ class MLP(nnx.Module):
     """``l2(act(l1(x)))`` (the timestep and text embedders)."""
 
     def __init__(self, din: int, dhidden: int, dout: int, act: str, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.l1 = nn.Linear(din, dhidden, rngs=rngs, axes=(None, "embed"), param_dtype=param_dtype)
-        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, axes=("embed", "embed"), param_dtype=param_dtype)
+        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
+        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, axes=(None, "embed"), param_dtype=param_dtype)
         self.act = act
 
     def __call__(self, x):
@@ -121,7 +121,7 @@ class ImageEmbed(nnx.Module):
     """CLIP image tokens -> model width (I2V): LayerNorm, MLP (exact GELU), LayerNorm; FLF2V adds
     learned positions to the first + last frame's tokens, concatenated."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         e, d = cfg.image_dim, cfg.dim
         self.norm1 = nn.LayerNorm(e, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
         self.ff1 = nn.Linear(e, e, rngs=rngs, param_dtype=param_dtype)
@@ -142,7 +142,7 @@ class WanEmbed(nnx.Module):
     """Patch embedding + condition embeddings (everything before the blocks); per token, so it
     runs unchanged on a token shard."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         d = cfg.dim
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.cfg = cfg
@@ -175,7 +175,7 @@ class WanAttention(nnx.Module):
     """Wan attention: q/k/v column-parallel (split by heads under TP), q/k RMS norm across all heads,
     output row-parallel. The cross-attention of an I2V model also has image key/value projections."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, added_kv_dim: int | None = None, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, added_kv_dim: int | None = None, param_dtype=F32):
         d = cfg.dim
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.head_dim = cfg.head_dim
@@ -236,7 +236,7 @@ class WanBlock(nnx.Module):
     under TP (row-parallel layers reduce across ``tp``, the q/k RMS norms their sum of squares),
     local tokens under SP (self-attention through Ulysses all_to_all)."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         d = cfg.dim
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.sst = nn.param(rngs, nnx.initializers.normal(d**-0.5), (1, 6, d), None, None, "embed", dtype=param_dtype)
@@ -265,7 +265,7 @@ class WanBlock(nnx.Module):
 class WanHead(nnx.Module):
     """Output norm + modulation + projection, per token -> [B, L, pt*ph*pw*Cout]."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         d = cfg.dim
         self.norm = nn.LayerNorm(d, eps=cfg.eps, affine=False, rngs=rngs)
         self.proj = nn.Linear(d, cfg.out_channels * math.prod(cfg.patch_size), rngs=rngs, axes=("embed", None),
@@ -288,7 +288,7 @@ def run_blocks(blocks, h, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContex
 class WanTransformer(nnx.Module):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
 
-    def __init__(self, cfg: "WanDiTConfig", *, rngs: nnx.Rngs, param_dtype=F32):
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = WanEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
         self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
