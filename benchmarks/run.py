@@ -58,9 +58,11 @@ def bench_dit(repeat):
                                         text_dim=text_dim, ffn_dim=ffn, num_layers=layers))
     cfg = dit.WanDiTConfig.from_diffusers(dict(ref.config))
     sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    from vidax.core import nn
     from vidax.weights import load_params
 
-    params = jax.device_put(load_params(sd, dit.diffusers_keymap(cfg), dit.param_shapes(cfg)))
+    state = nn.fill(dit.abstract_state(cfg), load_params(sd, dit.diffusers_keymap(cfg), dit.param_shapes(cfg)))
+    params = jax.device_put(state)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 16, f, h, w)).astype(np.float32)
     ctx = rng.standard_normal((1, lt, text_dim)).astype(np.float32)

@@ -48,7 +48,7 @@ def run(repeat: int = 3, layers: int = 8):
 
     cfg = dit.WanDiTConfig(num_heads=8, head_dim=32, in_channels=16, out_channels=16, text_dim=64, freq_dim=64,
                            ffn_dim=1024, num_layers=layers, rope_max_seq_len=64)
-    params = dit.init_params(cfg, seed=0)
+    params = dit.init_state(cfg, seed=0)
     rng = np.random.default_rng(0)
     b, f, h, w, lt = 2, 4, 16, 16, 32  # 2 x 256 tokens (a CFG batch)
     x = jnp.asarray(rng.standard_normal((b, f, h, w, cfg.in_channels)), jnp.float32)

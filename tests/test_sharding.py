@@ -1,7 +1,7 @@
 """Mesh, Megatron TP, Ulysses SP, CFG-parallel for the Wan DiT on 8 fake CPU devices.
 
 Every sharded output is compared with the single-device forward: max abs err <= 1e-5 * max|ref|.
-The tiny DiT has every parameter perturbed (vidax init_params) and its biases perturbed further,
+The tiny DiT has every parameter perturbed (vidax init_state) and its biases perturbed further,
 so a bias counted tp times cannot hide.
 """
 import re
@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from vidax.core import mesh as vmesh
+from vidax.core import nn
 from vidax.core import sharding as vsh
 from vidax.core.jit import CompileCounter
 from vidax.models.wan import dit
@@ -23,12 +25,12 @@ TOL = 1e-5
 
 
 def perturbed_params(cfg, seed=0, bias_std=0.1):
-    """init_params (nothing zero, nothing one) plus clearly non-zero biases everywhere."""
-    p = dit.init_params(cfg, seed=seed)
+    """init_state (nothing zero, nothing one) plus clearly non-zero biases everywhere."""
+    p = dit.init_state(cfg, seed=seed)
     rng = np.random.default_rng(seed + 100)
     paths = vsh.tree_paths(p)
     leaves, tree = jax.tree.flatten(p)
-    out = [l + (bias_std * rng.standard_normal(l.shape)).astype(l.dtype) if path.endswith(".b") else l
+    out = [l + (bias_std * rng.standard_normal(l.shape)).astype(l.dtype) if path.endswith(".bias") else l
            for path, l in zip(paths, leaves)]
     return jax.tree.unflatten(tree, out)
 
@@ -88,18 +90,18 @@ def test_parse_and_make_mesh():
     assert vmesh.init_distributed() == (0, 1)  # single process: a no-op
 
 
-def test_rules_give_megatron_layout():
-    m = vsh.logical_mapping("tp", dit.TP_LOGICAL)
-    specs = vsh.param_specs(dit.param_shapes(CFG), dit.SHARDING_RULES, m)
+def test_logical_axes_give_megatron_layout():
+    m = vsh.logical_mapping("tp", dit.AXIS_RULES)
+    specs = nnx.to_pure_dict(vsh.param_specs(dit.abstract_state(CFG), m))
     b = specs["blocks"]
     for a in ("attn1", "attn2"):
         for n in "qkv":
-            assert b[a][n]["w"] == P(None, None, "tp") and b[a][n]["b"] == P(None, "tp"), (a, n)  # column
-        assert b[a]["o"]["w"] == P(None, "tp") and b[a]["o"]["b"] == P()  # row; bias whole
-        assert b[a]["norm_q"] == P(None, "tp")
-    assert b["ffn"]["up"]["w"] == P(None, None, "tp") and b["ffn"]["down"]["w"] == P(None, "tp")
-    assert specs["time_proj"]["w"] == P() and b["sst"] == P() and specs["head"]["w"] == P()
-    sp_only = vsh.param_specs(dit.param_shapes(CFG), dit.SHARDING_RULES, vsh.logical_mapping("sp", dit.TP_LOGICAL))
+            assert b[a][n]["kernel"] == P(None, None, "tp") and b[a][n]["bias"] == P(None, "tp"), (a, n)  # column
+        assert b[a]["o"]["kernel"] == P(None, "tp") and b[a]["o"]["bias"] == P()  # row; bias whole
+        assert b[a]["norm_q"]["scale"] == P(None, "tp")
+    assert b["ffn"]["up"]["kernel"] == P(None, None, "tp") and b["ffn"]["down"]["kernel"] == P(None, "tp")
+    assert specs["embed"]["time_proj"]["kernel"] == P() and b["sst"] == P() and specs["head"]["proj"]["kernel"] == P()
+    sp_only = vsh.param_specs(dit.abstract_state(CFG), vsh.logical_mapping("sp", dit.AXIS_RULES))
     assert all(s == P() for s in jax.tree.leaves(sp_only, is_leaf=lambda s: isinstance(s, P)))
 
 
@@ -112,7 +114,7 @@ def test_sharded_equals_single_device(setup, spec):
     assert_close(out, ref, f"Wan DiT {spec} ({runner.parallelism})")
     # weights really are split: a column-parallel kernel holds 1/tp of its columns per device
     tp = vmesh.axis_sizes(runner.mesh)["tp"]
-    q = runner.blocks["attn1"]["q"]["w"]
+    q = runner.blocks["attn1"]["q"]["kernel"].get_value()
     assert q.addressable_shards[0].data.shape == (CFG.num_layers, CFG.dim, CFG.dim // tp)
 
 
@@ -156,43 +158,73 @@ def test_cfg_parallel_step(setup):
 
 
 # ----------------------------------------------------------------------------------- classic bugs
-def test_row_parallel_bias_added_once():
+# The two classic TP bugs, reproduced by patching the sharding code from here (the library has no
+# switch for them).
+def naive_row_parallel_linear(layer, x, axis):
+    """The row-parallel bias bug: the replicated bias added inside each shard's partial matmul
+    (``nnx.Linear.__call__``), before the psum."""
+    return jax.lax.psum(layer(x), axis)
+
+
+def per_shard_feature_sum(self, var, s, n):
+    """The q/k norm bug: each shard normalises by its own heads' sum of squares."""
+    return s, n
+
+
+def test_row_parallel_bias_added_once(monkeypatch):
     """Adding a row-parallel layer's (replicated) bias inside each shard's partial matmul, before the
-    psum, adds it tp times. Shown on one layer, then on the whole DiT with perturbed biases --
-    and why all-zero test biases never caught it."""
+    psum, adds it tp times. Shown on one layer (row-parallel because its kernel's input axis is
+    split, read from the logical axes), then on the whole DiT with perturbed biases -- and why
+    all-zero test biases never caught it."""
     mesh = vmesh.make_mesh("tp=4")
     rng = np.random.default_rng(0)
-    p = {"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32), "b": jnp.asarray(rng.standard_normal(32), jnp.float32)}
+    lin = nn.Linear(64, 32, rngs=nnx.Rngs(0), axes=("heads", None))
+    lin.kernel.set_value(jnp.asarray(rng.standard_normal((64, 32)), jnp.float32))
+    lin.bias.set_value(jnp.asarray(rng.standard_normal(32), jnp.float32))
+    graph, state = nnx.split(lin)
+    mapping = {"heads": "tp"}
+    specs = vsh.param_specs(state, mapping)
+    assert nnx.to_pure_dict(specs) == {"kernel": P("tp"), "bias": P()}
+    par = vsh.ParallelContext.create(mapping, mesh)
     xx = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
-    specs = ({"w": P("tp", None), "b": P()}, P(None, "tp"))
-    good = jax.shard_map(lambda p, x: vsh.row_parallel_dense(p, x, "tp"), mesh=mesh, in_specs=specs, out_specs=P())(p, xx)
-    bad = jax.shard_map(lambda p, x: vsh.row_parallel_dense(p, x, "tp", naive_bias=True), mesh=mesh, in_specs=specs,
-                        out_specs=P())(p, xx)
-    want = np.asarray(xx @ p["w"] + p["b"])
-    assert_close(good, want, "row-parallel dense, bias once")
-    np.testing.assert_allclose(np.asarray(bad) - want, np.broadcast_to(3 * np.asarray(p["b"]), want.shape), atol=1e-4)
+
+    def run():
+        return jax.shard_map(lambda s, x: par.linear(nnx.merge(graph, s), x), mesh=mesh,
+                             in_specs=(specs, P(None, "tp")), out_specs=P())(state, xx)
+
+    good = run()
+    want = np.asarray(xx @ lin.kernel[...] + lin.bias[...])
+    assert_close(good, want, "row-parallel linear, bias once")
 
     params = perturbed_params(CFG)
     x, t, ctx = inputs(CFG)
     ref = reference(params, CFG, x, t, ctx)
     assert_close(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref, "tp=4, bias after the psum")
-    naive = rel_err(dit.WanDiTRunner(params, CFG, "tp=4", naive_row_bias=True)(x, t, ctx), ref)
-    print(f"tp=4 with the bias inside each shard's partial matmul: rel err {naive:.2e}")
-    assert naive > 100 * TOL, "the naive row-parallel bias should break parity with perturbed biases"
 
     # the same bug is invisible when the row-parallel biases are zero
-    zero = jax.tree.map(lambda a: a, params)
+    pure = nnx.to_pure_dict(params)
     for a in ("attn1", "attn2"):
-        zero["blocks"][a]["o"]["b"] = np.zeros_like(params["blocks"][a]["o"]["b"])
-    zero["blocks"]["ffn"]["down"]["b"] = np.zeros_like(params["blocks"]["ffn"]["down"]["b"])
+        pure["blocks"][a]["o"]["bias"] = np.zeros_like(pure["blocks"][a]["o"]["bias"])
+    pure["blocks"]["ffn"]["down"]["bias"] = np.zeros_like(pure["blocks"]["ffn"]["down"]["bias"])
+    zero = nn.fill(dit.abstract_state(CFG), pure)
     zref = reference(zero, CFG, x, t, ctx)
-    assert_close(dit.WanDiTRunner(zero, CFG, "tp=4", naive_row_bias=True)(x, t, ctx), zref, "naive bias, zero biases (hidden)")
+
+    with monkeypatch.context() as m:
+        m.setattr(vsh, "row_parallel_linear", naive_row_parallel_linear)
+        bad = run()
+        np.testing.assert_allclose(np.asarray(bad) - want, np.broadcast_to(3 * np.asarray(lin.bias[...]), want.shape),
+                                   atol=1e-4)
+        naive = rel_err(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref)
+        print(f"tp=4 with the bias inside each shard's partial matmul: rel err {naive:.2e}")
+        assert naive > 100 * TOL, "the naive row-parallel bias should break parity with perturbed biases"
+        assert_close(dit.WanDiTRunner(zero, CFG, "tp=4")(x, t, ctx), zref, "naive bias, zero biases (hidden)")
 
 
-def test_qk_rms_norm_reduces_across_tp(setup):
+def test_qk_rms_norm_reduces_across_tp(setup, monkeypatch):
     """Wan's q/k RMS norm spans every head; a per-shard norm (no psum of the sum of squares) is wrong."""
     params, (x, t, ctx), ref = setup
-    e = rel_err(dit.WanDiTRunner(params, CFG, "tp=4", local_norm=True)(x, t, ctx), ref)
+    monkeypatch.setattr(vsh.ParallelContext, "feature_sum", per_shard_feature_sum)
+    e = rel_err(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref)
     print(f"tp=4 with per-shard q/k norm: rel err {e:.2e}")
     assert e > 100 * TOL
 
@@ -216,9 +248,10 @@ def test_memory_tp_shrinks_parameter_bytes(setup):
         rows.append((tp, blocks_dev, ma.argument_size_in_bytes, ma.temp_size_in_bytes))
         # the block weights per device are exactly 1/tp, apart from the replicated row-parallel
         # biases, LayerNorm affine and modulation tables
-        whole = sum(np.asarray(a).nbytes for k, a in [("sst", params["blocks"]["sst"]), ("nb", params["blocks"]["norm2"]["w"]),
-                                                      ("nbb", params["blocks"]["norm2"]["b"])])
-        whole += sum(params["blocks"][a]["o"]["b"].nbytes for a in ("attn1", "attn2")) + params["blocks"]["ffn"]["down"]["b"].nbytes
+        pb = nnx.to_pure_dict(params)["blocks"]
+        whole = sum(np.asarray(a).nbytes for k, a in [("sst", pb["sst"]), ("nb", pb["norm2"]["scale"]),
+                                                      ("nbb", pb["norm2"]["bias"])])
+        whole += sum(pb[a]["o"]["bias"].nbytes for a in ("attn1", "attn2")) + pb["ffn"]["down"]["bias"].nbytes
         assert blocks_dev == whole + (block_total - whole) // tp
         # compiled per-device arguments: the device's parameter shards + the (small) inputs
         inputs = sum(np.asarray(a).nbytes for a in (x, t, ctx, *r.rope((2, 4, 4))))
@@ -260,7 +293,7 @@ def test_indivisible_configs_fail_before_compute(setup):
         cfg, p, args = CFG, params, (x, t, ctx)
         if what == "ffn":
             cfg = dit.WanDiTConfig(**{**CFG.__dict__, "ffn_dim": 91})
-            p = dit.init_params(cfg)
+            p = dit.init_state(cfg)
         if what == "tokens":
             args = inputs(CFG, f=6, h=2, w=2)[:3]
         if what == "batch":

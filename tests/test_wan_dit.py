@@ -55,6 +55,8 @@ def test_sharded_checkpoint_and_no_cross_attn_norm(tmp_path):
 
 
 def test_original_release_names(tmp_path):
+    import jax
+    import jax.numpy as jnp
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     from vidax.models.wan.dit import WanDiTConfig, diffusers_keymap, load_dit, original_keymap, forward
@@ -72,9 +74,9 @@ def test_original_release_names(tmp_path):
     path = tmp_path / "wan2.1_t2v.safetensors"
     save_safetensors(orig, path)
     params, cfg2 = load_dit(path, cfg)
+    # read into host memory only: no random init, nothing on a device yet
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params))
     kw = _inputs(TINY)
-    import jax.numpy as jnp
-
     x = jnp.asarray(kw["hidden_states"]).transpose(0, 2, 3, 4, 1)
     out = np.asarray(forward(params, cfg2, x, kw["timestep"], kw["encoder_hidden_states"])).transpose(0, 4, 1, 2, 3)
     assert_parity(out, _run_ref(ref, kw), what="WanTransformer3DModel from original names")
@@ -87,6 +89,18 @@ def test_i2v_image_branch_parity(tmp_path):
     kw = _inputs(TINY, b=1, lt=512, image=(5, 20))
     out = compat.load_pretrained(tmp_path).forward(**kw)
     assert_parity(out, _run_ref(ref, kw), what="WanTransformer3DModel I2V")
+
+
+def test_flf2v_image_positions_parity(tmp_path):
+    """FLF2V: the first and last frame's CLIP tokens ([2B, S, D]) are joined per sample and get
+    learned positions (``pos_embed_seq_len`` = 2S) before the image branch."""
+    ref = _ref(image_dim=20, added_kv_proj_dim=TINY["num_attention_heads"] * TINY["attention_head_dim"],
+               pos_embed_seq_len=10)
+    ref.save_pretrained(tmp_path)
+    kw = _inputs(TINY, b=1, lt=512)
+    kw["encoder_hidden_states_image"] = np.random.default_rng(4).standard_normal((2, 5, 20)).astype(np.float32)
+    out = compat.load_pretrained(tmp_path).forward(**kw)
+    assert_parity(out, _run_ref(ref, kw), what="WanTransformer3DModel FLF2V")
 
 
 @pytest.mark.parametrize("channels", [4, 48])
@@ -106,10 +120,10 @@ def test_forward_compiles_once_over_ten_calls(tmp_path):
     import jax.numpy as jnp
 
     from vidax.core.jit import CompileCounter
-    from vidax.models.wan.dit import PRESETS, forward, init_params
+    from vidax.models.wan.dit import PRESETS, forward, init_state
 
     cfg = PRESETS["tiny"]
-    params = jax.tree.map(jnp.asarray, init_params(cfg, seed=0))
+    params = jax.tree.map(jnp.asarray, init_state(cfg, seed=0))
     fwd = jax.jit(forward, static_argnums=1)
     rng = np.random.default_rng(0)
     xs = [jnp.asarray(rng.standard_normal((1, 2, 4, 4, cfg.in_channels)), jnp.float32) for _ in range(10)]

@@ -155,11 +155,12 @@ def logical(init, *axes):
 
 
 def Linear(din: int, dout: int, *, rngs: nnx.Rngs, axes=(None, None), bias: bool = True,
-           param_dtype=jnp.float32) -> nnx.Linear:
+           param_dtype=jnp.float32, precision=None) -> nnx.Linear:
     """``nnx.Linear`` (kernel ``[in, out]``) with logical axes ``axes`` on the kernel and
-    ``axes[1]`` on the bias, computing in the input's dtype at full precision."""
-    return nnx.Linear(din, dout, use_bias=bias, rngs=rngs, param_dtype=param_dtype,
-                      precision=jax.lax.Precision.HIGHEST,
+    ``axes[1]`` on the bias, computing in the input's dtype. ``precision``: None is the backend's
+    default (full float32 on CPU; bf16 passes for float32 on TPU, TF32 on recent GPUs), which the
+    DiTs use; the prompt encoders pass ``HIGHEST`` so a float32 encode is float32 everywhere."""
+    return nnx.Linear(din, dout, use_bias=bias, rngs=rngs, param_dtype=param_dtype, precision=precision,
                       kernel_init=logical(nnx.initializers.lecun_normal(), *axes),
                       bias_init=logical(nnx.initializers.zeros_init(), axes[1]))
 
@@ -223,27 +224,11 @@ def fill(state, pure: dict):
     return state
 
 
-# --- added by nnx-text ---
 # Norms and embeddings with the references' numerics, in-place layer ranges, and the split-once
 # call path every loaded model uses (``Split``: graphdef + state, one jitted pure function).
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 from typing import Any  # noqa: E402
-
-
-def LayerNorm(dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5, axes=("embed",), param_dtype=jnp.float32) -> nnx.LayerNorm:
-    """``nnx.LayerNorm`` with torch's numerics: two-pass variance (``use_fast_variance=False``),
-    statistics in at least float32; scale and bias carry the logical ``axes``."""
-    return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, param_dtype=param_dtype, rngs=rngs,
-                         scale_init=logical(nnx.initializers.ones_init(), *axes),
-                         bias_init=logical(nnx.initializers.zeros_init(), *axes))
-
-
-def RMSNorm(dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, axes=("embed",), param_dtype=jnp.float32) -> nnx.RMSNorm:
-    """``nnx.RMSNorm`` (T5 / Llama): ``x * rsqrt(mean(x^2) + eps) * scale``, no mean subtraction,
-    statistics in at least float32; the scale carries the logical ``axes``."""
-    return nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype, rngs=rngs,
-                       scale_init=logical(nnx.initializers.ones_init(), *axes))
 
 
 def Embed(num: int, dim: int, *, rngs: nnx.Rngs, axes=("vocab", "embed"), std: float = 1.0,
@@ -343,3 +328,45 @@ class Split:
     def replace(self, **changes):
         """A copy with some fields replaced (e.g. ``state=`` placed with shardings)."""
         return dataclasses.replace(self, **changes)
+
+
+def param(rngs: nnx.Rngs, init, shape, *axes, dtype=jnp.float32) -> nnx.Param:
+    """A parameter of ``shape`` drawn from ``init`` with one logical axis name per dim."""
+    if len(axes) != len(shape):
+        raise ValueError(f"param of shape {tuple(shape)} needs {len(shape)} logical axes, got {axes}")
+    return nnx.Param(logical(init, *axes)(rngs.params(), tuple(shape), dtype))
+
+
+def LayerNorm(dim: int, *, rngs: nnx.Rngs, eps: float = 1e-5, affine: bool = True, axis: str | None = None,
+              param_dtype=jnp.float32) -> nnx.LayerNorm:
+    """``nnx.LayerNorm`` with the PyTorch references' numerics: two-pass variance
+    (``use_fast_variance=False``), statistics and output in float32 (callers cast back); the
+    optional affine parameters carry the logical ``axis``."""
+    return nnx.LayerNorm(dim, epsilon=eps, use_scale=affine, use_bias=affine, use_fast_variance=False,
+                         dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
+                         scale_init=logical(nnx.initializers.ones_init(), axis),
+                         bias_init=logical(nnx.initializers.zeros_init(), axis))
+
+
+class RMSNorm(nnx.Module):
+    """RMS norm over the last axis (T5 / Llama / Wan's q-k norm: no mean subtraction) with float32
+    statistics and a learned ``scale`` (``[dim]``, logical axis ``axis``).
+
+    The feature dim may be split across devices: Wan's q/k norm spans every attention head, so
+    under tensor parallelism its input and ``scale`` are split with the heads. Inside
+    ``shard_map``, ``par`` (a :class:`vidax.core.sharding.ParallelContext`) reads that from the
+    scale's metadata and completes the sum of squares across the devices
+    (``par.feature_sum(var, sum_of_squares, n) -> (total, n_total)``)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, axis: str | None = None,
+                 param_dtype=jnp.float32):
+        self.eps = eps
+        self.scale = param(rngs, nnx.initializers.ones_init(), (dim,), axis, dtype=param_dtype)
+
+    def __call__(self, x, par=None):
+        xf = x.astype(jnp.float32)
+        ss, n = jnp.sum(jnp.square(xf), axis=-1, keepdims=True), x.shape[-1]
+        if par is not None:
+            ss, n = par.feature_sum(self.scale, ss, n)
+        y = xf * jax.lax.rsqrt(ss / n + self.eps) * self.scale[...].astype(jnp.float32)
+        return y.astype(x.dtype)

@@ -1,6 +1,7 @@
 """Weight offloading: stream a stacked block pytree from host memory, one chunk at a time.
 
-A DiT's blocks are stacked on a leading layer axis; the runner cuts that stack into chunks of
+A DiT's blocks are stacked on a leading layer axis (an ``nnx.State`` of the stacked blocks, or
+any pytree whose leaves share that axis); the runner cuts that stack into chunks of
 ``chunk_size`` blocks, keeps every chunk in host memory (``pinned_host`` where the backend has
 it, already laid out with the chunk's target sharding, so a transfer is a plain host->device copy
 of each device's own shard), and runs them through ONE compiled chunk function::
@@ -17,7 +18,8 @@ of each device's own shard), and runs them through ONE compiled chunk function::
 - **pools**: several stacks (e.g. different block types, or MoE experts) each get their own pool
   and compiled chunk function;
 - composes with tensor / sequence parallelism: ``shardings`` is the chunk's ``NamedSharding``
-  tree (from the family's rules) and ``chunk_fn`` may be a ``shard_map``.
+  tree (from the parameters' logical axes, :func:`vidax.core.sharding.param_specs`) and
+  ``chunk_fn`` may be a ``shard_map``.
 """
 from __future__ import annotations
 

@@ -1,20 +1,22 @@
-"""Sharding as data: parameter-path rules -> ``PartitionSpec``; Megatron tensor parallelism and
-DeepSpeed-Ulysses sequence parallelism as a small context object the model's block calls into.
+"""Sharding as metadata: logical axis names on every parameter, one table per parallelism mapping
+them to mesh axes; Megatron tensor parallelism and DeepSpeed-Ulysses sequence parallelism as a
+small context object the model's layers call into inside ``shard_map``.
 
-A family declares its rules once, as regular expressions on dotted parameter paths mapped to one
-*logical* axis name per array dimension (``None`` = not sharded)::
+Every parameter of an NNX model carries its logical axes (``vidax.core.nn.logical`` /
+``nn.Linear(axes=...)``; stacked blocks get a leading ``"layers"``)::
 
-    RULES = (
-        (r"blocks\\.attn1\\.[qkv]\\.w", ("layers", "embed", "heads")),   # column-parallel
-        (r"blocks\\.attn1\\.o\\.w",     ("layers", "heads", "embed")),   # row-parallel
-        ...
-    )                                                                # unmatched: replicated
+    self.q = nn.Linear(d, d, rngs=rngs, axes=("embed", "heads"))   # column-parallel under TP
+    self.o = nn.Linear(d, d, rngs=rngs, axes=("heads", "embed"))   # row-parallel under TP
 
-and a parallelism maps logical names to mesh axes (``TP_LOGICAL = {"heads": "tp", "ffn": "tp"}``).
-Nothing in a model file mentions devices. The same rules tell :class:`ParallelContext` which
-dense layers are row-parallel (their *input* dim is sharded: partial sums, one ``psum``, the bias
-added exactly once after it) and which norms see a sharded feature dim (sum of squares reduced
-across the axis).
+and a family declares, per parallelism, which logical names go to which mesh axis::
+
+    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}     # names not listed: replicated
+
+:func:`param_specs` turns a state's logical specs (``nnx.get_partition_spec``) into mesh
+``PartitionSpec`` s with that table. Nothing in a model file mentions devices. The same metadata
+tells :class:`ParallelContext` which linear layers are row-parallel (their kernel's *input* axis
+is sharded: partial sums, one ``psum``, the bias added exactly once after it) and which norms see
+a sharded feature dim (sum of squares reduced across the axis).
 
 Everything that has to know about shards runs inside ``jax.shard_map`` (attention kernels the
 compiler cannot partition, all_to_all, psum); placement uses ``NamedSharding`` and never
@@ -22,73 +24,66 @@ materialises a full array on one device.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from vidax.core import nn
 from vidax.core.attention import attention
 from vidax.core.mesh import AXES, ShardingConfigError, axis_sizes
-
-Rules = Sequence[tuple[str, tuple | None]]
 
 PARALLELISMS = ("none", "tp", "sp", "tp+sp")
 
 
-# ----------------------------------------------------------------------------------- rules
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+# ----------------------------------------------------------------------------------- specs
 def tree_paths(tree) -> list[str]:
-    """Dotted paths of a nested-dict pytree's leaves, in ``jax.tree`` leaf order."""
+    """Dotted paths of a pytree's leaves (nested dicts or an ``nnx.State``), in ``jax.tree`` leaf
+    order; a Variable's value is named by its own path (``blocks.attn1.q.kernel``)."""
     out = []
-    for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out.append(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp))
+    for kp, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)[0]:
+        parts = []
+        for k in kp:
+            if isinstance(k, jax.tree_util.GetAttrKey):
+                continue  # a Variable's ``.value``
+            parts.append(str(getattr(k, "key", getattr(k, "idx", k))))
+        out.append(".".join(parts))
     return out
 
 
-def logical_axes(path: str, rules: Rules) -> tuple | None:
-    """The logical axes the first matching rule gives ``path`` (``None``: replicated)."""
-    for pat, axes in rules:
-        if re.fullmatch(pat, path):
-            return axes
-    return None
+def param_specs(state, mapping: Mapping[str, str | None]):
+    """Mesh ``PartitionSpec`` s of a state's parameters: each Variable's logical axes
+    (``nnx.get_partition_spec``) mapped through ``mapping`` (logical -> mesh axis; names not in
+    it are replicated). Same tree as ``state`` (abstract or not), a ``PartitionSpec`` per leaf."""
 
+    def one(path, spec):
+        mesh_axes = [mapping.get(a) if isinstance(a, str) else None for a in spec]
+        used = [m for m in mesh_axes if m is not None]
+        if len(used) != len(set(used)):
+            raise ShardingConfigError(f"parameter {path}: logical axes {tuple(spec)} use mesh axis twice {mesh_axes}")
+        while mesh_axes and mesh_axes[-1] is None:
+            mesh_axes.pop()
+        return P(*mesh_axes)
 
-def spec_for(path: str, ndim: int, rules: Rules, logical_to_mesh: Mapping[str, str | None]) -> P:
-    axes = logical_axes(path, rules)
-    if axes is None:
-        return P()
-    if len(axes) != ndim:
-        raise ShardingConfigError(f"sharding rule for {path!r} names {len(axes)} axes {axes} but the array has {ndim} dims")
-    mesh_axes = [logical_to_mesh.get(a) if a is not None else None for a in axes]
-    used = [m for m in mesh_axes if m is not None]
-    if len(used) != len(set(used)):
-        raise ShardingConfigError(f"sharding rule for {path!r}: mesh axis used twice {mesh_axes}")
-    while mesh_axes and mesh_axes[-1] is None:
-        mesh_axes.pop()
-    return P(*mesh_axes)
-
-
-def param_specs(tree, rules: Rules, logical_to_mesh: Mapping[str, str | None]):
-    """Tree of ``PartitionSpec`` (same structure as ``tree``; leaves may be arrays or ShapeDtypeStructs)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    paths = tree_paths(tree)
-    return jax.tree.unflatten(treedef, [spec_for(p, np.ndim(l) if not hasattr(l, "ndim") else l.ndim, rules, logical_to_mesh)
-                                        for p, l in zip(paths, leaves)])
+    logical_specs = nnx.get_partition_spec(state)
+    leaves, treedef = jax.tree.flatten(logical_specs, is_leaf=_is_spec)
+    return jax.tree.unflatten(treedef, [one(p, s) for p, s in zip(tree_paths(logical_specs), leaves)])
 
 
 def named_shardings(mesh: Mesh, specs, memory_kind: str | None = None):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), specs, is_leaf=_is_spec)
 
 
 def check_param_divisibility(tree, specs, mesh: Mesh) -> None:
     """Every sharded dim must divide by its mesh axis size (error names the parameter)."""
     sizes = axis_sizes(mesh)
-    for path, leaf, spec in zip(tree_paths(tree), jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    for path, leaf, spec in zip(tree_paths(tree), jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec)):
         for d, ax in enumerate(spec):
             for a in (ax,) if isinstance(ax, str) else (ax or ()):
                 if leaf.shape[d] % sizes[a]:
@@ -122,7 +117,7 @@ def shard_bytes(shape, dtype, spec: P, mesh: Mesh | Mapping[str, int]) -> int:
 def per_device_bytes(tree, specs, mesh) -> int:
     """Bytes of ``tree`` on one device under ``specs``."""
     return sum(shard_bytes(l.shape, l.dtype, s, mesh)
-               for l, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
+               for l, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec)))
 
 
 def tree_bytes(tree) -> int:
@@ -151,43 +146,28 @@ def resolve_parallelism(parallelism: str | None, mesh: Mesh | Mapping[str, int] 
     return p
 
 
-def logical_mapping(parallelism: str, tp_logical: Mapping[str, str]) -> dict[str, str]:
-    """Logical -> mesh axes for a parallelism: TP maps the family's ``tp_logical`` table, SP keeps
-    the weights replicated."""
-    return dict(tp_logical) if "tp" in parallelism.split("+") else {}
+def logical_mapping(parallelism: str, tables: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Logical -> mesh axes for a parallelism: the union of the family's tables (one per
+    parallelism, e.g. ``{"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}``) for the parts it uses."""
+    out: dict[str, str] = {}
+    for part in parallelism.split("+"):
+        out.update(tables.get(part, {}))
+    return out
 
 
 # ----------------------------------------------------------------------------------- collectives
-def column_parallel_dense(p, x):
-    """``x @ w[:, shard] + b[shard]``: each device computes its slice of the output; no communication."""
-    return nn.dense(p, x)
-
-
-def row_parallel_dense(p, x, axis: str, *, naive_bias: bool = False):
-    """``sum_shards(x[..., shard] @ w[shard, :]) + b`` with the bias added exactly once.
+def row_parallel_linear(layer: nnx.Linear, x, axis: str):
+    """``sum_shards(x[..., shard] @ kernel[shard, :]) + bias`` with the bias added exactly once.
 
     Each device's matmul is a partial sum; ``psum`` over ``axis`` completes it. The bias is
-    replicated, so adding it before the sum would add it ``axis_size`` times -- ``naive_bias=True``
-    does exactly that (kept only so a test can show it breaks parity)."""
-    y = jnp.matmul(x, p["w"].astype(x.dtype))
-    if naive_bias and "b" in p:
-        return jax.lax.psum(y + p["b"].astype(y.dtype), axis)
+    replicated, so adding it before the sum would add it ``axis_size`` times (invisible while
+    biases are zero, a real error with trained ones). Same numerics as ``nnx.Linear``."""
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+    y = layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
     y = jax.lax.psum(y, axis)
-    if "b" in p:
-        y = y + p["b"].astype(y.dtype)
-    return y
-
-
-def sharded_rms_norm(x, weight, eps, axis: str, axis_size: int):
-    """RMS norm over a feature dim that is split across ``axis`` (Wan's q/k norm spans all heads):
-    the sum of squares is reduced across devices; ``weight`` is this device's slice."""
-    dtype = x.dtype
-    xf = x.astype(jnp.float32)
-    ss = jax.lax.psum(jnp.sum(jnp.square(xf), axis=-1, keepdims=True), axis)
-    y = xf * jax.lax.rsqrt(ss / (x.shape[-1] * axis_size) + eps)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    return y.astype(dtype)
+    return y if bias is None else y + bias
 
 
 def ulysses_attention(q, k, v, *, axis: str = "sp", axis_size: int, impl: str | None = None):
@@ -209,53 +189,47 @@ def ulysses_attention(q, k, v, *, axis: str = "sp", axis_size: int, impl: str | 
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """What a block needs to run on its shard inside ``shard_map``.
+    """What a layer needs to run on its shard inside ``shard_map``; ``ParallelContext()`` (also
+    :data:`LOCAL`) is the plain single-device behaviour.
 
-    ``rules`` + ``mapping`` (logical -> mesh axis) decide per layer path: a dense whose weight's
-    input dim is sharded is row-parallel (psum + bias once), one whose output dim is sharded is
-    column-parallel (local), a norm whose weight is sharded reduces across the axis. Self-attention
-    goes through Ulysses over ``sp``; cross-attention stays local (its keys are replicated over sp).
+    Decisions come from each parameter's logical axes (its ``out_sharding`` metadata, read from
+    the end so a block's slice of a stacked parameter reads the same) mapped through ``mapping``:
+    a linear layer whose kernel's input axis is sharded is row-parallel (psum, bias once); one
+    whose output axis is sharded is column-parallel (local, no communication); a norm whose
+    weight is sharded reduces its statistics across the axis. Self-attention goes through Ulysses
+    over ``sp``; cross-attention stays local (its keys are replicated over sp)."""
 
-    ``naive_row_bias`` / ``local_norm`` reproduce two classic TP bugs (for tests only)."""
-
-    rules: tuple
-    mapping: tuple  # ((logical, mesh_axis), ...)
-    sizes: tuple  # ((axis, size), ...)
+    mapping: tuple = ()  # ((logical, mesh_axis), ...)
+    sizes: tuple = ()  # ((axis, size), ...)
     attn_impl: str | None = None
-    naive_row_bias: bool = False
-    local_norm: bool = False
-    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def create(cls, rules: Rules, mapping: Mapping[str, str], mesh, *, attn_impl=None, naive_row_bias=False, local_norm=False):
-        return cls(tuple(rules), tuple(sorted(mapping.items())), tuple(sorted(axis_sizes(mesh).items())),
-                   attn_impl, naive_row_bias, local_norm)
+    def create(cls, mapping: Mapping[str, str], mesh, *, attn_impl=None) -> "ParallelContext":
+        return cls(tuple(sorted(mapping.items())), tuple(sorted(axis_sizes(mesh).items())), attn_impl)
 
     def size(self, axis: str) -> int:
-        return dict(self.sizes)[axis]
+        return dict(self.sizes).get(axis, 1)
 
-    def mesh_axis(self, path: str, dim: int) -> str | None:
-        """Mesh axis of dimension ``dim`` (negative: from the end) of parameter ``path``."""
-        key = (path, dim)
-        if key not in self._cache:
-            axes = logical_axes(path, self.rules)
-            m = dict(self.mapping)
-            ax = None if axes is None or -dim > len(axes) else axes[dim]
-            mesh_ax = m.get(ax) if ax is not None else None
-            self._cache[key] = mesh_ax if mesh_ax is not None and self.size(mesh_ax) > 1 else None
-        return self._cache[key]
+    def mesh_axis(self, var: nnx.Variable, dim: int) -> str | None:
+        """Mesh axis (of size > 1) that dimension ``dim`` (negative: from the end) of ``var`` is
+        split over, from its logical axis names."""
+        names = var.get_metadata().get("out_sharding") or ()
+        if -dim > len(names) or names[dim] is None:
+            return None
+        ax = dict(self.mapping).get(names[dim])
+        return ax if ax is not None and self.size(ax) > 1 else None
 
-    def dense(self, path: str, p, x):
-        row = self.mesh_axis(f"{path}.w", -2)
-        if row is not None:
-            return row_parallel_dense(p, x, row, naive_bias=self.naive_row_bias)
-        return nn.dense(p, x)
+    def linear(self, layer: nnx.Linear, x):
+        row = self.mesh_axis(layer.kernel, -2)
+        return layer(x) if row is None else row_parallel_linear(layer, x, row)
 
-    def rms_norm(self, path: str, x, weight, eps):
-        ax = self.mesh_axis(path, -1)
-        if ax is None or self.local_norm:
-            return nn.rms_norm(x, weight, eps)
-        return sharded_rms_norm(x, weight, eps, ax, self.size(ax))
+    def feature_sum(self, var: nnx.Variable, s, n: int):
+        """``(s, n)`` -> the sum ``s`` over a feature dim and its length ``n``, completed across the
+        devices that hold the other features when ``var``'s last axis is split."""
+        ax = self.mesh_axis(var, -1)
+        if ax is None:
+            return s, n
+        return jax.lax.psum(s, ax), n * self.size(ax)
 
     def self_attention(self, q, k, v):
         return ulysses_attention(q, k, v, axis="sp", axis_size=self.size("sp"), impl=self.attn_impl)
@@ -264,11 +238,14 @@ class ParallelContext:
         return attention(q, k, v, impl=self.attn_impl)
 
 
+#: the single-device context (no mesh axes)
+LOCAL = ParallelContext()
+
+
 def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "PARALLELISMS", "ParallelContext", "check_param_divisibility", "column_parallel_dense",
-           "logical_axes", "logical_mapping", "named_shardings", "param_specs", "per_device_bytes", "place",
-           "resolve_parallelism", "row_parallel_dense", "shard_bytes", "sharded_rms_norm", "spec_for",
-           "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]
+__all__ = ["AXES", "LOCAL", "PARALLELISMS", "ParallelContext", "check_param_divisibility", "logical_mapping",
+           "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
+           "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]

@@ -147,7 +147,7 @@ class CLIPBlock(nnx.Module):
     def __init__(self, cfg: CLIPVisionConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.cfg = cfg
         D, F = cfg.hidden_size, cfg.intermediate_size
-        lin = partial(nn.Linear, rngs=rngs, param_dtype=param_dtype)
+        lin = partial(nn.Linear, rngs=rngs, param_dtype=param_dtype, precision=jax.lax.Precision.HIGHEST)
         norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
         self.norm1 = norm()
         self.q, self.k, self.v = (lin(D, D, axes=("embed", "heads")) for _ in range(3))
@@ -186,7 +186,8 @@ class CLIPVision(nnx.Module):
         self.blocks = nn.stack(lambda r: CLIPBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.post_norm = norm()
         self.proj = None if cfg.projection_dim is None else nn.Linear(
-            D, cfg.projection_dim, rngs=rngs, axes=("embed", None), bias=False, param_dtype=param_dtype)
+            D, cfg.projection_dim, rngs=rngs, axes=("embed", None), bias=False, param_dtype=param_dtype,
+            precision=jax.lax.Precision.HIGHEST)
 
     def embed(self, pixel_values):
         """Pixels [B, C, H, W] (reference layout, normalised) -> pre-normed tokens [B, 1 + grid^2, D]:

@@ -186,7 +186,7 @@ class T5Block(nnx.Module):
     def __init__(self, cfg: T5Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.cfg = cfg
         D, I, F = cfg.d_model, cfg.inner_dim, cfg.d_ff
-        lin = partial(nn.Linear, rngs=rngs, bias=False, param_dtype=param_dtype)
+        lin = partial(nn.Linear, rngs=rngs, bias=False, param_dtype=param_dtype, precision=jax.lax.Precision.HIGHEST)
         norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
         self.norm1 = norm()
         self.q, self.k, self.v = (lin(D, I, axes=("embed", "heads")) for _ in range(3))

@@ -1,11 +1,20 @@
-"""Wan2.1 / Wan2.2 diffusion transformer (diffusers ``WanTransformer3DModel``) in JAX.
+"""Wan2.1 / Wan2.2 diffusion transformer (diffusers ``WanTransformer3DModel``) as Flax NNX modules.
 
-Blocks are stacked along a leading layer axis and run with ``lax.scan``. Activations are
-channels-last; :func:`forward` takes latents as ``[B, F, H, W, C]``. Covers T2V, I2V (CLIP image
-tokens through their own key/value projections) and Wan2.2 TI2V's per-token timesteps.
+:class:`WanTransformer` = ``embed`` (patch + timestep / text / image embeddings) -> ``blocks`` (one
+:class:`WanBlock` stacked ``num_layers`` times on a leading ``"layers"`` axis, run with
+``lax.scan``) -> ``head``. Activations are channels-last; the model takes latents as
+``[B, F, H, W, C]``. Covers T2V, I2V (CLIP image tokens through their own key/value
+projections, FLF2V's learned image-token positions) and Wan2.2 TI2V's per-token timesteps.
+
+Used as ``graphdef + state``: :func:`forward` is a pure function of the state (it merges the
+cached graph definition inside, so ``jax.jit(forward, static_argnums=1)`` compiles once per
+shape); :class:`WanDiTRunner` places or streams the same state on a ``(dp, tp, sp)`` mesh. Every
+parameter carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes per parallelism.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -13,6 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax import compat
@@ -20,7 +30,6 @@ from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
-from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
@@ -71,154 +80,278 @@ PRESETS = {
 }
 
 
-# ----------------------------------------------------------------------------------- params
-def init_params(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32):
-    ini = nn.Init(seed, dtype)
-    d, L = cfg.dim, cfg.num_layers
-    pt, ph, pw = cfg.patch_size
-    lead = (L,)
-    p = {
-        "patch": ini.conv((pt, ph, pw), cfg.in_channels, d),
-        "time_in": {"l1": ini.linear(cfg.freq_dim, d), "l2": ini.linear(d, d)},
-        "time_proj": ini.linear(d, 6 * d),
-        "text_in": {"l1": ini.linear(cfg.text_dim, d), "l2": ini.linear(d, d)},
-        "blocks": {
-            "sst": ini.normal((L, 1, 6, d), std=d**-0.5),
-            "attn1": {
-                **{n: ini.linear(d, d, lead=lead) for n in ("q", "k", "v", "o")},
-                "norm_q": ini.norm_weight((L, d)),
-                "norm_k": ini.norm_weight((L, d)),
-            },
-            "attn2": {
-                **{n: ini.linear(d, d, lead=lead) for n in ("q", "k", "v", "o")},
-                "norm_q": ini.norm_weight((L, d)),
-                "norm_k": ini.norm_weight((L, d)),
-            },
-            "ffn": {"up": ini.linear(d, cfg.ffn_dim, lead=lead), "down": ini.linear(cfg.ffn_dim, d, lead=lead)},
-        },
-        "head": ini.linear(d, cfg.out_channels * pt * ph * pw),
-        "head_sst": ini.normal((1, 2, d), std=d**-0.5),
-    }
-    if cfg.cross_attn_norm:
-        p["blocks"]["norm2"] = {"w": ini.norm_weight((L, d)), "b": ini.bias((L, d))}
-    if cfg.added_kv_proj_dim is not None:
-        a = p["blocks"]["attn2"]
-        a["add_k"] = ini.linear(cfg.added_kv_proj_dim, d, lead=lead)
-        a["add_v"] = ini.linear(cfg.added_kv_proj_dim, d, lead=lead)
-        a["norm_added_k"] = ini.norm_weight((L, d))
-    if cfg.image_dim is not None:
-        e = cfg.image_dim
-        p["img_in"] = {
-            "norm1": {"w": ini.norm_weight((e,)), "b": ini.bias((e,))},
-            "ff1": ini.linear(e, e),
-            "ff2": ini.linear(e, d),
-            "norm2": {"w": ini.norm_weight((d,)), "b": ini.bias((d,))},
-        }
-        if cfg.pos_embed_seq_len is not None:
-            p["img_in"]["pos"] = ini.normal((1, cfg.pos_embed_seq_len, e))
-    return p
+# ----------------------------------------------------------------------------------- modules
+F32 = jnp.float32
+_zeros = nnx.initializers.zeros_init()
 
 
-def param_shapes(cfg: WanDiTConfig):
-    return jax.eval_shape(lambda: jax.tree.map(jnp.asarray, init_params(cfg)))
-
-
-# ----------------------------------------------------------------------------------- forward
 def _heads(x, head_dim):
     """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
     return x.reshape(*x.shape[:-1], -1, head_dim)
 
 
-def _block(cfg: WanDiTConfig, x, p, ctx, img_ctx, temb6, cos, sin, attn_impl, par=None):
-    """One transformer block. x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32.
+class PatchEmbed(nnx.Module):
+    """The reference's Conv3d with stride = kernel = patch, applied to patchified tokens as one
+    matmul (per token, so it runs unchanged on a token shard). ``kernel``: ``[pt, ph, pw, Cin, D]``."""
 
-    ``par`` (a :class:`vidax.core.sharding.ParallelContext`, only inside ``shard_map``) makes the
-    same code run on one shard: local heads / FFN columns under TP (row-parallel layers reduce
-    across ``tp``, the q/k RMS norms reduce their sum of squares across ``tp``), local tokens under
-    SP (self-attention through Ulysses all_to_all). ``par=None`` is the plain single-device path."""
-    dt = x.dtype
-    eps = cfg.eps
-    if par is None:
-        def lin(path, q, h):
-            return nn.dense(q, h)
+    def __init__(self, patch, cin: int, dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.kernel = nn.param(rngs, nnx.initializers.lecun_normal(), (*patch, cin, dim), None, None, None, None, "embed",
+                               dtype=param_dtype)
+        self.bias = nn.param(rngs, _zeros, (dim,), "embed", dtype=param_dtype)
 
-        def rms(path, h, w):
-            return nn.rms_norm(h, w, eps)
-
-        self_attn = cross_attn = partial(attention, impl=attn_impl)
-    else:
-        def lin(path, q, h):
-            return par.dense("blocks." + path, q, h)
-
-        def rms(path, h, w):
-            return par.rms_norm("blocks." + path, h, w, eps)
-
-        self_attn, cross_attn = par.self_attention, par.cross_attention
-    hd = cfg.head_dim
-    mod = p["sst"][None].astype(jnp.float32) + temb6  # [B, T, 6, D]
-    shift1, scale1, gate1, shift2, scale2, gate2 = (mod[:, :, j] for j in range(6))
-
-    # 1. self-attention (RoPE on q, k)
-    h = (nn.layer_norm(x.astype(jnp.float32), eps=eps) * (1 + scale1) + shift1).astype(dt)
-    a = p["attn1"]
-    q = rms("attn1.norm_q", lin("attn1.q", a["q"], h), a["norm_q"])
-    k = rms("attn1.norm_k", lin("attn1.k", a["k"], h), a["norm_k"])
-    v = lin("attn1.v", a["v"], h)
-    q, k, v = _heads(q, hd), _heads(k, hd), _heads(v, hd)
-    q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
-    o = self_attn(q, k, v)
-    o = lin("attn1.o", a["o"], o.reshape(*o.shape[:2], -1))
-    x = (x.astype(jnp.float32) + o * gate1).astype(dt)
-
-    # 2. cross-attention to text (and image tokens, I2V)
-    if cfg.cross_attn_norm:
-        h = nn.layer_norm(x.astype(jnp.float32), p["norm2"]["w"], p["norm2"]["b"], eps).astype(dt)
-    else:
-        h = x
-    c = p["attn2"]
-    q = _heads(rms("attn2.norm_q", lin("attn2.q", c["q"], h), c["norm_q"]), hd)
-    k = _heads(rms("attn2.norm_k", lin("attn2.k", c["k"], ctx), c["norm_k"]), hd)
-    v = _heads(lin("attn2.v", c["v"], ctx), hd)
-    o = cross_attn(q, k, v)
-    o = o.reshape(*o.shape[:2], -1)
-    if img_ctx is not None:
-        ki = _heads(rms("attn2.norm_added_k", lin("attn2.add_k", c["add_k"], img_ctx), c["norm_added_k"]), hd)
-        vi = _heads(lin("attn2.add_v", c["add_v"], img_ctx), hd)
-        oi = cross_attn(q, ki, vi)
-        o = o + oi.reshape(*oi.shape[:2], -1)
-    x = x + lin("attn2.o", c["o"], o)
-
-    # 3. feed-forward
-    h = (nn.layer_norm(x.astype(jnp.float32), eps=eps) * (1 + scale2) + shift2).astype(dt)
-    f = lin("ffn.down", p["ffn"]["down"], nn.gelu_tanh(lin("ffn.up", p["ffn"]["up"], h)))
-    return (x.astype(jnp.float32) + f.astype(jnp.float32) * gate2).astype(dt)
+    def __call__(self, tokens):
+        k = self.kernel[...]
+        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
+        return y + self.bias[...].astype(y.dtype)
 
 
-def embed_conditions(params, cfg: WanDiTConfig, t, ctx, img=None):
-    """Timestep / text / image embeddings. ``t``: [B] or [B, T] -> temb [B, T, D], temb6 [B, T, 6, D]."""
-    t = jnp.asarray(t, jnp.float32)
-    if t.ndim == 1:
-        t = t[:, None]
-    e = sinusoidal_embedding(t, cfg.freq_dim, flip_sin_to_cos=True)
-    ti = params["time_in"]
-    temb = nn.dense(ti["l2"], jax.nn.silu(nn.dense(ti["l1"], e)))
-    temb6 = nn.dense(params["time_proj"], jax.nn.silu(temb)).reshape(*temb.shape[:-1], 6, cfg.dim)
-    tx = params["text_in"]
-    ctx = nn.dense(tx["l2"], nn.gelu_tanh(nn.dense(tx["l1"], ctx)))
-    img_ctx = None
-    if img is not None:
-        if "img_in" not in params:
-            raise ValueError("image embeddings were given but this DiT has no image branch (image_dim is None)")
-        ip = params["img_in"]
-        if "pos" in ip:
+class MLP(nnx.Module):
+    """``l2(act(l1(x)))`` (the timestep and text embedders)."""
+
+    def __init__(self, din: int, dhidden: int, dout: int, act: str, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
+        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, axes=(None, "embed"), param_dtype=param_dtype)
+        self.act = act
+
+    def __call__(self, x):
+        return self.l2(nn.activation(self.act)(self.l1(x)))
+
+
+class ImageEmbed(nnx.Module):
+    """CLIP image tokens -> model width (I2V): LayerNorm, MLP (exact GELU), LayerNorm; FLF2V adds
+    learned positions to the first + last frame's tokens, concatenated."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        e, d = cfg.image_dim, cfg.dim
+        self.norm1 = nn.LayerNorm(e, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
+        self.ff1 = nn.Linear(e, e, rngs=rngs, param_dtype=param_dtype)
+        self.ff2 = nn.Linear(e, d, rngs=rngs, axes=(None, "embed"), param_dtype=param_dtype)
+        self.norm2 = nn.LayerNorm(d, eps=1e-5, rngs=rngs, axis="embed", param_dtype=param_dtype)
+        self.pos = None if cfg.pos_embed_seq_len is None else nn.param(
+            rngs, nnx.initializers.normal(0.02), (1, cfg.pos_embed_seq_len, e), None, None, None, dtype=param_dtype)
+
+    def __call__(self, img):
+        if self.pos is not None:
             b, s, d = img.shape
-            img = img.reshape(-1, 2 * s, d) + ip["pos"]
-        h = nn.layer_norm(img.astype(jnp.float32), ip["norm1"]["w"], ip["norm1"]["b"], 1e-5)
-        h = nn.dense(ip["ff2"], nn.gelu_exact(nn.dense(ip["ff1"], h)))
-        img_ctx = nn.layer_norm(h, ip["norm2"]["w"], ip["norm2"]["b"], 1e-5).astype(ctx.dtype)
-    return temb.astype(jnp.float32), temb6.astype(jnp.float32), ctx, img_ctx
+            img = img.reshape(-1, 2 * s, d) + self.pos[...]
+        h = self.norm1(img.astype(F32))
+        return self.norm2(self.ff2(nn.gelu_exact(self.ff1(h))))
 
 
+class WanEmbed(nnx.Module):
+    """Patch embedding + condition embeddings (everything before the blocks); per token, so it
+    runs unchanged on a token shard."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.patch = PatchEmbed(cfg.patch_size, cfg.in_channels, d, **kw)
+        self.time_in = MLP(cfg.freq_dim, d, d, "silu", **kw)
+        self.time_proj = nn.Linear(d, 6 * d, axes=("embed", None), **kw)
+        self.text_in = MLP(cfg.text_dim, d, d, "gelu_tanh", **kw)
+        self.img_in = ImageEmbed(cfg, **kw) if cfg.image_dim is not None else None
+
+    def __call__(self, tokens, t, ctx, img=None):
+        """``tokens``: [B, L, pt*ph*pw*C] (compute dtype); ``t``: [B] or [B, T].
+        Returns ``(h, temb [B, T, D], temb6 [B, T, 6, D], ctx, img_ctx)`` (temb* in float32)."""
+        cfg = self.cfg
+        h = self.patch(tokens)
+        t = jnp.asarray(t, F32)
+        if t.ndim == 1:
+            t = t[:, None]
+        temb = self.time_in(sinusoidal_embedding(t, cfg.freq_dim, flip_sin_to_cos=True))
+        temb6 = self.time_proj(jax.nn.silu(temb)).reshape(*temb.shape[:-1], 6, cfg.dim)
+        ctx = self.text_in(ctx)
+        img_ctx = None
+        if img is not None:
+            if self.img_in is None:
+                raise ValueError("image embeddings were given but this DiT has no image branch (image_dim is None)")
+            img_ctx = self.img_in(img).astype(ctx.dtype)
+        return h, temb.astype(F32), temb6.astype(F32), ctx, img_ctx
+
+
+class WanAttention(nnx.Module):
+    """Wan attention: q/k/v column-parallel (split by heads under TP), q/k RMS norm across all heads,
+    output row-parallel. The cross-attention of an I2V model also has image key/value projections."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, added_kv_dim: int | None = None, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(d, d, axes=("embed", "heads"), **kw)
+        self.k = nn.Linear(d, d, axes=("embed", "heads"), **kw)
+        self.v = nn.Linear(d, d, axes=("embed", "heads"), **kw)
+        self.o = nn.Linear(d, d, axes=("heads", "embed"), **kw)
+        self.norm_q = nn.RMSNorm(d, eps=cfg.eps, axis="heads", **kw)
+        self.norm_k = nn.RMSNorm(d, eps=cfg.eps, axis="heads", **kw)
+        if added_kv_dim is not None:
+            self.add_k = nn.Linear(added_kv_dim, d, axes=(None, "heads"), **kw)
+            self.add_v = nn.Linear(added_kv_dim, d, axes=(None, "heads"), **kw)
+            self.norm_added_k = nn.RMSNorm(d, eps=cfg.eps, axis="heads", **kw)
+        else:
+            self.add_k = self.add_v = self.norm_added_k = None
+
+    def self_attention(self, x, cos, sin, par: vsh.ParallelContext):
+        """RoPE self-attention (Ulysses over ``sp`` inside ``shard_map``)."""
+        hd = self.head_dim
+        q = _heads(self.norm_q(par.linear(self.q, x), par), hd)
+        k = _heads(self.norm_k(par.linear(self.k, x), par), hd)
+        v = _heads(par.linear(self.v, x), hd)
+        q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
+        o = par.self_attention(q, k, v)
+        return par.linear(self.o, o.reshape(*o.shape[:2], -1))
+
+    def cross_attention(self, x, ctx, img_ctx, par: vsh.ParallelContext):
+        """Attention to the text tokens (and, I2V, to the image tokens through their own k/v)."""
+        hd = self.head_dim
+        q = _heads(self.norm_q(par.linear(self.q, x), par), hd)
+        k = _heads(self.norm_k(par.linear(self.k, ctx), par), hd)
+        v = _heads(par.linear(self.v, ctx), hd)
+        o = par.cross_attention(q, k, v)
+        o = o.reshape(*o.shape[:2], -1)
+        if img_ctx is not None:
+            ki = _heads(self.norm_added_k(par.linear(self.add_k, img_ctx), par), hd)
+            vi = _heads(par.linear(self.add_v, img_ctx), hd)
+            oi = par.cross_attention(q, ki, vi)
+            o = o + oi.reshape(*oi.shape[:2], -1)
+        return par.linear(self.o, o)
+
+
+class FeedForward(nnx.Module):
+    """``down(gelu_tanh(up(x)))``: up column-parallel, down row-parallel (split by ``ffn``)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.up = nn.Linear(dim, hidden, rngs=rngs, axes=("embed", "ffn"), param_dtype=param_dtype)
+        self.down = nn.Linear(hidden, dim, rngs=rngs, axes=("ffn", "embed"), param_dtype=param_dtype)
+
+    def __call__(self, x, par: vsh.ParallelContext):
+        return par.linear(self.down, nn.gelu_tanh(par.linear(self.up, x)))
+
+
+class WanBlock(nnx.Module):
+    """One transformer block: modulated self-attention, cross-attention, modulated feed-forward.
+
+    ``par`` makes the same code run on one shard inside ``shard_map``: local heads / FFN columns
+    under TP (row-parallel layers reduce across ``tp``, the q/k RMS norms their sum of squares),
+    local tokens under SP (self-attention through Ulysses all_to_all)."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.sst = nn.param(rngs, nnx.initializers.normal(d**-0.5), (1, 6, d), None, None, "embed", dtype=param_dtype)
+        self.norm1 = nn.LayerNorm(d, eps=cfg.eps, affine=False, rngs=rngs)
+        self.attn1 = WanAttention(cfg, **kw)
+        self.norm2 = nn.LayerNorm(d, eps=cfg.eps, axis="embed", **kw) if cfg.cross_attn_norm else None
+        self.attn2 = WanAttention(cfg, added_kv_dim=cfg.added_kv_proj_dim, **kw)
+        self.norm3 = nn.LayerNorm(d, eps=cfg.eps, affine=False, rngs=rngs)
+        self.ffn = FeedForward(d, cfg.ffn_dim, **kw)
+
+    def __call__(self, x, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
+        """x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32 (T = 1 or L)."""
+        dt = x.dtype
+        mod = self.sst[...][None].astype(F32) + temb6  # [B, T, 6, D]
+        shift1, scale1, gate1, shift2, scale2, gate2 = (mod[:, :, j] for j in range(6))
+        h = (self.norm1(x.astype(F32)) * (1 + scale1) + shift1).astype(dt)
+        o = self.attn1.self_attention(h, cos, sin, par)
+        x = (x.astype(F32) + o * gate1).astype(dt)
+        h = self.norm2(x.astype(F32)).astype(dt) if self.norm2 is not None else x
+        x = x + self.attn2.cross_attention(h, ctx, img_ctx, par)
+        h = (self.norm3(x.astype(F32)) * (1 + scale2) + shift2).astype(dt)
+        f = self.ffn(h, par)
+        return (x.astype(F32) + f.astype(F32) * gate2).astype(dt)
+
+
+class WanHead(nnx.Module):
+    """Output norm + modulation + projection, per token -> [B, L, pt*ph*pw*Cout]."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        self.norm = nn.LayerNorm(d, eps=cfg.eps, affine=False, rngs=rngs)
+        self.proj = nn.Linear(d, cfg.out_channels * math.prod(cfg.patch_size), rngs=rngs, axes=("embed", None),
+                              param_dtype=param_dtype)
+        self.sst = nn.param(rngs, nnx.initializers.normal(d**-0.5), (1, 2, d), None, None, "embed", dtype=param_dtype)
+
+    def __call__(self, h, temb):
+        dt = h.dtype
+        mod = self.sst[...][None].astype(F32) + temb[:, :, None, :]  # [B, T, 2, D]
+        shift, scale = mod[:, :, 0], mod[:, :, 1]
+        return self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))
+
+
+def run_blocks(blocks, h, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
+    """``lax.scan`` of :class:`WanBlock` over stacked blocks: the stacked module, or ``(graphdef,
+    state)`` of it or of an offload chunk (a slice of the state's leading layers axis)."""
+    return nn.scan(blocks, h, lambda blk, h: blk(h, ctx, img_ctx, temb6, cos, sin, par))
+
+
+class WanTransformer(nnx.Module):
+    """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+
+    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = WanEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = WanHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+        """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
+        ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None. Returns [B, F, H, W, Cout]."""
+        cfg = self.cfg
+        dt = self.embed.patch.kernel[...].dtype
+        tokens, grid = patchify(cfg, x.astype(dt))
+        h, temb, temb6, ctx, img_ctx = self.embed(tokens, t, ctx.astype(dt), None if img is None else img.astype(dt))
+        cos, sin = rope_tables(cfg, grid)
+        h = run_blocks(self.blocks, h, ctx, img_ctx, temb6, cos, sin, par)
+        return unpatchify(cfg, self.head(h, temb), grid)
+
+
+# ----------------------------------------------------------------------------------- state
+def _build(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> WanTransformer:
+    return WanTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+
+def init_model(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> WanTransformer:
+    """A seeded random DiT (tiny presets, tests): every weight perturbed (no zero biases, no unit
+    norms), see :func:`vidax.core.nn.perturb`."""
+    return nn.perturb(_build(cfg, seed, dtype), seed)
+
+
+def init_state(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """:func:`init_model`'s state in host memory (numpy leaves), ready for placement."""
+    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
+
+
+def abstract_state(cfg: WanDiTConfig, dtype=np.float32) -> nnx.State:
+    """The state a checkpoint must fill (``ShapeDtypeStruct`` leaves; nothing allocated)."""
+    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
+
+
+def param_shapes(cfg: WanDiTConfig, dtype=np.float32) -> dict:
+    """The state's shapes as a pure nested dict (the target of the key maps)."""
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def graphdefs(cfg: WanDiTConfig, dtype: str = "float32") -> dict:
+    """Graph definitions of the model and of its three units (``embed``, ``blocks``, ``head``),
+    which the runner places and streams separately. Determined by ``cfg`` (and the parameter dtype)."""
+    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
+    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
+            "head": nnx.graphdef(m.head)}
+
+
+def state_dtype(state) -> np.dtype:
+    """The parameter (= compute) dtype of a DiT state."""
+    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
+
+
+def merge(state, cfg: WanDiTConfig) -> WanTransformer:
+    """The module back from a state (inside a traced function: the unit of ``jit``)."""
+    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+
+
+# ----------------------------------------------------------------------------------- forward
 def patchify(cfg: WanDiTConfig, x):
     """[B, F, H, W, C] -> tokens [B, f*h*w, pt*ph*pw*C] and the token grid (f, h, w)."""
     b, f, h, w, c = x.shape
@@ -246,68 +379,23 @@ def rope_tables(cfg: WanDiTConfig, grid):
     return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
-def prologue(params, cfg: WanDiTConfig, tokens, t, ctx, img=None):
-    """Patch embedding + condition embeddings. ``tokens``: [B, L, pt*ph*pw*C] (compute dtype).
-    Returns ``(h, temb, temb6, ctx, img_ctx)``; per token, so it runs unchanged on a token shard."""
-    h = nn.dense({"w": params["patch"]["w"].reshape(-1, cfg.dim), "b": params["patch"]["b"]}, tokens)
-    temb, temb6, ctx, img_ctx = embed_conditions(params, cfg, t, ctx, img)
-    return h, temb, temb6, ctx, img_ctx
-
-
-def run_blocks(blocks, cfg: WanDiTConfig, h, ctx, img_ctx, temb6, cos, sin, attn_impl=None, par=None):
-    """``lax.scan`` of :func:`_block` over a stack of blocks (all of them, or one offload chunk)."""
-
-    def body(carry, p):
-        return _block(cfg, carry, p, ctx, img_ctx, temb6, cos, sin, attn_impl, par), None
-
-    h, _ = jax.lax.scan(body, h, blocks)
-    return h
-
-
-def epilogue(params, cfg: WanDiTConfig, h, temb):
-    """Output norm + modulation + projection, per token -> [B, L, pt*ph*pw*Cout]."""
-    dt = h.dtype
-    mod = params["head_sst"][None].astype(jnp.float32) + temb[:, :, None, :]  # [B, T, 2, D]
-    shift, scale = mod[:, :, 0], mod[:, :, 1]
-    h = (nn.layer_norm(h.astype(jnp.float32), eps=cfg.eps) * (1 + scale) + shift).astype(dt)
-    return nn.dense(params["head"], h)
-
-
-def forward(params, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None):
-    """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
-    ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None. Returns [B, F, H, W, Cout].
+def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None):
+    """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``). ``x``:
+    [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token); ``ctx``: [B, Lt, text_dim]; ``img``:
+    [B, Li, image_dim] or None. Returns [B, F, H, W, Cout].
 
     Single-device (or compiler-partitioned) path; for meshes and offloading see :class:`WanDiTRunner`."""
-    dt = params["patch"]["w"].dtype
-    tokens, grid = patchify(cfg, x.astype(dt))
-    h, temb, temb6, ctx, img_ctx = prologue(params, cfg, tokens, t, ctx.astype(dt), None if img is None else img.astype(dt))
-    cos, sin = rope_tables(cfg, grid)
-    h = run_blocks(params["blocks"], cfg, h, ctx, img_ctx, temb6, cos, sin, attn_impl)
-    return unpatchify(cfg, epilogue(params, cfg, h, temb), grid)
+    return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl))
 
 
 # ----------------------------------------------------------------------------------- sharding
-# Parameter path (regex, dotted) -> one logical axis per dim. Unmatched parameters (embeddings,
-# head, modulation tables, LayerNorm affine) are replicated. Column-parallel: q/k/v, FFN up (and
-# cross-attention q/k/v, I2V add_k/add_v) split their output ("heads"/"ffn"); row-parallel: the
-# attention outputs and FFN down split their input, their biases stay whole (added once, after
-# the psum). The q/k RMS norms span all heads, so their weights split with the heads and the
-# sum of squares is reduced across tp.
-SHARDING_RULES = (
-    (r"blocks\.attn[12]\.[qkv]\.w", ("layers", "embed", "heads")),
-    (r"blocks\.attn[12]\.[qkv]\.b", ("layers", "heads")),
-    (r"blocks\.attn2\.add_[kv]\.w", ("layers", "embed_in", "heads")),
-    (r"blocks\.attn2\.add_[kv]\.b", ("layers", "heads")),
-    (r"blocks\.attn[12]\.norm_(q|k|added_k)", ("layers", "heads")),
-    (r"blocks\.attn[12]\.o\.w", ("layers", "heads", "embed")),
-    (r"blocks\.attn[12]\.o\.b", ("layers", "embed")),
-    (r"blocks\.ffn\.up\.w", ("layers", "embed", "ffn")),
-    (r"blocks\.ffn\.up\.b", ("layers", "ffn")),
-    (r"blocks\.ffn\.down\.w", ("layers", "ffn", "embed")),
-    (r"blocks\.ffn\.down\.b", ("layers", "embed")),
-)
-# Logical axis -> mesh axis under tensor parallelism (sequence parallelism keeps weights whole).
-TP_LOGICAL = {"heads": "tp", "ffn": "tp"}
+#: Logical axis -> mesh axis, one table per parallelism; logical names not listed (``layers``,
+#: ``embed``, unnamed dims) stay replicated. Tensor parallelism splits the heads (q/k/v and
+#: the I2V image k/v by output, their RMS norms' weights, the attention output by input) and
+#: the FFN width (up by output, down by input). Layers whose kernel's *input* axis is split are
+#: row-parallel: the ParallelContext reduces them with one psum and adds their bias once after
+#: it. Sequence parallelism keeps every weight whole (it splits the tokens inside shard_map).
+AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
 
 
 def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch: int | None = None):
@@ -323,46 +411,53 @@ def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch:
     return r
 
 
+def _rest(state) -> nnx.State:
+    """Everything but the stacked blocks (``embed`` and ``head``)."""
+    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
+
+
 class WanDiTRunner:
     """The Wan DiT on a ``(dp, tp, sp)`` mesh, with the block weights resident or offloaded.
 
-    ``mesh``: a Mesh (axes dp/tp/sp), a spec like ``"tp=2,sp=2"``, or None (one device).
-    ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh implies). TP shards the
-    weights by :data:`SHARDING_RULES`; SP shards tokens (Ulysses); the batch is always split over
-    dp (CFG-parallel when it is the 2B conditional+unconditional batch).
-    ``offload_chunk_size``: None keeps the blocks resident; an int (dividing num_layers) or "all"
-    streams them from host memory through :class:`vidax.core.offload.OffloadRunner`.
+    ``state``: the DiT's ``nnx.State`` (host numpy preferred, e.g. from :func:`load_dit`, or
+    arrays), or the module. ``mesh``: a Mesh (axes dp/tp/sp), a spec like ``"tp=2,sp=2"``, or
+    None (one device). ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh
+    implies). TP shards the weights by their logical axes through :data:`AXIS_RULES`; SP shards
+    tokens (Ulysses); the batch is always split over dp (CFG-parallel when it is the 2B
+    conditional+unconditional batch). ``offload_chunk_size``: None keeps the blocks resident; an
+    int (dividing num_layers) or "all" streams slices of the stacked block state from host memory
+    through :class:`vidax.core.offload.OffloadRunner`.
 
     Model-level divisibility is checked here, input-level (tokens, batch) on every call, both
-    before anything is placed or compiled. ``params``: host numpy tree (or arrays)."""
+    before anything is placed or compiled."""
 
-    def __init__(self, params, cfg: WanDiTConfig, mesh=None, parallelism: str | None = None, *,
+    def __init__(self, state, cfg: WanDiTConfig, mesh=None, parallelism: str | None = None, *,
                  offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 naive_row_bias: bool = False, local_norm: bool = False, track_memory: bool = False):
+                 track_memory: bool = False):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
         self.cfg, self.attn_impl = cfg, attn_impl
         self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
         vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, TP_LOGICAL)
-        self.par = vsh.ParallelContext.create(SHARDING_RULES, mapping, self.mesh, attn_impl=attn_impl,
-                                              naive_row_bias=naive_row_bias, local_norm=local_norm)
-        self.specs = vsh.param_specs(params, SHARDING_RULES, mapping)
-        vsh.check_param_divisibility(params, self.specs, self.mesh)
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        self.rest_specs = {k: v for k, v in self.specs.items() if k != "blocks"}
-        self.block_specs = self.specs["blocks"]
-        self.rest = vsh.place(rest, vsh.named_shardings(self.mesh, self.rest_specs))
+        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = state_dtype(state)
+        self.graphs = graphdefs(cfg, self.dtype.name)
+        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
+        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
         block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
-        self.dtype = np.dtype(params["patch"]["w"].dtype)
         self._rope: dict = {}
         self.offload = None
         if offload_chunk_size is None:
-            self.blocks = vsh.place(params["blocks"], block_shardings)
+            self.blocks = vsh.place(state["blocks"], block_shardings)
             self._fwd = jax.jit(self._resident)
         else:
             self.blocks = None
             self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            self.offload.add_stack("blocks", params["blocks"], self._chunk, offload_chunk_size, block_shardings)
+            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
             self._pre = jax.jit(self._prologue)
             self._post = jax.jit(self._epilogue, static_argnums=(3,))
 
@@ -413,34 +508,44 @@ class WanDiTRunner:
             a["img"] = img.astype(dt)
         return a, grid
 
+    # ------------------------------------------------------------------ the units, merged inside shard_map
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        return embed(a["tokens"], a["t"], a["ctx"], a.get("img"))
+
+    def _blocks(self, blocks, h, c):
+        return run_blocks((self.graphs["blocks"], blocks), h, c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"],
+                          self.par)
+
+    def _head(self, rest, h, temb):
+        return nnx.merge(self.graphs["head"], rest["head"])(h, temb)
+
     # ------------------------------------------------------------------ resident
     def _resident(self, rest, blocks, x, t, ctx, img, cos, sin):
-        cfg, par = self.cfg, self.par
         acts, grid = self._inputs(x, t, ctx, img)
         acts.update(cos=cos, sin=sin)
 
         def inner(rest, blocks, a):
-            h, temb, temb6, c, ic = prologue(rest, cfg, a["tokens"], a["t"], a["ctx"], a.get("img"))
-            h = run_blocks(blocks, cfg, h, c, ic, temb6, a["cos"], a["sin"], self.attn_impl, par)
-            return epilogue(rest, cfg, h, temb)
+            h, temb, temb6, c, ic = self._embed(rest, a)
+            h = self._blocks(blocks, h, {"ctx": c, "img_ctx": ic, "temb6": temb6, "cos": a["cos"], "sin": a["sin"]})
+            return self._head(rest, h, temb)
 
         y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, blocks, acts)
         y = vsh.with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
-        return unpatchify(cfg, y, grid)
+        return unpatchify(self.cfg, y, grid)
 
     # ------------------------------------------------------------------ offloaded
     def _prologue(self, rest, x, t, ctx, img):
-        cfg = self.cfg
         acts, _ = self._inputs(x, t, ctx, img)
 
         def inner(rest, a):
-            h, temb, temb6, c, ic = prologue(rest, cfg, a["tokens"], a["t"], a["ctx"], a.get("img"))
+            h, temb, temb6, c, ic = self._embed(rest, a)
             out = {"h": h, "temb": temb, "temb6": temb6, "ctx": c}
             if ic is not None:
                 out["img_ctx"] = ic
             return out
 
-        shapes = jax.eval_shape(lambda r, a: prologue(r, cfg, a["tokens"], a["t"], a["ctx"], a.get("img")), rest, acts)
+        shapes = jax.eval_shape(lambda r, a: self._embed(r, a), rest, acts)
         out_shapes = {"h": shapes[0], "temb": shapes[1], "temb6": shapes[2], "ctx": shapes[3]}
         if shapes[4] is not None:
             out_shapes["img_ctx"] = shapes[4]
@@ -448,20 +553,14 @@ class WanDiTRunner:
         return self._smap(inner, (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
 
     def _chunk(self, blocks, h, consts):
-        cfg, par = self.cfg, self.par
-
-        def inner(blocks, h, c):
-            return run_blocks(blocks, cfg, h, c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"], self.attn_impl, par)
-
-        return self._smap(inner, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)), P("dp", "sp", None))(blocks, h, consts)
+        return self._smap(self._blocks, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)),
+                          P("dp", "sp", None))(blocks, h, consts)
 
     def _epilogue(self, rest, h, temb, grid):
-        cfg = self.cfg
         specs = self._act_specs({"h": h, "temb": temb})
-        y = self._smap(lambda r, h, te: epilogue(r, cfg, h, te), (self.rest_specs, specs["h"], specs["temb"]),
-                       P("dp", "sp", None))(rest, h, temb)
+        y = self._smap(self._head, (self.rest_specs, specs["h"], specs["temb"]), P("dp", "sp", None))(rest, h, temb)
         y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(cfg, y, grid)
+        return unpatchify(self.cfg, y, grid)
 
     # ------------------------------------------------------------------ call
     def __call__(self, x, t, ctx, img=None):
@@ -482,7 +581,7 @@ class WanDiTRunner:
 
     @property
     def params(self):
-        """The placed parameters (resident runner): pass them to :meth:`apply`."""
+        """The placed state (resident runner), ``{"rest", "blocks"}``: pass it to :meth:`apply`."""
         if self.offload is not None:
             raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
         return {"rest": self.rest, "blocks": self.blocks}
@@ -506,94 +605,69 @@ class WanDiTRunner:
 
 
 # ----------------------------------------------------------------------------------- key maps
-def _block_rules(blk: dict):
-    """Stacked block rules; ``blk`` maps vidax sub-paths to (reference sub-name, kind)."""
-    return [Rule(f"blocks.{{i}}.{ref}", f"blocks.{dst}", kind) for dst, (ref, kind) in blk.items()]
+# Reference tensor names -> paths of the NNX state (``nnx.to_pure_dict``): ``embed.*``, ``blocks.*``
+# (stacked: ``{i}`` is the layer), ``head.*``; linear layers are ``kernel`` [in, out] + ``bias``,
+# norms ``scale`` (+ ``bias``).
+def _linear(ref: str, dst: str) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.kernel", "linear"), (f"{ref}.bias", f"{dst}.bias", "none")]
+
+
+def _norm(ref: str, dst: str, bias: bool = True) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.scale", "none")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+
+def _keymap(top: list, block: list, ignore=()) -> KeyMap:
+    """``top``: (reference name, state path, kind); ``block``: the same relative to one block
+    (``blocks.{i}.<ref>`` -> ``blocks.<dst>``)."""
+    rules = [Rule(s, d, k) for s, d, k in top]
+    rules += [Rule(f"blocks.{{i}}.{s}", f"blocks.{d}", k) for s, d, k in block]
+    return KeyMap(rules, ignore=ignore)
 
 
 def diffusers_keymap(cfg: WanDiTConfig) -> KeyMap:
-    r = [
-        Rule("patch_embedding.weight", "patch.w", "conv3d"),
-        Rule("patch_embedding.bias", "patch.b"),
-        Rule("condition_embedder.time_embedder.linear_1.weight", "time_in.l1.w", "linear"),
-        Rule("condition_embedder.time_embedder.linear_1.bias", "time_in.l1.b"),
-        Rule("condition_embedder.time_embedder.linear_2.weight", "time_in.l2.w", "linear"),
-        Rule("condition_embedder.time_embedder.linear_2.bias", "time_in.l2.b"),
-        Rule("condition_embedder.time_proj.weight", "time_proj.w", "linear"),
-        Rule("condition_embedder.time_proj.bias", "time_proj.b"),
-        Rule("condition_embedder.text_embedder.linear_1.weight", "text_in.l1.w", "linear"),
-        Rule("condition_embedder.text_embedder.linear_1.bias", "text_in.l1.b"),
-        Rule("condition_embedder.text_embedder.linear_2.weight", "text_in.l2.w", "linear"),
-        Rule("condition_embedder.text_embedder.linear_2.bias", "text_in.l2.b"),
-        Rule("proj_out.weight", "head.w", "linear"),
-        Rule("proj_out.bias", "head.b"),
-        Rule("scale_shift_table", "head_sst"),
-        Rule("condition_embedder.image_embedder.norm1.weight", "img_in.norm1.w"),
-        Rule("condition_embedder.image_embedder.norm1.bias", "img_in.norm1.b"),
-        Rule("condition_embedder.image_embedder.ff.net.0.proj.weight", "img_in.ff1.w", "linear"),
-        Rule("condition_embedder.image_embedder.ff.net.0.proj.bias", "img_in.ff1.b"),
-        Rule("condition_embedder.image_embedder.ff.net.2.weight", "img_in.ff2.w", "linear"),
-        Rule("condition_embedder.image_embedder.ff.net.2.bias", "img_in.ff2.b"),
-        Rule("condition_embedder.image_embedder.norm2.weight", "img_in.norm2.w"),
-        Rule("condition_embedder.image_embedder.norm2.bias", "img_in.norm2.b"),
-        Rule("condition_embedder.image_embedder.pos_embed", "img_in.pos"),
-    ]
-    blk = {"sst": ("scale_shift_table", "none"), "norm2.w": ("norm2.weight", "none"), "norm2.b": ("norm2.bias", "none"),
-           "ffn.up.w": ("ffn.net.0.proj.weight", "linear"), "ffn.up.b": ("ffn.net.0.proj.bias", "none"),
-           "ffn.down.w": ("ffn.net.2.weight", "linear"), "ffn.down.b": ("ffn.net.2.bias", "none")}
+    ce = "condition_embedder"
+    top = [("patch_embedding.weight", "embed.patch.kernel", "conv3d"), ("patch_embedding.bias", "embed.patch.bias", "none"),
+           *_linear(f"{ce}.time_embedder.linear_1", "embed.time_in.l1"),
+           *_linear(f"{ce}.time_embedder.linear_2", "embed.time_in.l2"),
+           *_linear(f"{ce}.time_proj", "embed.time_proj"),
+           *_linear(f"{ce}.text_embedder.linear_1", "embed.text_in.l1"),
+           *_linear(f"{ce}.text_embedder.linear_2", "embed.text_in.l2"),
+           *_norm(f"{ce}.image_embedder.norm1", "embed.img_in.norm1"),
+           *_linear(f"{ce}.image_embedder.ff.net.0.proj", "embed.img_in.ff1"),
+           *_linear(f"{ce}.image_embedder.ff.net.2", "embed.img_in.ff2"),
+           *_norm(f"{ce}.image_embedder.norm2", "embed.img_in.norm2"),
+           (f"{ce}.image_embedder.pos_embed", "embed.img_in.pos", "none"),
+           *_linear("proj_out", "head.proj"), ("scale_shift_table", "head.sst", "none")]
+    block = [("scale_shift_table", "sst", "none"), *_norm("norm2", "norm2"),
+             *_linear("ffn.net.0.proj", "ffn.up"), *_linear("ffn.net.2", "ffn.down")]
     for a in ("attn1", "attn2"):
         for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):
-            blk[f"{a}.{n}.w"] = (f"{a}.{ref}.weight", "linear")
-            blk[f"{a}.{n}.b"] = (f"{a}.{ref}.bias", "none")
-        blk[f"{a}.norm_q"] = (f"{a}.norm_q.weight", "none")
-        blk[f"{a}.norm_k"] = (f"{a}.norm_k.weight", "none")
-    blk.update({"attn2.add_k.w": ("attn2.add_k_proj.weight", "linear"), "attn2.add_k.b": ("attn2.add_k_proj.bias", "none"),
-                "attn2.add_v.w": ("attn2.add_v_proj.weight", "linear"), "attn2.add_v.b": ("attn2.add_v_proj.bias", "none"),
-                "attn2.norm_added_k": ("attn2.norm_added_k.weight", "none")})
-    return KeyMap(r + _block_rules(blk), ignore=[r"\.norm_added_q\."])
+            block += _linear(f"{a}.{ref}", f"{a}.{n}")
+        block += _norm(f"{a}.norm_q", f"{a}.norm_q", bias=False) + _norm(f"{a}.norm_k", f"{a}.norm_k", bias=False)
+    block += [*_linear("attn2.add_k_proj", "attn2.add_k"), *_linear("attn2.add_v_proj", "attn2.add_v"),
+              *_norm("attn2.norm_added_k", "attn2.norm_added_k", bias=False)]
+    return _keymap(top, block, ignore=[r"\.norm_added_q\."])
 
 
 def original_keymap(cfg: WanDiTConfig) -> KeyMap:
     """Names used by the original Wan release (``diffusion_pytorch_model*.safetensors`` of Wan-AI/Wan2.1-*)."""
-    r = [
-        Rule("patch_embedding.weight", "patch.w", "conv3d"),
-        Rule("patch_embedding.bias", "patch.b"),
-        Rule("time_embedding.0.weight", "time_in.l1.w", "linear"),
-        Rule("time_embedding.0.bias", "time_in.l1.b"),
-        Rule("time_embedding.2.weight", "time_in.l2.w", "linear"),
-        Rule("time_embedding.2.bias", "time_in.l2.b"),
-        Rule("time_projection.1.weight", "time_proj.w", "linear"),
-        Rule("time_projection.1.bias", "time_proj.b"),
-        Rule("text_embedding.0.weight", "text_in.l1.w", "linear"),
-        Rule("text_embedding.0.bias", "text_in.l1.b"),
-        Rule("text_embedding.2.weight", "text_in.l2.w", "linear"),
-        Rule("text_embedding.2.bias", "text_in.l2.b"),
-        Rule("head.head.weight", "head.w", "linear"),
-        Rule("head.head.bias", "head.b"),
-        Rule("head.modulation", "head_sst"),
-        Rule("img_emb.proj.0.weight", "img_in.norm1.w"),
-        Rule("img_emb.proj.0.bias", "img_in.norm1.b"),
-        Rule("img_emb.proj.1.weight", "img_in.ff1.w", "linear"),
-        Rule("img_emb.proj.1.bias", "img_in.ff1.b"),
-        Rule("img_emb.proj.3.weight", "img_in.ff2.w", "linear"),
-        Rule("img_emb.proj.3.bias", "img_in.ff2.b"),
-        Rule("img_emb.proj.4.weight", "img_in.norm2.w"),
-        Rule("img_emb.proj.4.bias", "img_in.norm2.b"),
-        Rule("img_emb.emb_pos", "img_in.pos"),
-    ]
-    blk = {"sst": ("modulation", "none"), "norm2.w": ("norm3.weight", "none"), "norm2.b": ("norm3.bias", "none"),
-           "ffn.up.w": ("ffn.0.weight", "linear"), "ffn.up.b": ("ffn.0.bias", "none"),
-           "ffn.down.w": ("ffn.2.weight", "linear"), "ffn.down.b": ("ffn.2.bias", "none")}
+    top = [("patch_embedding.weight", "embed.patch.kernel", "conv3d"), ("patch_embedding.bias", "embed.patch.bias", "none"),
+           *_linear("time_embedding.0", "embed.time_in.l1"), *_linear("time_embedding.2", "embed.time_in.l2"),
+           *_linear("time_projection.1", "embed.time_proj"),
+           *_linear("text_embedding.0", "embed.text_in.l1"), *_linear("text_embedding.2", "embed.text_in.l2"),
+           *_norm("img_emb.proj.0", "embed.img_in.norm1"), *_linear("img_emb.proj.1", "embed.img_in.ff1"),
+           *_linear("img_emb.proj.3", "embed.img_in.ff2"), *_norm("img_emb.proj.4", "embed.img_in.norm2"),
+           ("img_emb.emb_pos", "embed.img_in.pos", "none"),
+           *_linear("head.head", "head.proj"), ("head.modulation", "head.sst", "none")]
+    block = [("modulation", "sst", "none"), *_norm("norm3", "norm2"),
+             *_linear("ffn.0", "ffn.up"), *_linear("ffn.2", "ffn.down")]
     for a, ref_a in (("attn1", "self_attn"), ("attn2", "cross_attn")):
         for n in ("q", "k", "v", "o"):
-            blk[f"{a}.{n}.w"] = (f"{ref_a}.{n}.weight", "linear")
-            blk[f"{a}.{n}.b"] = (f"{ref_a}.{n}.bias", "none")
-        blk[f"{a}.norm_q"] = (f"{ref_a}.norm_q.weight", "none")
-        blk[f"{a}.norm_k"] = (f"{ref_a}.norm_k.weight", "none")
-    blk.update({"attn2.add_k.w": ("cross_attn.k_img.weight", "linear"), "attn2.add_k.b": ("cross_attn.k_img.bias", "none"),
-                "attn2.add_v.w": ("cross_attn.v_img.weight", "linear"), "attn2.add_v.b": ("cross_attn.v_img.bias", "none"),
-                "attn2.norm_added_k": ("cross_attn.norm_k_img.weight", "none")})
-    return KeyMap(r + _block_rules(blk))
+            block += _linear(f"{ref_a}.{n}", f"{a}.{n}")
+        block += _norm(f"{ref_a}.norm_q", f"{a}.norm_q", bias=False) + _norm(f"{ref_a}.norm_k", f"{a}.norm_k", bias=False)
+    block += [*_linear("cross_attn.k_img", "attn2.add_k"), *_linear("cross_attn.v_img", "attn2.add_v"),
+              *_norm("cross_attn.norm_k_img", "attn2.norm_added_k", bias=False)]
+    return _keymap(top, block)
 
 
 def _is_original(names) -> bool:
@@ -621,7 +695,8 @@ def config_from_original(ckpt) -> WanDiTConfig:
 
 def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     """Load DiT weights from a diffusers folder (config.json + safetensors) or an original-release
-    checkpoint (file or folder). Returns ``(params, cfg)`` with host numpy params."""
+    checkpoint (file or folder). Returns ``(state, cfg)``: the abstract state filled tensor by
+    tensor with host numpy (cast on the host); no random init is ever materialised."""
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = WanDiTConfig.from_diffusers(compat.read_config(path))
@@ -629,16 +704,18 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     names = list(ckpt)
     if any(n.startswith("model.diffusion_model.") for n in names):
         ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names}
-    return load_checkpoint_params(
+    pure, cfg = load_checkpoint_params(
         ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
-        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c), shapes=param_shapes, dtype=dtype,
+        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
         what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
 
 
 # ----------------------------------------------------------------------------------- compat
 class _WanDiTCompat(compat.CompatModel):
-    def __init__(self, config, params, cfg, runner: WanDiTRunner | None = None):
-        super().__init__("WanTransformer3DModel", config, params, cfg)
+    def __init__(self, config, state, cfg, runner: WanDiTRunner | None = None):
+        super().__init__("WanTransformer3DModel", config, state, cfg)
         self.runner = runner
         if runner is None:
             self._fwd = jax.jit(partial(forward, cfg=cfg))
@@ -661,15 +738,15 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
                  prefetch: bool = True, attn_impl=None, **_):
     cfg = WanDiTConfig.from_diffusers(config)
     if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        params, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _WanDiTCompat(config, jax.tree.map(jnp.asarray, params), cfg)
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+        return _WanDiTCompat(config, jax.device_put(state), cfg)
     # fail on an impossible layout before reading a single tensor
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
     vmesh.check_divisible(parallel_constraints(cfg), m)
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    params, cfg = load_dit(folder, cfg, dtype=dtype)  # host numpy; placed shard by shard below
-    runner = WanDiTRunner(params, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+    state, cfg = load_dit(folder, cfg, dtype=dtype)  # host numpy; placed shard by shard below
+    runner = WanDiTRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
                           attn_impl=attn_impl)
     return _WanDiTCompat(config, None, cfg, runner)

@@ -228,8 +228,8 @@ class WanT2V(Pipeline):
         return self.mesh is not None or self.offload_chunk_size is not None
 
     def load_dit(self, expert: int = 1):
-        """DiT params + config: on one device, or (``mesh`` / ``offload_chunk_size`` set) a
-        :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams them itself.
+        """DiT state (``nnx.State``) + config: on one device, or (``mesh`` / ``offload_chunk_size``
+        set) a :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams it itself.
         ``expert``: 2 loads ``transformer_2`` (Wan2.2 A14B's low-noise expert)."""
         params, cfg = self._load_dit_host(expert)
         if not self.scaled:
@@ -241,7 +241,7 @@ class WanT2V(Pipeline):
     def _load_dit_host(self, expert: int = 1):
         cfg = self.dit_config(expert)
         if self.preset:
-            params = wdit.init_params(cfg, seed=self.preset.seed + 2 + 10 * (expert - 1), dtype=self.dtype)
+            params = wdit.init_state(cfg, seed=self.preset.seed + 2 + 10 * (expert - 1), dtype=self.dtype)
         elif self.layout == "diffusers":
             params, cfg = wdit.load_dit(self.folder / self._dit_folder(expert), cfg, dtype=self.dtype)
         else:
@@ -474,7 +474,7 @@ class WanT2V(Pipeline):
                 model, params = None, None
                 call = runner if aux is None else partial(_runner_call_aux, runner)
         else:
-            model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), params["patch"]["w"].dtype
+            model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)
         return denoise(model, params, sched, x, jnp.asarray(cond, dt),
                        None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
                        stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux)
