@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,31 +232,7 @@ def test_unreachable_gcs_store(tmp_path, capsys, monkeypatch):
     assert rc == 2 and err.startswith("vidax: error: store: cannot write to store gs://bucket/prefix"), err
 
 
-# ------------------------------------------------------------------ GCS (emulator)
-@pytest.fixture(scope="module")
-def gcs_emulator():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
-                             "vidax-test", "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("gcp-storage-emulator did not start")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
+# ------------------------------------------------------------------ GCS (emulator: the gcs_emulator fixture in conftest.py)
 def test_end_to_end_gcs(gcs_emulator, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
     url = "gs://vidax-test/team/runs-store"
