@@ -87,7 +87,8 @@ class _Reporter:
 def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
     g.add_argument("--model", default=registry.default_model(), help="model id (`vidax models` lists them)")
     g.add_argument("--preset", default="tiny", help="seeded random-weight preset (e.g. tiny)")
-    g.add_argument("--checkpoint", help="folder with real weights (diffusers layout or the original release)")
+    g.add_argument("--checkpoint", help="folder with real weights (diffusers layout or the original release): a path or "
+                   "any fsspec URL (gs://...), fetched once into $VIDAX_CACHE (default ~/.cache/vidax)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--seed", type=int, default=0)

@@ -13,7 +13,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from vidax import registry
 from vidax.pipeline import OptionError
@@ -119,7 +118,15 @@ def validate(req: Request, pipeline=None) -> Request:
     if req.checkpoint is not None:
         if not isinstance(req.checkpoint, str) or not req.checkpoint.strip():
             raise RequestError("checkpoint", f"{req.checkpoint!r}: give a checkpoint folder")
-        if not Path(req.checkpoint).is_dir():
+        from vidax.weights import check_source
+
+        try:
+            kind = check_source(req.checkpoint)  # a URL is listed, not downloaded
+        except FileNotFoundError:
+            raise RequestError("checkpoint", f"{req.checkpoint!r} is not a folder (no such path)") from None
+        except Exception as e:  # noqa: BLE001 - unreachable store, bad URL, missing fsspec backend
+            raise RequestError("checkpoint", f"cannot list {req.checkpoint!r} ({type(e).__name__}: {e})") from None
+        if kind != "folder":
             raise RequestError("checkpoint", f"{req.checkpoint!r} is not a folder")
     elif req.preset not in recipe.presets:
         raise RequestError("preset", f"{req.preset!r} is not a preset of {req.model}; presets: {', '.join(recipe.presets)}")
@@ -171,11 +178,13 @@ def validate(req: Request, pipeline=None) -> Request:
         msg = str(e).replace(str(r.checkpoint), "").strip(" :") or type(e).__name__
         raise RequestError("checkpoint", f"{r.checkpoint}: not a usable {r.model} checkpoint ({msg})") from None
     if r.image:
-        from stages.images import image_size
+        from stages.images import ImageError, image_size
 
         try:
-            ih, iw = image_size(r.image)
-        except Exception as e:  # noqa: BLE001 - unreadable / not an image
+            ih, iw = image_size(r.image)  # decodes the whole image: a truncated file fails here
+        except ImageError as e:
+            raise RequestError("image", str(e)) from None
+        except Exception as e:  # noqa: BLE001 - anything else unreadable
             raise RequestError("image", f"cannot read {r.image!r} as an image ({type(e).__name__}: {e})") from None
         if r.height is None or r.width is None:
             area = recipe.settings(r.preset).get("area", 480 * 832)

@@ -23,18 +23,15 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
-def _free_port() -> int:
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A real GCS JSON API on loopback (``gcp-storage-emulator``, in memory) with the bucket
+    ``vidax-test``; yields its URL for ``STORAGE_EMULATOR_HOST``. It does not enforce if-not-exists
+    preconditions."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    return port
-
-
-@pytest.fixture(scope="session")
-def gcs_emulator():
-    """A real GCS JSON API on loopback (gcp-storage-emulator, in-memory), bucket ``vidax-test``."""
-    port = _free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
     proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
                              "vidax-test", "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

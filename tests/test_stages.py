@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,7 +239,7 @@ def test_unreachable_gcs_store(tmp_path, capsys, monkeypatch):
     assert rc == 2 and err.startswith("vidax: error: store: cannot write to store gs://bucket/prefix"), err
 
 
-# ------------------------------------------------------------------ GCS (emulator)
+# ------------------------------------------------------------------ GCS (emulator: the gcs_emulator fixture in conftest.py)
 def test_end_to_end_gcs(gcs_emulator, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
     url = "gs://vidax-test/team/runs-store"

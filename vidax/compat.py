@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from vidax.weights.source import resolve_source
+
 _ADAPTERS: dict[str, Callable] = {}
 # Ports whose adapter accepts mesh= / parallelism= / offload_chunk_size= (see vidax.core.sharding).
 _SCALABLE: set[str] = set()
@@ -89,7 +91,7 @@ def load_pretrained(folder: str | Path, *, mesh=None, parallelism: str | None = 
     dp/tp/sp or a spec like ``"tp=2,sp=2"``), ``parallelism`` ("tp" | "sp" | "tp+sp"; default: what
     the mesh implies) and ``offload_chunk_size`` (blocks streamed from host memory per chunk, or
     "all"; ``prefetch=False`` turns the transfer/compute overlap off). Outputs stay numpy."""
-    folder = Path(folder)
+    folder = resolve_source(folder)  # a local folder, or any fsspec URL fetched into the cache
     cfg = read_config(folder)
     name = class_name(cfg)
     table = ports()

@@ -93,11 +93,15 @@ def check_param_divisibility(tree, specs, mesh: Mesh) -> None:
 def place(tree, shardings):
     """Put a host (numpy) tree onto devices with ``shardings``; each device receives only its own
     slice (``make_array_from_callback``), so a large array is never whole on one device. Works
-    multi-host when every process holds (or can read) the host tree."""
+    multi-host when every process holds (or can read) the host tree. A leaf may also be a lazy
+    checkpoint tensor (``vidax.weights.LazyTensor``: ``shape`` + ``read(index=...)``): then each
+    device's slice is read from the file alone, and the whole tensor is never in host memory."""
 
     def one(x, s):
         if isinstance(x, jax.Array):
             return jax.device_put(x, s)
+        if callable(getattr(x, "read", None)) and hasattr(x, "shape"):
+            return jax.make_array_from_callback(tuple(x.shape), s, lambda idx: x.read(index=idx))
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 

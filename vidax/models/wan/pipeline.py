@@ -11,6 +11,10 @@ as separate stages (see ``stages/``). Sources:
   ``diffusion_pytorch_model*.safetensors``, ``models_t5_umt5-xxl-enc-bf16.pth``,
   ``Wan2.1_VAE.pth``, ``google/umt5-xxl/`` tokenizer).
 
+A folder may be local or any fsspec URL (``gs://bucket/Wan2.1-T2V-1.3B``): its configs are fetched
+first, its weights when a phase first needs them, once, into the local content-addressed cache
+(:func:`vidax.weights.resolve_source`).
+
 The recipe comes from a diffusers folder's ``model_index.json``: ``WanPipeline`` (text-to-video) or
 ``WanImageToVideoPipeline`` (image-to-video: Wan2.1 I2V conditions on CLIP image tokens and a
 channel-concatenated mask + VAE latent of the first frame), ``boundary_ratio`` with
@@ -43,8 +47,13 @@ from vidax.schedulers import SCHEDULERS, load_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.source import is_url, resolve_source
 
 log = logging.getLogger(__name__)
+
+# what the constructor, geometry() and the configs read: fetched alone for a remote checkpoint
+_CONFIG_FILES = ("model_index.json", "config.json", "*/config.json")
+
 
 @dataclass(frozen=True)
 class TinyPreset:
@@ -136,19 +145,26 @@ class WanT2V(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        self.preset = PRESET_SOURCES.get(str(source)) if not Path(str(source)).exists() else None
-        self.preset_name = str(source) if self.preset is not None else None
+        remote = is_url(source)
+        self.source = str(source)
+        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
+        self.preset_name = self.source if self.preset is not None else None
+        self._folder = None
         if self.preset is None:
-            self.folder = Path(source)
-            if not self.folder.is_dir():
+            # the configs alone decide the recipe and geometry; a remote checkpoint's weights are
+            # fetched (once, into the cache) when a phase or a fingerprint first needs them
+            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
+            if not remote:
+                self._folder = self.config_folder
+            if not self.config_folder.is_dir():
                 raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a folder")
-            self.layout = "diffusers" if (self.folder / "model_index.json").exists() else "original"
+            self.layout = "diffusers" if (self.config_folder / "model_index.json").exists() else "original"
         else:
-            self.folder, self.layout = None, "preset"
+            self.config_folder, self.layout = None, "preset"
         self.max_text_len = self.preset.max_text_len if self.preset else 512
         index = {}
         if self.layout == "diffusers":
-            index = json.loads((self.folder / "model_index.json").read_text())
+            index = json.loads((self.config_folder / "model_index.json").read_text())
         elif self.preset is not None:
             index = dict(getattr(self.preset, "index", None) or {})
 
@@ -187,6 +203,14 @@ class WanT2V(Pipeline):
                                                       "tokenizer/tokenizer.json", "tokenizer/spiece.model"]),
                 ("the VAE (Wan2.1_VAE.pth)", ["Wan2.*_VAE.pth"])]
 
+    @property
+    def folder(self) -> Path | None:
+        """The checkpoint folder on local disk (a remote source is fetched into the cache on first
+        use); None for a preset."""
+        if self._folder is None and self.preset is None:
+            self._folder = resolve_source(self.source)
+        return self._folder
+
     # ------------------------------------------------------------------ component loaders
     def load_tokenizer(self):
         if self.preset:
@@ -219,9 +243,9 @@ class WanT2V(Pipeline):
         if self.preset:
             return self.preset.dit
         if self.layout == "diffusers":
-            path = self.folder / self._dit_folder(expert) / "config.json"
+            path = self.config_folder / self._dit_folder(expert) / "config.json"
             return wdit.WanDiTConfig.from_diffusers(json.loads(path.read_text()))
-        return original_dit_config(json.loads((self.folder / "config.json").read_text()))
+        return original_dit_config(json.loads((self.config_folder / "config.json").read_text()))
 
     @property
     def scaled(self) -> bool:
@@ -267,7 +291,7 @@ class WanT2V(Pipeline):
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return wvae.WanVAEConfig.from_diffusers(json.loads((self.folder / "vae" / "config.json").read_text()))
+                return wvae.WanVAEConfig.from_diffusers(json.loads((self.config_folder / "vae" / "config.json").read_text()))
         return wvae.WanVAEConfig()
 
     def scale_factors(self) -> tuple[int, int]:
@@ -286,11 +310,18 @@ class WanT2V(Pipeline):
         encoder's length (the reference cuts them silently)."""
         from vidax.pipeline import OptionError
 
+        if self.preset is None and self._folder is None:
+            return  # a remote checkpoint not fetched yet: its configs were read; encode checks prompts
         if self.folder is not None:
             missing = [what for what, globs in self._required_files() if not any(any(self.folder.glob(g)) for g in globs)]
             if missing:
                 raise OptionError("checkpoint", f"{self.folder}: missing {'; '.join(missing)} "
                                                 f"({self.layout} layout)")
+        self._check_prompts(request)
+
+    def _check_prompts(self, request) -> None:
+        from vidax.pipeline import OptionError
+
         try:
             tok = self.load_tokenizer()
         except (OSError, ValueError) as e:
@@ -570,6 +601,7 @@ class WanT2V(Pipeline):
         """Prompt and negative-prompt embeddings (computed in float32, stored in the request's
         dtype) and, with an image, its conditioning (``image_clip`` / ``image_condition`` /
         ``image_known`` + ``image_mask``, see :meth:`encode_image`)."""
+        self._check_prompts(request)  # never a silent cut
         tok, enc = self.load_tokenizer(), self.load_text_encoder()
         cond = self.encode_prompts(request.prompts, tok, enc)
         neg = request.negative_prompt if request.negative_prompt is not None else ""
