@@ -37,6 +37,21 @@ def _llama():
     return transformers.LlamaModel(cfg)
 
 
+def _llama_causal():
+    return transformers.LlamaForCausalLM(_llama().config)
+
+
+def _llava():
+    """The original HunyuanVideo 1.0 text encoder is llava-llama-3's language model."""
+    cfg = transformers.LlavaConfig(text_config=_llama().config.to_dict(), image_token_index=V - 1, vision_config=dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    return transformers.LlavaForConditionalGeneration(cfg)
+
+
+def _qwen2_causal():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT))
+
+
 def _qwen_vl():
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
@@ -66,9 +81,16 @@ def _gemma_text():
     return transformers.Gemma3TextModel(transformers.Gemma3TextConfig(**GEMMA_TEXT))
 
 
+def _gemma_causal():
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA_TEXT))
+
+
 # name -> (builder, sharded save)
 CASES = {"llama": (_llama, True), "qwen2_5_vl": (_qwen_vl, False), "qwen2_5_vl_text": (_qwen_text, False),
          "gemma3": (_gemma_vl, False), "gemma3_text": (_gemma_text, False)}
+# the other classes whose text towers load (same text configs as above: they share its compiles)
+MORE = {"llama_causal": (_llama_causal, False), "llava": (_llava, False), "qwen2_causal": (_qwen2_causal, False),
+        "gemma3_causal": (_gemma_causal, False)}
 
 
 def _inputs(side: str, seed: int = 0):
@@ -94,7 +116,7 @@ def _ref_hidden(model, ids, mask, **kw):
 @pytest.fixture(scope="module")
 def case_models(tmp_path_factory):
     built = {}
-    for name, (make, sharded) in CASES.items():
+    for name, (make, sharded) in {**CASES, **MORE}.items():
         torch.manual_seed(0)
         model = perturb(make(), seed=1)
         folder = tmp_path_factory.mktemp(name)
@@ -181,6 +203,19 @@ def test_parity_all_layers_vs_transformers(name, case_models):
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(ids), output_hidden_states=True, use_cache=False).hidden_states[-1]
     assert_parity(cm.forward(input_ids=ids), ref.numpy(), what=f"{name} unmasked")
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_other_classes_load_their_text_tower(name, case_models):
+    """``*ForCausalLM`` (lm_head ignored) and Llava (vision tower + projector ignored): every layer."""
+    model, folder = case_models[name]
+    cm = load_pretrained(folder)
+    ids, mask = _inputs("left" if name.startswith("gemma") else "right")
+    ref = _ref_hidden(model, ids, mask)
+    out = cm(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref)
+    for i, (a, b) in enumerate(zip(out.hidden_states, ref)):
+        assert_parity(a, b, what=f"{name} hidden_states[{i}]")
 
 
 def test_layer_selection_and_feature_scale(case_models):

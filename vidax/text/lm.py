@@ -524,9 +524,38 @@ def _build(cfg: LMConfig, seed: int = 0, dtype=np.float32):
     return lambda: DecoderLM(cfg, rngs=nnx.Rngs(seed), param_dtype=dtype)
 
 
+def random_params(shapes: dict, seed: int = 0, zero_centred_scales: bool = False, dtype=np.float32) -> dict:
+    """Seeded random weights on the host for a nested dict of parameter shapes (tiny presets,
+    tests) — what ``nn.perturb`` of a freshly initialised module gives, without running the
+    initialisers on the device (no per-op compiles): kernels lecun-normal, embeddings / other
+    tensors N(0, 1), biases 0.02 N(0, 1), norm scales 1 + 0.05 N(0, 1) (``zero_centred_scales``:
+    0.02 N(0, 1), for Gemma's (1 + w) norms). Nothing is zero, nothing is one."""
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for path, s in sorted(jax.tree_util.tree_leaves_with_path(shapes), key=lambda kv: jax.tree_util.keystr(kv[0])):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        shape, name = tuple(s.shape), keys[-1]
+        z = rng.standard_normal(shape)
+        if name == "bias":
+            a = 0.02 * z
+        elif name == "scale":
+            a = 0.02 * z if zero_centred_scales else 1 + 0.05 * z
+        elif name == "kernel":
+            fan_in = int(np.prod(shape[-4:-1])) if len(shape) >= 4 and "patch" in keys else shape[-2]
+            a = z / np.sqrt(fan_in)
+        else:
+            a = z
+        d = out
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = np.asarray(a, dtype)
+    return out
+
+
 def init(cfg: LMConfig, seed: int = 0, dtype=np.float32) -> LMEncoder:
-    """Seeded random weights (tiny presets, tests): every parameter perturbed."""
-    return LMEncoder.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
+    """Seeded random weights (tiny presets, tests): every parameter perturbed (:func:`random_params`)."""
+    params = random_params(param_shapes(cfg, dtype), seed, zero_centred_scales=bool(cfg.norm_offset), dtype=dtype)
+    return from_params(cfg, params)
 
 
 def param_shapes(cfg: LMConfig, dtype=np.float32) -> dict:
@@ -744,7 +773,7 @@ class _LMCompat(CompatModel):
 LM_CLASSES = (
     "LlamaModel", "LlamaForCausalLM", "Qwen2Model", "Qwen2ForCausalLM", "Qwen2_5_VLTextModel",
     "Qwen2_5_VLModel", "Qwen2_5_VLForConditionalGeneration", "Gemma3TextModel", "Gemma3ForCausalLM", "Gemma3Model",
-    "Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )
 
 
@@ -758,6 +787,6 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatMo
 
 __all__ = [
     "Rope", "LMConfig", "RMSNorm", "LMBlock", "DecoderLM", "LMEncoder", "Output", "rope_table", "gqa_attention",
-    "crop", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
+    "crop", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
     "detect_prefix", "hf_keymap", "load_params_from", "load_lm", "LM_CLASSES",
 ]
