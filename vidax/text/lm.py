@@ -517,6 +517,17 @@ def crop(x, mask, start: int):
     return x, (None if mask is None else mask[:, start:])
 
 
+def prefix_length(tokenizer, template: str, placeholder: str = "{}") -> int:
+    """Tokens a prompt template puts before the prompt (special tokens such as ``<bos>``
+    included): the ``crop_start`` to pass to :func:`crop`. ``tokenizer`` is a
+    :class:`vidax.text.tokenizer.HFTokenizer` (``encode``); ``template`` holds one ``placeholder``.
+    Templates end their prefix with a special token or newline, so tokenising the prefix alone
+    gives the same tokens as inside the full prompt (checked by the tests)."""
+    if template.count(placeholder) != 1:
+        raise ValueError(f"template must contain the placeholder {placeholder!r} exactly once")
+    return len(tokenizer.encode(template.split(placeholder)[0], add_special_tokens=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # construction
 # ---------------------------------------------------------------------------------------------
@@ -787,6 +798,6 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatMo
 
 __all__ = [
     "Rope", "LMConfig", "RMSNorm", "LMBlock", "DecoderLM", "LMEncoder", "Output", "rope_table", "gqa_attention",
-    "crop", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
+    "crop", "prefix_length", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
     "detect_prefix", "hf_keymap", "load_params_from", "load_lm", "LM_CLASSES",
 ]
