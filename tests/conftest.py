@@ -7,6 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test-only audio+video family (tests/toyfamily) goes through every registry-wide test
 os.environ.setdefault("VIDAX_FAMILIES", "tests.toyfamily.recipes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# compile-count tests count real compilations: no persistent compilation cache in tests
+os.environ.setdefault("VIDAX_COMPILE_CACHE", "off")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
