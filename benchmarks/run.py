@@ -133,7 +133,7 @@ def bench_vae(repeat):
     sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     from vidax.weights import load_params
 
-    params = jax.device_put(load_params(sd, vae.diffusers_keymap(cfg), vae.param_shapes(cfg)))
+    params = jax.device_put(vae.state_from_pure(cfg, load_params(sd, vae.diffusers_keymap(cfg), vae.param_shapes(cfg))))
     f, h, w = 3, 16, 16
     z = np.random.default_rng(0).standard_normal((1, 16, f, h, w)).astype(np.float32)
     tv = _median_time(lambda: np.asarray(vae.decode(params, cfg, z)), repeat)
