@@ -107,3 +107,33 @@ def offload_chunk1():
 
 
 CASES = [dit_1p3b, umt5_xxl, offload_chunk1]
+
+
+def vae_decode_real_width():
+    """Wan2.1 VAE decode at the released widths (base_dim 96, z 16): 2 latent frames at 16x16 ->
+    5 x 128 x 128 pixels, vs diffusers' AutoencoderKLWan."""
+    import jax
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from tests.refutil import perturb
+    from vidax.models.wan import vae
+    from vidax.weights import load_params
+
+    ref = perturb(AutoencoderKLWan(base_dim=96, z_dim=16))
+    cfg = vae.WanVAEConfig.from_diffusers(dict(ref.config))
+    sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    state = jax.device_put(vae.state_from_pure(cfg, load_params(sd, vae.diffusers_keymap(cfg), vae.param_shapes(cfg))))
+    z = np.random.default_rng(0).standard_normal((1, 16, 2, 16, 16)).astype(np.float32)
+    zt = torch.from_numpy(z)
+
+    def reference():
+        with torch.no_grad():
+            ref.decode(zt, return_dict=False)
+
+    return dict(component="VAE decode (vs diffusers AutoencoderKLWan)",
+                config="Wan2.1 widths: base_dim 96, z 16, latents 2x16x16 -> 5x128x128 px",
+                vidax=lambda: np.asarray(vae.decode(state, cfg, z)), reference=reference, flops=None)
+
+
+CASES.append(vae_decode_real_width)
