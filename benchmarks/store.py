@@ -11,32 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-
-def _emulator():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
-                             "bench", "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(150):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def measure_run(proxy, req, url: str) -> dict:
@@ -102,9 +83,9 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/store.json")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.gcs_proxy import FaultProxy
+    from tests.gcs_proxy import FaultProxy, start_emulator
 
-    proc, emu = _emulator()
+    proc, emu = start_emulator("bench")
     proxy = FaultProxy(emu)
     os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
     try:
