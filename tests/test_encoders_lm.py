@@ -389,6 +389,22 @@ def test_tensor_parallel_matches_one_device(tp, kv):
     assert per_dev <= total * (1 / tp + 0.12), (per_dev, total)
 
 
+def test_load_pretrained_on_a_tp_mesh(case_models):
+    """``load_pretrained(folder, mesh="tp=2")`` and ``load_lm(..., mesh=)``: each device gets its
+    slices, the encode equals the reference."""
+    model, folder = case_models["gemma3"]
+    cm = load_pretrained(folder, mesh="tp=2")
+    k = cm.encoder.state["blocks"]["k"]["kernel"]
+    assert len(k.sharding.device_set) == 2 and k.addressable_shards[0].data.shape[-1] == k.shape[-1] // 2
+    ids, mask = _inputs("left")
+    ref = _ref_hidden(model, ids, mask)
+    assert_parity(cm(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2], ref[-2],
+                  what="tp=2 load_pretrained")
+    assert_parity(np.asarray(lm.load_lm(folder, mesh="tp=2").layer(ids, mask, index=-1)), ref[-1], what="tp=2 load_lm")
+    with pytest.raises(ValueError, match="offload"):
+        load_pretrained(folder, offload_chunk_size=1)
+
+
 def test_tp_rules_for_the_real_models():
     g12 = lm.LMConfig(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48, num_heads=16,
                       num_kv_heads=8, head_dim=256)

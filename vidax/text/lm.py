@@ -788,10 +788,19 @@ LM_CLASSES = (
 )
 
 
-@register(*LM_CLASSES)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
+@register(*LM_CLASSES, scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 **kw) -> CompatModel:
+    """``mesh`` (a Mesh or a spec like ``"tp=8"``): tensor parallel over its ``tp`` axis
+    (:func:`tp_rules`); sequence parallelism and offloading are not offered for prompt encoders."""
+    if offload_chunk_size is not None:
+        raise ValueError("decoder-LM encoders do not offload (shard them over tp instead)")
+    if parallelism not in (None, "tp", "none"):
+        raise ValueError(f"decoder-LM encoders support parallelism='tp' only, got {parallelism!r}")
     cfg = LMConfig.from_hf(config)
-    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype))
+    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype), device_put=mesh is None)
+    if mesh is not None:
+        enc = shard(enc, mesh)
     name = (config.get("architectures") or ["LlamaModel"])[0]
     return _LMCompat(name, config, enc)
 
