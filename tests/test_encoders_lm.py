@@ -90,7 +90,9 @@ CASES = {"llama": (_llama, True), "qwen2_5_vl": (_qwen_vl, False), "qwen2_5_vl_t
          "gemma3": (_gemma_vl, False), "gemma3_text": (_gemma_text, False)}
 # the other classes whose text towers load (same text configs as above: they share its compiles)
 MORE = {"llama_causal": (_llama_causal, False), "llava": (_llava, False), "qwen2_causal": (_qwen2_causal, False),
-        "gemma3_causal": (_gemma_causal, False)}
+        "qwen2": (lambda: transformers.Qwen2Model(_qwen2_causal().config), False),
+        "qwen2_5_vl_model": (lambda: transformers.Qwen2_5_VLModel(_qwen_vl().config), False),
+        "gemma3_causal": (_gemma_causal, False), "gemma3_model": (lambda: transformers.Gemma3Model(_gemma_vl().config), False)}
 
 
 def _inputs(side: str, seed: int = 0):
