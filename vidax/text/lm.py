@@ -511,9 +511,7 @@ class LMEncoder(nn.Split):
 def crop(x, mask, start: int):
     """Drop a prompt template's first ``start`` tokens: ``x[:, start:]``, ``mask[:, start:]``
     (x: [B, T, ...] or stacked layers [L+1, B, T, D] -> cropped on the token axis)."""
-    tok_axis = 2 if x.ndim == 4 else 1
-    x = jax.lax.slice_in_dim(x, start, x.shape[tok_axis], axis=tok_axis) if isinstance(x, jax.Array) else \
-        np.take(x, np.arange(start, x.shape[tok_axis]), axis=tok_axis)
+    x = x[:, :, start:] if x.ndim == 4 else x[:, start:]
     return x, (None if mask is None else mask[:, start:])
 
 
