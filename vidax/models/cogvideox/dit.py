@@ -387,10 +387,12 @@ def joint_attention(par: vsh.ParallelContext, txt, vid):
     replicated: the video q/k/v go through the Ulysses all-to-all (every video token, a slice of
     the heads), the text q/k/v are sliced to the same heads (no all-to-all: they are already
     whole on every device), one attention call runs over the joint sequence, the video output goes
-    back through the all-to-all and the text output is gathered over the heads."""
+    back through the all-to-all and the text output is gathered over the heads (a psum of disjoint
+    head slices, so it is typed replicated over sp, as the text carry is)."""
     qt, kt, vt = txt
     qv, kv, vv = vid
     s = par.size("sp")
+    bound = "sp" in dict(par.sizes)  # inside shard_map over a (dp, tp, sp) mesh
     if s > 1:
         if qv.shape[2] % s:
             raise vmesh.ShardingConfigError(f"joint attention: {qv.shape[2]} local heads are not divisible by sp={s}")
@@ -406,7 +408,13 @@ def joint_attention(par: vsh.ParallelContext, txt, vid):
     ot, ov = o[:, :lt], o[:, lt:]
     if s > 1:
         ov = jax.lax.all_to_all(ov, "sp", split_axis=1, concat_axis=2, tiled=True)
-        ot = jax.lax.all_gather(ot, "sp", axis=2, tiled=True)
+        # every device holds the text output of its heads: place it among zeros and sum over sp (the
+        # same bytes as an all-gather; the result is the same on every sp device, and typed so)
+        full = jnp.zeros((*ot.shape[:2], hl * s, ot.shape[3]), ot.dtype)
+        ot = jax.lax.dynamic_update_slice_in_dim(full, ot, i * hl, axis=2)
+    if bound:
+        # the text attended to sp-split video tokens; its result is whole on every sp device
+        ot = jax.lax.psum(ot, "sp")
     return ot, ov
 
 
