@@ -151,3 +151,24 @@ def test_dynamic_guidance_formula():
     got = dynamic_guidance(6.0, ts, 50)
     for g, t in zip(got, ts):
         assert g == 1 + 6.0 * ((1 - math.cos(math.pi * ((50 - t) / 50) ** 5.0)) / 2)
+
+
+def test_one_compiled_step_for_every_step():
+    """jit the unit: one compiled step for all steps of a run, reused by the next run."""
+    from vidax.core.jit import CompileCounter
+    from vidax.models.cogvideox.pipeline import CogVideoX
+
+    p = CogVideoX("tiny-1.5-i2v")
+    rng = np.random.default_rng(0)
+    cond = rng.standard_normal((1, p.max_text_len, 32)).astype(np.float32)
+    img = rng.standard_normal((1, 4, 1, 8, 8)).astype(np.float32)
+    kw = dict(height=64, width=64, num_frames=5, guidance=6.0, image_latents=img, dynamic_cfg=True,
+              dit=p.load_dit())
+    with CompileCounter() as first:
+        p.sample_latents(cond, cond, steps=4, seed=1, **kw)
+    with CompileCounter() as again:
+        p.sample_latents(cond, cond, steps=4, seed=2, **kw)  # another run, same schedule: nothing new
+    with CompileCounter() as longer:
+        p.sample_latents(cond, cond, steps=9, seed=2, **kw)  # another schedule: its one step program
+    print(f"compiles: first run {first.count}, same schedule again {again.count}, 9 steps {longer.count}")
+    assert again.count == 0 and longer.count <= 2  # the step, and placing its [9] timestep table

@@ -439,14 +439,18 @@ class CogVideoX(Pipeline):
         else:
             cdit.check_text(cfg, cond.shape[1], (x.shape[1] // cfg.pt, x.shape[2] // cfg.patch_size,
                                                  x.shape[3] // cfg.patch_size))
+        skey = (type(sched).__name__, repr(sorted(sched.config.items())), len(sched.timesteps), use_cfg,
+                prepare is not None)
         if runner is not None and runner.offload is not None:
-            step = _streamed_step(runner, sched, use_cfg, prepare)
+            step = _cached_step(("stream", id(runner), *skey), lambda: _streamed_step(runner, sched, use_cfg, prepare))
             params = None
         elif runner is not None:
-            step = make_step(partial(_runner_apply, runner), sched, use_cfg, prepare=prepare, with_aux=True)
+            step = _cached_step(("runner", id(runner), *skey), lambda: make_step(
+                partial(_runner_apply, runner), sched, use_cfg, prepare=prepare, with_aux=True))
             params = runner.params
         else:
-            step = make_step(partial(_dit_apply, cfg=cfg), sched, use_cfg, prepare=prepare, with_aux=True)
+            step = _cached_step(("dit", cfg, *skey), lambda: make_step(
+                partial(_dit_apply, cfg=cfg), sched, use_cfg, prepare=prepare, with_aux=True))
         x = jnp.asarray(x, jnp.float32)
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         key = jax.random.key(seed)
@@ -575,6 +579,19 @@ class CogVideoX(Pipeline):
                                   steps=steps, guidance=guidance, scheduler=self.scheduler(steps, scheduler),
                                   dynamic_cfg=dynamic_cfg, image_latents=img, on_step=on_step)
         return self.decode_video(lat, vae=vae, tiling=vae_tiling)
+
+
+_STEPS: dict = {}
+
+
+def _cached_step(key, build):
+    """The jitted sampling step for a (model, schedule) pair, kept across runs in one process (a
+    batch of prompts compiles its step once); the few most recent are kept."""
+    if key not in _STEPS:
+        if len(_STEPS) >= 8:
+            _STEPS.pop(next(iter(_STEPS)))
+        _STEPS[key] = build()
+    return _STEPS[key]
 
 
 def _prepare_i2v(x, t, aux):
