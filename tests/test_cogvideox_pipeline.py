@@ -172,3 +172,47 @@ def test_one_compiled_step_for_every_step():
         p.sample_latents(cond, cond, steps=9, seed=2, **kw)  # another schedule: its one step program
     print(f"compiles: first run {first.count}, same schedule again {again.count}, 9 steps {longer.count}")
     assert again.count == 0 and longer.count <= 2  # the step, and placing its [9] timestep table
+
+
+def _config_folder(path, transformer: dict, vae: dict, i2v=False):
+    """A diffusers CogVideoX folder with the release's configs and no weights."""
+    import json
+
+    for sub, cfg in (("transformer", {"_class_name": "CogVideoXTransformer3DModel", **transformer}),
+                     ("vae", {"_class_name": "AutoencoderKLCogVideoX", **vae}),
+                     ("scheduler", {"_class_name": "CogVideoXDDIMScheduler", **SCHED})):
+        (path / sub).mkdir(parents=True)
+        (path / sub / ("scheduler_config.json" if sub == "scheduler" else "config.json")).write_text(json.dumps(cfg))
+    cls = "CogVideoXImageToVideoPipeline" if i2v else "CogVideoXPipeline"
+    (path / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+    return path
+
+
+def test_release_geometry(tmp_path):
+    """The released configs' sizes: 1.0 at 720x480x49, 1.5 at 1360x768x81 (~45k video tokens,
+    --mesh auto = dp=2,sp=4 on 8 chips), the 5B-I2V's fixed size, 1.5's rotary limit."""
+    from vidax import registry
+    from vidax.models.cogvideox.pipeline import CogVideoX
+    from vidax.pipeline import OptionError
+
+    v15 = dict(num_attention_heads=48, num_layers=42, patch_size_t=2, patch_bias=False, sample_height=300,
+               sample_width=300, sample_frames=81, use_rotary_positional_embeddings=True)
+    p = CogVideoX(_config_folder(tmp_path / "15", v15, {"scaling_factor": 0.7, "invert_scale_latents": True}))
+    g = p.geometry()
+    g.check(768, 1360, 81)
+    assert g.tokens(768, 1360, 81) == 11 * 48 * 85 == 44880
+    assert p.latent_frames(81) == (21, 1) and p.latent_shape(1, 768, 1360, 81) == (1, 22, 96, 170, 16)
+    with pytest.raises(OptionError, match="width"):
+        g.check(768, 2416, 81)  # 151 tokens across: past the 'slice' grid's max_size of 150
+    assert registry.get("cogvideox1.5-5b").default_mesh(8, 48, g.tokens(768, 1360, 81), True) == "dp=2,sp=4"
+    i2v = dict(num_attention_heads=48, num_layers=42, in_channels=32, use_rotary_positional_embeddings=True,
+               use_learned_positional_embeddings=True)
+    p = CogVideoX(_config_folder(tmp_path / "i2v", i2v, {"scaling_factor": 0.7}, i2v=True))
+    g = p.geometry()
+    assert p.image_to_video and g.fit_size(900, 1600, 768 * 1360) == (480, 720)
+    g.check(480, 720, 49)
+    with pytest.raises(OptionError, match="fix its size to 480x720"):
+        g.check(480, 848, 49)
+    p = CogVideoX(_config_folder(tmp_path / "2b", {}, {}))
+    assert p.geometry().tokens(480, 720, 49) == 13 * 30 * 45 and p.scheduler(50).name == "cogvideox_ddim"
+    assert p.scheduler(50, "dpm").config["snr_shift_scale"] == 1.0
