@@ -79,8 +79,8 @@ def test_logical_axes_give_megatron_layout():
 
 
 @pytest.mark.parametrize("variant,spec", [
-    ("2b", "tp=2"), ("2b", "sp=8"), ("2b", "tp=2,sp=4"), ("5b-i2v", "sp=4"), ("5b-i2v", "tp=4,sp=2"),
-    ("1.5-i2v", "tp=8"), ("1.5-i2v", "sp=2"), ("1.5-i2v", "tp=2,sp=2"),
+    ("2b", "tp=2"), ("2b", "sp=8"), ("2b", "tp=2,sp=4"), ("5b-i2v", "tp=4,sp=2"), ("1.5-i2v", "tp=8"),
+    ("1.5-i2v", "tp=2,sp=2"),
 ])
 def test_sharded_equals_single_device(refs, variant, spec):
     params, (x, t, ctx, ofs), ref = refs[variant]
@@ -124,10 +124,9 @@ def test_sampling_sharded_matches_single_device(source, mesh, offload):
     rng = np.random.default_rng(1)
     cond = rng.standard_normal((1, base.max_text_len, 32)).astype(np.float32)
     uncond = rng.standard_normal((1, base.max_text_len, 32)).astype(np.float32)
-    kw = dict(steps=3, guidance=5.0, height=64, width=64, num_frames=5, seed=2, dynamic_cfg=True)
+    kw = dict(steps=2, guidance=5.0, height=64, width=64, num_frames=5, seed=2, dynamic_cfg=True)
     if base.image_to_video:
-        img = (rng.random((48, 80, 3)) * 255).astype(np.uint8)
-        kw["image_latents"] = base.encode_image(img, 64, 64, seed=3)
+        kw["image_latents"] = rng.standard_normal((1, 4, 1, 8, 8)).astype(np.float32)
     ref = base.sample_latents(cond, uncond, **kw)
     out = CogVideoX(source, mesh=mesh, offload_chunk_size=offload).sample_latents(cond, uncond, **kw)
     err = float(np.max(np.abs(out - ref)))

@@ -422,7 +422,8 @@ class CogVideoXVAE(nnx.Module):
 
     def __init__(self, cfg: CogVideoXVAEConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.cfg = cfg
+        # (the config is not kept on the module: latent scaling does not change the graph, so VAEs
+        # that differ only there share their compiled programs; the split carries it)
         self.encoder = Encoder(cfg, **kw)
         self.decoder = Decoder(cfg, **kw)
         z2 = 2 * cfg.latent_channels
@@ -625,7 +626,7 @@ def _build(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32):
 
 def init(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32) -> CogVAE:
     """Seeded random weights (presets, tests): every parameter perturbed."""
-    return CogVAE.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
+    return CogVAE(*nnx.split(nn.perturb(_build(cfg, seed, dtype)(), seed)), cfg)
 
 
 def param_shapes(cfg: CogVideoXVAEConfig, dtype=np.float32) -> dict:
@@ -737,7 +738,7 @@ def load_vae(path, cfg: CogVideoXVAEConfig | None = None, dtype=np.float32) -> C
         ckpt = Checkpoint(ren, getattr(ckpt, "source", str(path)))
     pure = load_params(ckpt, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLCogVideoX (block_out_channels {cfg.block_out_channels})")
-    return CogVAE.from_pure(_build(cfg, dtype=dtype), pure)
+    return CogVAE.from_pure(_build(cfg, dtype=dtype), pure).replace(cfg=cfg)
 
 
 # ----------------------------------------------------------------------------------- compat
