@@ -142,3 +142,25 @@ def test_original_release_names(tmp_path, saved):
     vae = cv.load_vae(tmp_path / "3d-vae.pt", ours.vae.cfg)
     z = np.random.default_rng(5).standard_normal((1, 4, 3, *Z)).astype(np.float32)
     np.testing.assert_array_equal(cv.decode(vae, z), ours.decode(z))
+
+
+def test_mismatched_checkpoint_is_reported(saved, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from vidax.weights import CheckpointMismatchError
+
+    _, path, _ = saved
+    shutil.copytree(path, tmp_path / "vae")
+    f = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    sd = load_file(f)
+    key = "decoder.up_blocks.1.resnets.0.norm1.conv_y.conv.weight"
+    sd[key] = sd[key][:, :-1].copy()
+    del sd["encoder.conv_out.conv.bias"]
+    save_file(sd, f)
+    with pytest.raises(CheckpointMismatchError) as e:
+        compat.load_pretrained(tmp_path / "vae")
+    msg = str(e.value)
+    assert "1 missing: encoder.conv_out.conv.bias" in msg and f"1 mis-shaped: {key} (shape [16, 3, 1, 1, 1]" in msg
+    assert str(tmp_path / "vae") in msg
