@@ -11,4 +11,7 @@ PORTS = {
         "LlamaModel", "LlamaForCausalLM", "Qwen2Model", "Qwen2ForCausalLM", "Qwen2_5_VLTextModel",
         "Qwen2_5_VLModel", "Qwen2_5_VLForConditionalGeneration", "Gemma3TextModel", "Gemma3ForCausalLM",
         "Gemma3Model", "Gemma3ForConditionalGeneration")},
+    "CLIPTextModel": "vidax.text.clip_text",
+    "CLIPTextModelWithProjection": "vidax.text.clip_text",
+    "SiglipVisionModel": "vidax.text.siglip",
 }

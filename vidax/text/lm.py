@@ -537,8 +537,13 @@ def abstract(cfg: LMConfig, dtype=np.float32) -> LMEncoder:
     return LMEncoder(*nn.abstract_state(_build(cfg, dtype=dtype)), cfg)
 
 
+def _dtype_of(params) -> np.dtype:
+    """Storage dtype of a parameter tree (the module is built with it so equal trees share compiles)."""
+    return np.dtype(jax.tree.leaves(params)[0].dtype)
+
+
 def from_params(cfg: LMConfig, params: dict, device_put: bool = True) -> LMEncoder:
-    return LMEncoder.from_pure(_build(cfg), params, device_put=device_put)
+    return LMEncoder.from_pure(_build(cfg, dtype=_dtype_of(params)), params, device_put=device_put)
 
 
 # ---------------------------------------------------------------------------------------------
