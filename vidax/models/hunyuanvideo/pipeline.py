@@ -199,9 +199,9 @@ class HunyuanVideoT2V(Pipeline):
         return req
 
     def check(self, request) -> None:
-        if self.image_to_video and self.condition_type == "latent_concat" and request.num_frames < 9:
+        if self.image_to_video and self.condition_type == "latent_concat" and request.num_frames < 5:
             raise OptionError("num_frames", f"{request.num_frames}: the 33-channel image-to-video model drops the first "
-                                            f"4 decoded frames; use at least 9")
+                                            f"4 decoded frames; use at least 5")
         if self.preset is None and self._folder is None:
             return
         if self.folder is not None:
