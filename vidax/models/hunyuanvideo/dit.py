@@ -529,14 +529,39 @@ def _build(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanV
     return HunyuanVideoTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
 
 
-def init_model(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
-    """A seeded random DiT (presets, tests), every weight perturbed (:func:`vidax.core.nn.perturb`)."""
-    return nn.perturb(_build(cfg, seed, dtype), seed)
+def seeded_state(build, seed: int = 0):
+    """``(graphdef, state)`` of ``build()`` with seeded random host-numpy weights, drawn without
+    running a single JAX initializer (each would compile once per shape: tens of seconds for a
+    tiny model on a CPU): kernels ``N(0, 1/fan_in)`` (the stacked ``layers`` axis excluded from
+    the fan-in), norm scales ``1 +- 0.05``, everything else ``N(0, 0.02)`` -- nothing zero, nothing
+    one, as :func:`vidax.core.nn.perturb` requires."""
+    graphdef, state = nn.abstract_state(build)
+    specs = nnx.get_partition_spec(state)
+    leaves, treedef = jax.tree.flatten(state)
+    names = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf, spec in zip(vsh.tree_paths(state), leaves, names):
+        shape, dt = tuple(leaf.shape), np.dtype(leaf.dtype)
+        last = path.rsplit(".", 1)[-1]
+        if last == "kernel":
+            fan = int(np.prod([d for d, n in zip(shape[:-1], tuple(spec)[:-1] + (None,) * len(shape)) if n != nn.LAYERS]))
+            a = rng.standard_normal(shape) / np.sqrt(max(fan, 1))
+        elif last == "scale":
+            a = 1.0 + 0.05 * rng.standard_normal(shape)
+        else:
+            a = 0.02 * rng.standard_normal(shape)
+        out.append(a.astype(dt))
+    return graphdef, jax.tree.unflatten(treedef, out)
 
 
 def init_state(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
-    """:func:`init_model`'s state in host memory (numpy leaves), ready for placement."""
-    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
+    """A seeded random DiT's state in host memory (numpy leaves; presets, tests), see :func:`seeded_state`."""
+    return seeded_state(lambda: _build(cfg, 0, dtype), seed)[1]
+
+
+def init_model(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
+    return nnx.merge(graphdefs(cfg, np.dtype(dtype).name)["model"], jax.tree.map(jnp.asarray, init_state(cfg, seed, dtype)))
 
 
 def abstract_state(cfg: HunyuanVideoConfig, dtype=np.float32) -> nnx.State:

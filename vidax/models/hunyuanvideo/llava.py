@@ -90,10 +90,13 @@ def _proj_build(dv, d, s: LlavaSettings, dtype=np.float32):
 def init(vision_cfg: clipmod.CLIPVisionConfig, lm: lmmod.LMEncoder, *, seed: int = 0, image_token_id: int,
          pad_id: int) -> LlavaEncoder:
     """Seeded random vision tower + projector around an LM (presets, tests)."""
+    from vidax.models.hunyuanvideo.dit import seeded_state
+
     s = LlavaSettings(image_token_id, pad_id)
-    vision = clipmod.init(vision_cfg, seed=seed)
-    proj = nn.Split.of(nn.perturb(_proj_build(vision_cfg.hidden_size, lm.cfg.hidden_size, s)(), seed + 1))
-    return LlavaEncoder(vision, proj, lm, s)
+    vision = clipmod.from_params(vision_cfg, nnx.to_pure_dict(
+        seeded_state(lambda: clipmod.CLIPVision(vision_cfg, rngs=nnx.Rngs(0)), seed)[1]))
+    graphdef, state = seeded_state(_proj_build(vision_cfg.hidden_size, lm.cfg.hidden_size, s), seed + 1)
+    return LlavaEncoder(vision, nn.Split(graphdef, jax.device_put(state)), lm, s)
 
 
 def settings_from_hf(config: dict) -> LlavaSettings:

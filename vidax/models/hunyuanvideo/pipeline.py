@@ -240,14 +240,20 @@ class HunyuanVideoT2V(Pipeline):
         from vidax.text import clip_text, lm
 
         if self.preset:
+            from flax import nnx
+
             p = self.preset
-            llm = lm.init(p.llm, seed=p.seed + 1)
+
+            def seeded(module_cls, cfg, seed):  # host-drawn weights: no initializer compiles
+                return nnx.to_pure_dict(hdit.seeded_state(lambda: module_cls(cfg, rngs=nnx.Rngs(0)), seed)[1])
+
+            llm = lm.from_params(p.llm, seeded(lm.DecoderLM, p.llm, p.seed + 1))
             if self.image_to_video:
                 from vidax.models.hunyuanvideo import llava
 
                 llm = llava.init(p.vision, llm, seed=p.seed + 5, image_token_id=htext.PresetTokenizer().token_id("<image>"),
                                  pad_id=htext.PresetTokenizer.pad_id)
-            return llm, clip_text.init(p.clip, seed=p.seed + 4)
+            return llm, clip_text.from_params(p.clip, seeded(clip_text.CLIPText, p.clip, p.seed + 4))
         if self.image_to_video:
             from vidax.models.hunyuanvideo import llava
 

@@ -364,13 +364,13 @@ class HunyuanVideoVAE(nnx.Module):
         return self.decoder(self.post_quant_conv(z.astype(dt))).astype(F32)
 
 
-def init_model(cfg: HunyuanVAEConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoVAE:
-    return nn.perturb(HunyuanVideoVAE(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype)), seed)
-
-
 def init(cfg: HunyuanVAEConfig, seed: int = 0, dtype=np.float32) -> nn.Split:
-    """A seeded random VAE (presets, tests), split once."""
-    return nn.Split.of(init_model(cfg, seed, dtype))
+    """A seeded random VAE (presets, tests), split once (host-drawn weights, see
+    :func:`vidax.models.hunyuanvideo.dit.seeded_state`)."""
+    from vidax.models.hunyuanvideo.dit import seeded_state
+
+    graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
+    return nn.Split(graphdef, jax.device_put(state), cfg)
 
 
 def _build(cfg, dtype=np.float32):
