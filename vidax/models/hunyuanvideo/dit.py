@@ -1110,7 +1110,10 @@ def config_from_original(ckpt) -> HunyuanVideoConfig:
     n_ref = 1 + max(int(k.split(".")[3]) for k in sh if k.startswith("txt_in.individual_token_refiner.blocks."))
     out = sh["final_layer.linear.weight"][0] // (pt * ph * ph)
     mlp = sh["double_blocks.0.img_mlp.fc1.weight"][0]
-    head_dim = 128
+    head_dim = sh["double_blocks.0.img_attn_q_norm.weight"][0]
+    if head_dim != 128:
+        raise ValueError(f"original checkpoint with head_dim {head_dim}: its rope_axes_dim cannot be inferred "
+                         f"(the releases use 128 = 16 + 56 + 56); pass the config")
     return HunyuanVideoConfig(
         in_channels=cin, out_channels=out, num_heads=d // head_dim, head_dim=head_dim, num_layers=n_double,
         num_single_layers=n_single, num_refiner_layers=n_ref, mlp_ratio=mlp / d, patch_size=ph, patch_size_t=pt,
