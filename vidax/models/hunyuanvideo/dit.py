@@ -127,9 +127,9 @@ class HunyuanVideoConfig:
 
 
 PRESETS = {
-    "tiny": HunyuanVideoConfig(num_heads=2, head_dim=16, in_channels=16, out_channels=16, num_layers=2,
+    "tiny": HunyuanVideoConfig(num_heads=4, head_dim=8, in_channels=16, out_channels=16, num_layers=2,
                                num_single_layers=4, num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=24,
-                               rope_axes_dim=(4, 6, 6)),
+                               rope_axes_dim=(2, 2, 4)),
     "13b": HunyuanVideoConfig(),
     "13b-i2v": HunyuanVideoConfig(image_condition_type="token_replace"),
     "13b-i2v-33ch": HunyuanVideoConfig(in_channels=33, guidance_embeds=False, image_condition_type="latent_concat"),
