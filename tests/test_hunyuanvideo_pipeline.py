@@ -208,3 +208,14 @@ def test_sampling_on_a_mesh_with_two_pools():
     err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
     print(f"tiny sampling tp=2,sp=2 + two pools vs one device: {err:.2e}")
     assert err < 1e-5
+
+
+def test_offload_spec_per_pool_is_validated_early():
+    from stages.request import Request, RequestError, validate
+
+    r = validate(Request(model="hunyuanvideo-t2v", preset="tiny", prompt="a fox", offload_chunk_size="double=1,single=2"))
+    assert r.offload_chunk_size == "double=1,single=2"
+    with pytest.raises(RequestError, match="offload_chunk_size: double blocks: offload_chunk_size=3 does not divide"):
+        validate(Request(model="hunyuanvideo-t2v", preset="tiny", prompt="a fox", offload_chunk_size="double=3"))
+    with pytest.raises(RequestError, match="or give each pool its own"):
+        validate(Request(model="hunyuanvideo-t2v", preset="tiny", prompt="a fox", offload_chunk_size=3))

@@ -691,7 +691,13 @@ def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, 
         bad = sorted(set(v) - set(counts))
         if bad:
             raise voff.OffloadConfigError(f"offload_chunk_size: unknown pools {bad}; pools are double, single")
-        return {k: voff.resolve_chunk_size(v.get(k, "all"), n) for k, n in counts.items()}
+        out = {}
+        for k, n in counts.items():
+            try:
+                out[k] = voff.resolve_chunk_size(v.get(k, "all"), n)
+            except voff.OffloadConfigError as e:
+                raise voff.OffloadConfigError(f"{k} blocks: {e}") from None
+        return out
     out = {}
     for k, n in counts.items():
         try:

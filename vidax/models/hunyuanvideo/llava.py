@@ -120,9 +120,10 @@ def _prefix_view(ckpt, marker: str) -> dict:
     return out
 
 
-def load_llava(folder) -> LlavaEncoder:
+def load_llava(folder, mesh=None) -> LlavaEncoder:
     """A transformers ``LlavaForConditionalGeneration`` folder (hub naming ``vision_tower.* /
-    multi_modal_projector.* / language_model.*`` or transformers 5's ``model.*``)."""
+    multi_modal_projector.* / language_model.*`` or transformers 5's ``model.*``). ``mesh``: the
+    LM's tensor-parallel mesh (:func:`vidax.text.lm.load_lm`); the vision tower and projector are small."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     s = settings_from_hf(config)
@@ -130,7 +131,7 @@ def load_llava(folder) -> LlavaEncoder:
     ckpt = open_checkpoint(folder)
     vis = _prefix_view(ckpt, "vision_tower.")
     vision = clipmod.from_params(vcfg, clipmod.load_params_from(vis, vcfg, naming="hf"))
-    lm = lmmod.load_lm(folder, dtype=np.float32)
+    lm = lmmod.load_lm(folder, dtype=np.float32, mesh=mesh)
     proj_ckpt = _prefix_view(ckpt, "multi_modal_projector.")
     rules = [Rule("linear_1.weight", "linear_1.kernel", "linear"), Rule("linear_2.weight", "linear_2.kernel", "linear")]
     if s.projector_bias:

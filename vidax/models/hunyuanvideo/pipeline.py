@@ -199,6 +199,12 @@ class HunyuanVideoT2V(Pipeline):
         return req
 
     def check(self, request) -> None:
+        v = getattr(request, "offload_chunk_size", None)
+        if v is not None and (v == "all" or str(v).isdigit() or "=" in str(v)):
+            try:
+                hdit.parse_chunk_sizes(int(v) if str(v).isdigit() else v, self.dit_config())
+            except ValueError as e:
+                raise OptionError("offload_chunk_size", str(e)) from None
         if self.image_to_video and self.condition_type == "latent_concat" and request.num_frames < 5:
             raise OptionError("num_frames", f"{request.num_frames}: the 33-channel image-to-video model drops the first "
                                             f"4 decoded frames; use at least 5")
@@ -254,12 +260,16 @@ class HunyuanVideoT2V(Pipeline):
                 llm = llava.init(p.vision, llm, seed=p.seed + 5, image_token_id=htext.PresetTokenizer().token_id("<image>"),
                                  pad_id=htext.PresetTokenizer.pad_id)
             return llm, clip_text.from_params(p.clip, seeded(clip_text.CLIPText, p.clip, p.seed + 4))
+        # the 8B tower in float32 (32 GB) is split over every visible device (Megatron rules of
+        # vidax.text.lm: heads, MLP and vocabulary where they divide); CLIP-L stays on one device
+        n = jax.device_count()
+        mesh = f"tp={n}" if n > 1 else None
         if self.image_to_video:
             from vidax.models.hunyuanvideo import llava
 
-            llm = llava.load_llava(self.folder / "text_encoder")
+            llm = llava.load_llava(self.folder / "text_encoder", mesh=mesh)
         else:
-            llm = lm.load_lm(self.folder / "text_encoder", dtype=np.float32)
+            llm = lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh)
         return llm, clip_text.load_clip_text(self.folder / "text_encoder_2", dtype=np.float32)
 
     @property
