@@ -128,7 +128,10 @@ def _build(cfg: CLIPTextConfig, seed: int = 0, dtype=np.float32):
 
 
 def init(cfg: CLIPTextConfig, seed: int = 0, dtype=np.float32) -> CLIPTextEncoder:
-    return CLIPTextEncoder.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
+    """Seeded random weights (tiny presets, tests): every parameter perturbed, made on the host."""
+    from vidax.text.lm import random_params
+
+    return from_params(cfg, random_params(param_shapes(cfg, dtype), seed, dtype=dtype))
 
 
 def param_shapes(cfg: CLIPTextConfig, dtype=np.float32) -> dict:
