@@ -43,9 +43,15 @@ def dit_forward():
         with torch.no_grad():
             ref(**targs, return_dict=False)
 
+    D, M, lv, lt = cfg.dim, cfg.mlp_dim, 8 * 16 * 16, 256
+    L = lv + lt
+    double = 2 * L * (4 * D * D + 2 * D * M) + 4 * L * L * D  # both streams: q/k/v/o + MLP, joint attention
+    single = 2 * L * (3 * D * D + D * M + (D + M) * D) + 4 * L * L * D
+    refiner = cfg.num_refiner_layers * (2 * lt * (4 * D * D + 8 * D * D) + 4 * lt * lt * D) + 2 * lt * 4096 * D
+    flops = cfg.num_layers * double + cfg.num_single_layers * single + refiner + 2 * lv * 64 * D
     return dict(component="DiT forward (vs diffusers `HunyuanVideoTransformer3DModel`)",
                 config="2+4 blocks, dim 512, 8 heads, latents 8x32x32, text 256 (200 valid)", vidax=vidax,
-                reference=reference)
+                reference=reference, flops=flops)
 
 
 def vae_decode():
