@@ -210,6 +210,46 @@ def test_sampling_on_a_mesh_with_two_pools():
     assert err < 1e-5
 
 
+def test_schedule_matches_the_pipelines_scheduler():
+    """``sigmas = linspace(1, 0, N + 1)[:-1]`` through FlowMatchEulerDiscreteScheduler(shift=7):
+    every timestep, sigma and Euler step of a whole 50-step schedule."""
+    import jax.numpy as jnp
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoT2V
+
+    ref = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    ref.set_timesteps(sigmas=np.linspace(1.0, 0.0, 51)[:-1])
+    ours = HunyuanVideoT2V("tiny").scheduler(50, 7.0)
+    np.testing.assert_allclose(ours.timesteps, ref.timesteps.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(ours.sigmas, ref.sigmas.numpy(), rtol=1e-6, atol=1e-7)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 4, 2, 3, 3)).astype(np.float32)
+    xr, xo = torch.from_numpy(x), jnp.asarray(x)
+    for i, t in enumerate(ref.timesteps):
+        v = rng.standard_normal(x.shape).astype(np.float32)
+        xr = ref.step(torch.from_numpy(v), t, xr).prev_sample
+        xo, _ = ours.step({}, jnp.asarray(v), jnp.int32(i), xo)
+    assert_parity(np.asarray(xo), xr.numpy(), what="flow-match Euler, 50 steps, shift 7")
+
+
+def test_a_second_run_compiles_nothing():
+    """One step program per settings for the process: a batch of prompts compiles it once."""
+    from vidax.core.jit import CompileCounter
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoT2V
+
+    pipe = HunyuanVideoT2V("tiny")
+    rng = np.random.default_rng(0)
+    c = dict(embeds=rng.standard_normal((1, 6, 32)).astype(np.float32), mask=np.array([[1, 1, 1, 1, 0, 0]]),
+             pooled=rng.standard_normal((1, 24)).astype(np.float32))
+    dit = pipe.load_dit()
+    kw = dict(height=32, width=32, num_frames=5, steps=3, dit=dit)
+    a = pipe.sample_latents(c, seed=1, **kw)
+    with CompileCounter() as cc:
+        b = pipe.sample_latents(c, seed=2, **kw)
+    assert cc.count == 0 and np.abs(a - b).mean() > 1e-3
+
+
 def test_offload_spec_per_pool_is_validated_early():
     from stages.request import Request, RequestError, validate
 

@@ -431,7 +431,7 @@ class HunyuanVideoT2V(Pipeline):
 
         c, u = pack(cond), (pack(uncond) if use_cfg else None)
         prep = self._model_input(ct)
-        step = _make_step(params, cfg, sched, prep, use_cfg, ct == "token_replace")
+        step = _cached_step(params, cfg, sched, (steps, float(shift)), ct, prep, use_cfg)
         key = jax.random.key(seed)
         for i in range(start, n):
             import time
@@ -610,6 +610,23 @@ class HunyuanVideoI2V(HunyuanVideoT2V):
 
 
 # ----------------------------------------------------------------------------------- the step
+_STEPS: dict = {}  # (cfg, schedule, condition type, true CFG) -> step, for one-device DiTs
+
+
+def _cached_step(params, cfg, sched, schedule, ct, prep, use_cfg):
+    """The step program for these settings, built once per process (one-device DiT) or per runner:
+    a batch of runs with equal settings compiles it once."""
+    runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+    cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv_steps", {})
+    key = (cfg, schedule, ct, use_cfg)
+    if key not in cache:
+        while len(cache) >= 8:  # a long-lived worker keeps the last few settings' programs
+            cache.pop(next(iter(cache)))
+        cache[key] = _make_step(params if runner is not None else None, cfg, sched, prep, use_cfg, ct == "token_replace")
+    fn = cache[key]
+    return fn if runner is not None else (lambda *a: fn(params, *a))
+
+
 def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool, replace_first: bool):
     """One sampling step ``(x, state, i, cond, uncond, true_cfg, aux, key) -> (x, state)``: jitted
     whole (model + guidance + Euler update) for a resident DiT, or a jitted input / update around
@@ -656,6 +673,8 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
             v = combine(model(p, xx, t, batch(cond, uncond)), b, true_cfg)
             return update(x, state, v, i, aux)
 
+        if runner is None:  # params stay an argument (the caller binds them per run)
+            return lambda p, x, state, i, cond, uncond, true_cfg, aux, key: step(p, x, state, i, cond, uncond, true_cfg, aux)
         return lambda x, state, i, cond, uncond, true_cfg, aux, key: step(params, x, state, i, cond, uncond, true_cfg, aux)
 
     prep_j = jax.jit(lambda x, aux: model_in(x, aux).astype(runner.dtype))
