@@ -259,3 +259,21 @@ def test_offload_spec_per_pool_is_validated_early():
         validate(Request(model="hunyuanvideo-t2v", preset="tiny", prompt="a fox", offload_chunk_size="double=3"))
     with pytest.raises(RequestError, match="or give each pool its own"):
         validate(Request(model="hunyuanvideo-t2v", preset="tiny", prompt="a fox", offload_chunk_size=3))
+
+
+def test_decode_stages_concatenate_to_the_whole_decode():
+    """latent_concat I2V over 3 temporal tiles: the stages (tile ranges, tail carried, the first 4
+    frames dropped in the first) give bitwise the frames of one decode."""
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoI2V
+    from vidax.pipeline import to_uint8
+
+    p = HunyuanVideoI2V("tiny-i2v-33ch")
+    z = np.random.default_rng(0).standard_normal((1, 16, 9, 2, 2)).astype(np.float32)
+    vae = p.load_vae()
+    whole = to_uint8(p.decode_video(z, vae))
+    assert p._tiles(9, True) == [(0, 5), (3, 8), (6, 9)] and whole.shape[1] == 33 - 4
+    parts, tail = [], None
+    for k in range(3):
+        f, tail = p.decode_frames(z, k, k + 1, tail, vae)
+        parts.append(f)
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)

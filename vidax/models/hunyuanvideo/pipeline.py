@@ -466,14 +466,10 @@ class HunyuanVideoT2V(Pipeline):
         tiles = self._tiles(z.shape[2], tiling)
         px, tail = hvae.decode_tiles(vae, z, first, stop, tail, self.tiling(tiling))
         drop = self.drop_frames()
-        if drop:
-            tc = vae.cfg.temporal_compression_ratio
+        if drop:  # latent_concat: the reference drops the video's first frames; this span starts at frame `start`
             t = self.tiling(tiling)
-            start = 0 if first == 0 else (t.stride_t + 1) + (first - 1) * t.stride_t
-            if len(tiles) == 1:
-                start = 0
+            start = 0 if first == 0 or len(tiles) == 1 else (t.stride_t + 1) + (first - 1) * t.stride_t
             px = px[:, :, max(0, drop - start):]
-            del tc
         return to_uint8(to_unit_range(px)), tail
 
     def decode_plan(self, request) -> list[DecodeSpan]:
