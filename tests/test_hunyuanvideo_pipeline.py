@@ -103,7 +103,7 @@ PROMPTS = ["a red fox jumps over a frozen creek at dawn", "rain"]
 
 @pytest.fixture(scope="module")
 def text_models():
-    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+    from transformers import LlamaConfig, LlamaModel
 
     from vidax.models.hunyuanvideo import text as htext
 

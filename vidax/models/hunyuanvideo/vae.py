@@ -20,7 +20,6 @@ per tile shape (a few edge shapes at most); the loops over tiles are Python. Cha
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
