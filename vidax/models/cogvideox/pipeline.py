@@ -233,9 +233,11 @@ class CogVideoX(Pipeline):
         native = None
         if dc.use_learned_positional_embeddings:
             native = (dc.sample_height * vc.spatial_ratio, dc.sample_width * vc.spatial_ratio)
+        # 8k+1 frames: an odd latent frame count, which the VAE's first frame batch decodes to
+        # exactly num_frames (an even count would decode to 4 more frames than asked for)
         return CogGeometry(spatial=vc.spatial_ratio, temporal=vc.temporal_compression_ratio,
                            latent_channels=dc.out_channels, patch=dc.patch, num_heads=dc.num_heads, max_grid=max_grid,
-                           native=native)
+                           native=native, frame_step=2 * vc.temporal_compression_ratio)
 
     def scheduler(self, steps: int, name: str | None = None):
         """``name`` None: the checkpoint's scheduler config; ``"ddim"`` / ``"dpm"``: that class with
