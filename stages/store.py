@@ -24,6 +24,7 @@ processes wrote. Each :class:`RunStore` counts its requests and bytes (:class:`I
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -205,8 +206,32 @@ def _fs_options(protocol: str) -> dict:
     if protocol in ("gs", "gcs"):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             opts["token"] = "anon"
-        opts["retries"] = int(os.environ.get("VIDAX_GCS_RETRIES", "2"))  # we retry with backoff ourselves
     return opts
+
+
+@functools.lru_cache(maxsize=None)
+def _gcs_class(attempts: int):
+    """gcsfs with ``attempts`` tries per HTTP request. gcsfs fixes its own retries (6, backing off
+    1+2+4+8+16 s) when the class is defined, and ignores a ``retries=`` argument; with our
+    :func:`retry` around every operation that made an unreachable bucket cost minutes. Here
+    gcsfs keeps its retry logic, with fewer attempts (``VIDAX_GCS_RETRIES``, default 2)."""
+    import gcsfs
+    from gcsfs.retry import retry_request
+
+    base = gcsfs.GCSFileSystem
+    return type("GCSFileSystem", (base,), {
+        "_request": retry_request(retries=attempts)(base._request.__wrapped__),
+        "__module__": __name__,
+    })
+
+
+def _url_to_fs(url: str, **options):
+    """``fsspec.core.url_to_fs``, with our gcsfs for ``gs://`` (see :func:`_gcs_class`)."""
+    protocol = url.split("://", 1)[0]
+    if protocol in ("gs", "gcs"):
+        fs = _gcs_class(max(1, int(os.environ.get("VIDAX_GCS_RETRIES", "2"))))(**options)
+        return fs, fs._strip_protocol(url)
+    return fsspec.core.url_to_fs(url, **options)
 
 
 def _close_async_session(fs) -> None:
@@ -236,7 +261,7 @@ class RunStore:
         _prepare_env(self.url)
         protocol = self.url.split("://", 1)[0]
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **_fs_options(protocol))
+            self.fs, self.root = _url_to_fs(self.url, **_fs_options(protocol))
         except (ImportError, ValueError) as e:
             raise StoreError(f"store {self.url}: {e}") from None
         self.protocol = protocol
@@ -259,8 +284,8 @@ class RunStore:
         if self._afs is None:
             from zarr.core.sync import _get_loop
 
-            self._afs, _ = fsspec.core.url_to_fs(self.url, asynchronous=True, loop=_get_loop(),
-                                                 **_fs_options(self.protocol))
+            self._afs, _ = _url_to_fs(self.url, asynchronous=True, loop=_get_loop(),
+                                      **_fs_options(self.protocol))
             atexit.register(_close_async_session, self._afs)
         return self._afs
 
@@ -302,9 +327,13 @@ class Lease:
     pid: int = 0
 
     def live(self) -> bool:
-        """Unexpired, and (when held on this machine) its process still exists."""
+        """Unexpired, and (when held on this machine) its process still exists; a lease of this
+        very process counts only while the stage it guards is computing (a release that failed,
+        say on a cut network, does not block the next attempt of a long-lived worker)."""
         if self.expires <= time.time():
             return False
+        if self.host == _host() and self.pid == os.getpid():
+            return self.owner in _HELD
         if self.host == _host() and self.pid:
             try:
                 os.kill(self.pid, 0)
@@ -551,7 +580,10 @@ class Run:
         if not self.store.local:
             time.sleep(0.2)
         cur = self.lease(stage)
-        return cur is not None and cur.owner == owner
+        if cur is not None and cur.owner == owner:
+            _HELD.add(owner)
+            return True
+        return False
 
     def renew_lease(self, stage: str, owner: str, seconds: float) -> None:
         cur = self.lease(stage)
@@ -560,6 +592,7 @@ class Run:
                             {"owner": owner, "expires": time.time() + seconds, "host": _host(), "pid": os.getpid()})
 
     def release_lease(self, stage: str, owner: str) -> None:
+        _HELD.discard(owner)  # even if the delete below fails, this process no longer holds it
         cur = self.lease(stage)
         if cur is not None and cur.owner == owner:
             self.delete(f"leases/{record_name(stage)}.json")
@@ -585,6 +618,10 @@ class GroupWriter:
         objects = {k: v.to_bytes() for k, v in self._objects.items()}
         self.run.delete(self.name)
         self.run.put_objects(self.name, objects)
+
+
+#: owners of the leases this process holds now (see :meth:`Lease.live`)
+_HELD: set[str] = set()
 
 
 def _host() -> str:

@@ -7,11 +7,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test-only audio+video family (tests/toyfamily) goes through every registry-wide test
 os.environ.setdefault("VIDAX_FAMILIES", "tests.toyfamily.recipes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# compile-count tests count real compilations: no persistent compilation cache in tests
-os.environ.setdefault("VIDAX_COMPILE_CACHE", "off")
+# one persistent compilation cache for the whole session (every xdist worker and every stage
+# subprocess): a program the suite already built is read back instead of compiled again.
+# CompileCounter counts cache hits as builds, so "one compile per shape" checks read the same.
+if "VIDAX_COMPILE_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="vidax-test-jax-cache-")
+    os.environ["VIDAX_COMPILE_CACHE"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.2")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+from vidax.core import runtime  # noqa: E402
+
+runtime.compile_cache()  # before the first compilation of this process
 
 from tests.prefect_env import prefect_server  # noqa: E402,F401 - session fixture, started on first use
 

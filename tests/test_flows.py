@@ -230,10 +230,10 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
 
     real = R.run_sample
 
-    def flaky(run, req, pipe, key, log, progress=None):
+    def flaky(run, req, *args, **kw):
         if "green" in req.prompts[0]:
             raise R.StageError("sample: injected failure for the green boat")
-        return real(run, req, pipe, key, log, progress)
+        return real(run, req, *args, **kw)
 
     monkeypatch.setattr(R, "run_sample", flaky)
     state = generate_batch(str(f), store=store, defaults={"height": 32, "width": 32, "num_frames": 5, "steps": 1},

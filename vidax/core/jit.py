@@ -6,10 +6,13 @@ import threading
 from jax import monitoring
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-    """Counts XLA backend compilations while active::
+    """Counts the XLA programs built while active: backend compilations plus programs taken from
+    the persistent compilation cache (a cache hit is still a program the code asked to build, so
+    "one compile per shape" reads the same with the cache on or off)::
 
         with CompileCounter() as cc:
             ...
@@ -27,12 +30,18 @@ class CompileCounter:
             self.count += 1
             self.seconds += duration
 
+    def _event(self, event, **kwargs):
+        if event == _CACHE_HIT_EVENT:
+            self.count += 1
+
     def __enter__(self):
         monitoring.register_event_duration_secs_listener(self._listener)
+        monitoring.register_event_listener(self._event)
         return self
 
     def __exit__(self, *exc):
         monitoring.unregister_event_duration_listener(self._listener)
+        monitoring.unregister_event_listener(self._event)
         return False
 
 

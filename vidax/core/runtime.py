@@ -7,7 +7,8 @@ the environment says so, and turn on JAX's persistent compilation cache.
 - ``VIDAX_COMPILE_CACHE``: where compiled programs are kept across processes (default
   ``~/.cache/vidax/jax``; a bucket path such as ``gs://bucket/jax-cache`` or a shared volume lets a
   whole pool reuse them; ``off`` disables it). A stage process then compiles a program only the
-  first time any process of the pool sees its shape.
+  first time any process of the pool sees its shape. ``VIDAX_COMPILE_CACHE_MIN_SECONDS`` (default
+  0.5): only programs that took at least this long to compile are kept.
 """
 from __future__ import annotations
 
@@ -33,13 +34,24 @@ def setup() -> tuple[int, int]:
 
     if not _done:
         _done = True
-        d = compile_cache_dir()
-        if d is not None:
-            if "://" not in d:
-                Path(d).mkdir(parents=True, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", d)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        compile_cache()
     return init_distributed()
+
+
+def compile_cache() -> str | None:
+    """Point JAX's persistent compilation cache at :func:`compile_cache_dir` (programs that took
+    at least ``VIDAX_COMPILE_CACHE_MIN_SECONDS``, default 0.5, to compile are kept). Call before
+    the first compilation; returns the directory, or None when the cache is off."""
+    import jax
+
+    d = compile_cache_dir()
+    if d is not None:
+        if "://" not in d:
+            Path(d).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", d)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ.get("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.5")))
+    return d
 
 
 def is_leader() -> bool:
