@@ -245,7 +245,7 @@ def _build(cfg: LTXDiTConfig, seed: int = 0, dtype=np.float32) -> LTXTransformer
 
 def init_state(cfg: LTXDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
     """Seeded random weights (every parameter perturbed), host numpy."""
-    return L.to_host(nnx.state(nn.perturb(_build(cfg, seed, dtype), seed)))
+    return L.seeded_state(lambda: _build(cfg, 0, dtype), seed)
 
 
 def abstract_state(cfg: LTXDiTConfig, dtype=np.float32) -> nnx.State:

@@ -207,3 +207,38 @@ def intkeys(tree):
 
 def to_host(state):
     return jax.tree.map(np.asarray, state)
+
+
+def seeded_state(build, seed: int = 0, special: dict | None = None):
+    return seeded_split(build, seed, special)[1]
+
+
+def seeded_split(build, seed: int = 0, special: dict | None = None):
+    """``(graphdef, state)`` with seeded random weights for presets and tests without running a single initializer on a
+    device (each new shape would compile one): the module is built abstractly and filled from
+    numpy. Kernels ~ N(0, 1/fan_in); biases and modulation tables small noise; norm scales
+    1 +- noise; nothing is zero, nothing is one. ``special``: leaf name -> value fn(shape, rng)."""
+    from vidax.core import nn as vnn
+
+    graphdef, state = vnn.abstract_state(build)
+    rng = np.random.default_rng(seed)
+    special = special or {}
+
+    def one(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        shape, dt = tuple(leaf.shape), leaf.dtype
+        if name in special:
+            a = special[name](shape, rng)
+        elif name == "scale":
+            a = 1.0 + 0.05 * rng.standard_normal(shape)
+        elif name in ("kernel", "embedding") and len(shape) >= 2:
+            fan_in = int(np.prod(shape[:-1])) if name == "kernel" else shape[-1]
+            if name == "kernel" and len(shape) >= 3 and len(shape) != 5:  # stacked linear [layers, in, out]
+                fan_in = shape[-2]
+            a = rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))
+        else:
+            a = 0.05 * rng.standard_normal(shape) + (0.02 if not shape else 0.0)
+        return np.asarray(a, dt)
+
+    pure = jax.tree_util.tree_map_with_path(one, nnx.to_pure_dict(state))
+    return graphdef, vnn.fill(state, pure)

@@ -401,6 +401,11 @@ class Encoder(nnx.Module):
 
     def __call__(self, x, causal=None):
         """[B, F, H, W, 3] -> posterior mean [B, f, h, w, latent]."""
+        return self.moments(x, causal)[0]
+
+    def moments(self, x, causal=None):
+        """(mean, logvar): the posterior ``DiagonalGaussianDistribution`` (one log-variance channel
+        repeated over every latent channel, clipped to [-30, 20] as the reference clips it)."""
         cfg = self.cfg
         if cfg.version == 2:
             causal = bool(causal) or cfg.encoder_causal
@@ -409,7 +414,8 @@ class Encoder(nnx.Module):
             h = d(h, causal)
         h = self.mid(h, causal=causal)
         h = self.conv_out(jax.nn.silu(_pixel_rms(h, cfg.version)), causal)
-        return h[..., : cfg.latent_channels]
+        logvar = jnp.clip(h[..., -1:], -30.0, 20.0)
+        return h[..., : cfg.latent_channels], jnp.broadcast_to(logvar, h[..., : cfg.latent_channels].shape)
 
 
 class Decoder(nnx.Module):
@@ -473,6 +479,9 @@ class LTXVAE(nnx.Module):
     def encode(self, x):
         return self.encoder(x)
 
+    def moments(self, x):
+        return self.encoder.moments(x)
+
     def decode(self, z, temb=None, key=None):
         return self.decoder(z, temb, key=key)
 
@@ -483,7 +492,9 @@ def _build(cfg: LTXVAEConfig, seed=0, dtype=np.float32, encoder=True):
 
 
 def init_state(cfg: LTXVAEConfig, seed: int = 0, dtype=np.float32, encoder: bool = True):
-    return L.to_host(nnx.state(nn.perturb(_build(cfg, seed, dtype, encoder), seed)))
+    """Seeded random weights (host numpy; see :func:`vidax.models.ltx.layers.seeded_state`)."""
+    return L.seeded_state(lambda: _build(cfg, 0, dtype, encoder), seed,
+                          {"tscale": lambda s, r: np.float32(1000.0 * (1 + 0.05 * r.standard_normal()))})
 
 
 @functools.lru_cache(maxsize=None)
@@ -507,6 +518,20 @@ def _decode(state, cfg, has_enc, z, temb, key):
 
 def _has_encoder(state) -> bool:
     return "encoder" in state and len(jax.tree.leaves(state["encoder"])) > 0
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _moments(state, cfg, x):
+    return nnx.merge(graphdef(cfg, _dtype(state), True), state).moments(x)
+
+
+def encode_sample(state, cfg: LTXVAEConfig, video, key) -> jax.Array:
+    """A posterior sample ``mean + exp(logvar / 2) * N(0, 1)`` (the reference's ``retrieve_latents``
+    in "sample" mode) [B, C, f, h, w], the noise from ``key``."""
+    x = jnp.asarray(video, F32).transpose(0, 2, 3, 4, 1)
+    mean, logvar = _moments(state, cfg, x)
+    z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape, F32)
+    return z.transpose(0, 4, 1, 2, 3)
 
 
 def encode(state, cfg: LTXVAEConfig, video) -> jax.Array:
@@ -588,6 +613,26 @@ class Tiling:
         r = cfg.spatial_ratio
         th, tw, sh, sw = self.min_height // r, self.min_width // r, self.stride_height // r, self.stride_width // r
         return [[(i, min(i + th, lh), j, min(j + tw, lw)) for j in range(0, lw, sw)] for i in range(0, lh, sh)]
+
+
+def blend_tile(raw, i: int, j: int, carry: dict | None, tiling: Tiling, last: bool):
+    """One tile of :func:`blend_tiles` on its own (a persisted decode stage): blend the raw decoded
+    tile (i, j) [B, C, F, h, w] with the blended strips of its upper and left neighbours that
+    ``carry`` holds, and return ``(region kept for the output, carry for the next tile)``. Tiles
+    run in raster order; the concatenated regions equal :func:`blend_tiles` exactly."""
+    bh, bw = tiling.min_height - tiling.stride_height, tiling.min_width - tiling.stride_width
+    t = np.array(raw, np.float32, copy=True)
+    carry = dict(carry or {})
+    if i > 0:
+        _blend_v(carry[f"above_{j}"], t, bh)
+    if j > 0:
+        _blend_h(carry["left"], t, bw)
+    region = t[..., : tiling.stride_height, : tiling.stride_width]
+    if last:
+        return region, None
+    carry[f"above_{j}"] = t[..., t.shape[-2] - min(bh, t.shape[-2]):, :]
+    carry["left"] = t[..., t.shape[-1] - min(bw, t.shape[-1]):]
+    return region, carry
 
 
 def tiled_decode(state, cfg: LTXVAEConfig, z, timestep=None, tiling: Tiling = Tiling(), key=None) -> np.ndarray:
