@@ -6,4 +6,9 @@ PORTS = {
     "LTXVideoTransformer3DModel": "vidax.models.ltx.dit",
     "AutoencoderKLLTXVideo": "vidax.models.ltx.vae",
     "AutoencoderKLLTX2Video": "vidax.models.ltx.vae",
+    "LTX2VideoTransformer3DModel": "vidax.models.ltx.dit2",
+    "LTX2TextConnectors": "vidax.models.ltx.connectors",
+    "AutoencoderKLLTX2Audio": "vidax.models.ltx.audio",
+    "LTX2Vocoder": "vidax.models.ltx.audio",
+    "LTX2VocoderWithBWE": "vidax.models.ltx.audio",
 }

@@ -68,10 +68,11 @@ class TextProjection(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------- rotary
-def apply_rope(x, rope, head_dim: int):
-    """Rotate ``x`` [B, L, H*hd] with ``rope``: ``("interleaved", cos, sin)`` with cos/sin
-    [B|1, L, H*hd] (pairs (2i, 2i+1) over the whole width), or ``("split", cos, sin)`` with
-    cos/sin [B|1, L, H, hd/2] (first and second half of every head). Computed in float32."""
+def apply_rope(x, rope, head_dim: int = None):
+    """Rotate ``x`` [B, L, W] with ``rope``: ``("interleaved", cos, sin)`` with cos/sin [B|1, L, W]
+    (pairs (2i, 2i+1) over the whole width), or ``("split", cos, sin)`` with cos/sin
+    [B|1, L, G, r] (the width in G groups of 2r: first and second half of every group rotated
+    together, LTX-2's "split" type). Computed in float32."""
     kind, cos, sin = rope
     dt = x.dtype
     xf = x.astype(F32)
@@ -80,7 +81,7 @@ def apply_rope(x, rope, head_dim: int):
         rot = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(xf.shape)
         return (xf * cos + rot * sin).astype(dt)
     b, l, _ = xf.shape
-    h = xf.reshape(b, l, -1, 2, head_dim // 2)
+    h = xf.reshape(b, l, -1, 2, cos.shape[-1])
     first, second = h[..., 0, :], h[..., 1, :]
     out = jnp.stack([first * cos - second * sin, second * cos + first * sin], axis=-2)
     return out.reshape(b, l, -1).astype(dt)
