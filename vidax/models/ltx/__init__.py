@@ -11,4 +11,5 @@ PORTS = {
     "AutoencoderKLLTX2Audio": "vidax.models.ltx.audio",
     "LTX2Vocoder": "vidax.models.ltx.audio",
     "LTX2VocoderWithBWE": "vidax.models.ltx.audio",
+    "LTX2VideoDiffusionDecoderModel": "vidax.models.ltx.diffusion_decoder",
 }

@@ -107,7 +107,7 @@ V2_DEFAULTS = LTXVAEConfig(
     spatio_temporal_scaling=(True, True, True, True), decoder_spatio_temporal_scaling=(True, True, True),
     decoder_inject_noise=(False, False, False, False), downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
     upsample_type=("spatiotemporal",) * 3, upsample_residual=(True, True, True), upsample_factor=(2, 2, 2),
-    decoder_causal=True, decoder_spatial_padding_mode="reflect")
+    decoder_causal=True, decoder_spatial_padding_mode="reflect", spatial_compression_ratio=32, temporal_compression_ratio=8)
 
 
 # ----------------------------------------------------------------------------------- layers
