@@ -200,7 +200,12 @@ def _gather_tokens(x, par):
     """Video keys/values complete over ``sp`` (the audio queries see every video token)."""
     if par.size("sp") == 1:
         return x
-    return jax.lax.all_gather(x, "sp", axis=1, tiled=True)
+    # gathered with a psum (each device's slice placed in zeros), so the result is typed invariant
+    # over sp: every device then computes the same, replicated audio stream
+    n = x.shape[1]
+    full = jnp.zeros((x.shape[0], n * par.size("sp"), *x.shape[2:]), x.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index("sp") * n, axis=1)
+    return jax.lax.psum(full, "sp")
 
 
 def _lerp(start, end, w):
@@ -363,7 +368,9 @@ class LTX2Transformer(nnx.Module):
         if name in ("vtok", "h", "y", "keyframes"):
             return P("dp", "sp", *rest(2))
         if name in ("t", "tv", "ev", "cav", "cgv", "ca_t"):  # per video token when [B, S, ...]
-            return P("dp", "sp" if len(shape) > 1 and shape[1] > 1 else None, *rest(2))
+            if len(shape) == 1:
+                return P("dp")
+            return P("dp", "sp" if shape[1] > 1 else None, *rest(2))
         if name in ("vcos", "vsin", "cvcos", "cvsin"):
             return P(bdim, "sp", "tp", *rest(3))
         if name in ("acos", "asin", "cacos", "casin"):
