@@ -37,6 +37,9 @@ from vidax.weights.keymap import load_params
 
 F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
+#: query tile (frames, rows, columns) of the windowed attention: with stage 5's 11^3 windows a
+#: tile's scores are 2048 queries x 15288 keys per head (~60 MB), 3.4k tiles for 1216x704x121
+TILE = (4, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def _window_starts(n: int, k: int):
     return np.clip(np.arange(n) - k // 2, 0, n - k)
 
 
-def neighborhood_attention(q, k, v, kernel, tile=(1, 8, 8)):
+def neighborhood_attention(q, k, v, kernel, tile=TILE):
     """NATTEN-style 3D neighbourhood attention, exact, tile by tile.
 
     ``q``, ``k``, ``v``: [B, T, H, W, heads, d] (``q`` already scaled); ``kernel``: (kt, kh, kw),
@@ -282,7 +285,7 @@ class DiffusionDecoder(nnx.Module):
     def _stage(self, i, x, tile):
         return nn.scan(self.stages[i], x, lambda blk, h: blk(h, tile))
 
-    def context(self, z, tile=(1, 8, 8)):
+    def context(self, z, tile=TILE):
         """Stages 1-4: latents [B, T, H, W, C] -> the context volume (channels-last)."""
         cfg = self.cfg
         n = cfg.trailing_pad
@@ -297,7 +300,7 @@ class DiffusionDecoder(nnx.Module):
             h = h[:, : h.shape[1] - n * cfg.temporal_compression_ratio]
         return h
 
-    def step(self, ctx, x_t, t, tile=(1, 8, 8)):
+    def step(self, ctx, x_t, t, tile=TILE):
         """One stage-5 prediction: pixels x_t [B, F, H, W, 3], t [B] -> [B, F, H, W, 3]."""
         cfg = self.cfg
         e = self.t_embed(cfg.decoder_timestep_scale_multiplier * t, ctx.dtype)
@@ -308,7 +311,7 @@ class DiffusionDecoder(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------- calls
-def denoise_context(split: nn.Split, cfg: DiffusionDecoderConfig, ctx, x_t, steps: int | None = None, tile=(1, 8, 8)):
+def denoise_context(split: nn.Split, cfg: DiffusionDecoderConfig, ctx, x_t, steps: int | None = None, tile=TILE):
     """``LTX2VideoDiffusionDecoder3d.denoise``: one jitted stage-5 call per step in a Python loop."""
     steps = steps or cfg.decoder_num_inference_steps
     b = x_t.shape[0]
@@ -326,7 +329,7 @@ def denoise_context(split: nn.Split, cfg: DiffusionDecoderConfig, ctx, x_t, step
     return x
 
 
-def denoise(split: nn.Split, cfg: DiffusionDecoderConfig, z, x_t, steps: int | None = None, tile=(1, 8, 8)):
+def denoise(split: nn.Split, cfg: DiffusionDecoderConfig, z, x_t, steps: int | None = None, tile=TILE):
     """Decode latents ``z`` [B, C, f, h, w] (denormalised) with the pixel noise ``x_t``
     [B, 3, F, H, W] given -> pixels [B, 3, F, H, W] (numpy)."""
     zc = jnp.asarray(np.asarray(z, np.float32)).transpose(0, 2, 3, 4, 1)
@@ -341,7 +344,7 @@ def pixel_shape(cfg: DiffusionDecoderConfig, z_shape) -> tuple:
             w * cfg.spatial_compression_ratio)
 
 
-def decode(split: nn.Split, cfg: DiffusionDecoderConfig, z, key, steps: int | None = None, tile=(1, 8, 8)):
+def decode(split: nn.Split, cfg: DiffusionDecoderConfig, z, key, steps: int | None = None, tile=TILE):
     """``decode``: pixel noise from ``key`` (the run's seed), then :func:`denoise`."""
     x_t = jax.random.normal(key, pixel_shape(cfg, np.shape(z)), F32)
     return denoise(split, cfg, z, x_t, steps, tile)
@@ -418,7 +421,7 @@ class _Compat(compat.CompatModel):
         super().__init__("LTX2VideoDiffusionDecoderModel", config, split.state, cfg)
         self.split, self.stats = split, stats
 
-    def denoise(self, z, x_t, num_inference_steps=None, tile=(1, 8, 8)):
+    def denoise(self, z, x_t, num_inference_steps=None, tile=TILE):
         """Decode ``z`` with the pixel noise ``x_t`` given (the reference decoder's
         ``denoise(forward_stage_4(forward_stages_1_to_3(z)), x_t, steps)``)."""
         return denoise(self.split, self.model_config, z, x_t, num_inference_steps, tile)
@@ -428,8 +431,10 @@ class _Compat(compat.CompatModel):
         return decode(self.split, self.model_config, z, key, num_inference_steps)
 
 
-@compat.register("LTX2VideoDiffusionDecoderModel")
-def _load_compat(config: dict, folder: Path, mesh=None, **_):
+@compat.register("LTX2VideoDiffusionDecoderModel", scalable=True)
+def _load_compat(config: dict, folder: Path, mesh=None, parallelism=None, offload_chunk_size=None, **_):
+    if offload_chunk_size is not None or parallelism not in (None, "tp", "none"):
+        raise ValueError("LTX2VideoDiffusionDecoderModel: tensor parallelism only (mesh='tp=N')")
     split, cfg, stats = load(folder)
     if mesh is not None:
         split = shard(split, mesh)

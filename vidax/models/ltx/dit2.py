@@ -590,15 +590,51 @@ def diffusers_keymap(cfg: LTX2DiTConfig) -> KeyMap:
     return KeyMap(rules)
 
 
+#: diffusers name prefix / part -> the original LTX-2 release's (``ltx-2-*.safetensors``, the DiT under
+#: ``model.diffusion_model.``), the inverse of diffusers' ``convert_ltx2_transformer_to_diffusers``
+_ORIGINAL_TOP = (("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj."),
+                 ("audio_time_embed.", "audio_adaln_single."), ("time_embed.", "adaln_single."),
+                 ("av_cross_attn_video_scale_shift.", "av_ca_video_scale_shift_adaln_single."),
+                 ("av_cross_attn_video_a2v_gate.", "av_ca_a2v_gate_adaln_single."),
+                 ("av_cross_attn_audio_scale_shift.", "av_ca_audio_scale_shift_adaln_single."),
+                 ("av_cross_attn_audio_v2a_gate.", "av_ca_v2a_gate_adaln_single."))
+_ORIGINAL_PART = ((".video_a2v_cross_attn_scale_shift_table", ".scale_shift_table_a2v_ca_video"),
+                  (".audio_a2v_cross_attn_scale_shift_table", ".scale_shift_table_a2v_ca_audio"),
+                  (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm."))
+
+
+def original_keymap(cfg: LTX2DiTConfig) -> KeyMap:
+    def orig(name):
+        for a, b in _ORIGINAL_TOP:
+            if name.startswith(a):
+                name = b + name[len(a):]
+                break
+        for a, b in _ORIGINAL_PART:
+            name = name.replace(a, b)
+        return name
+
+    return KeyMap([Rule(orig(r.src), r.dst, r.kind) for r in diffusers_keymap(cfg).rules],
+                  ignore=[r"^(video|audio)_embeddings_connector\."])
+
+
+def _is_original(names) -> bool:
+    return any(n.startswith(("patchify_proj.", "adaln_single.")) for n in names)
+
+
 def load_dit(path, cfg: LTX2DiTConfig | None = None, dtype=np.float32):
-    """(host state, cfg) from a diffusers ``transformer/`` folder."""
+    """(host state, cfg) from a diffusers ``transformer/`` folder, or an original-release file
+    (``model.diffusion_model.*`` names; the config must be given: the release ships none)."""
     path = Path(path)
-    if cfg is None:
+    if cfg is None and path.is_dir():
         cfg = LTX2DiTConfig.from_diffusers(compat.read_config(path))
     ckpt = open_checkpoint(path)
+    names = list(ckpt)
+    if any(n.startswith("model.diffusion_model.") for n in names):
+        ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names if n.startswith("model.diffusion_model.")}
     pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=lambda names: False, config_from_original=None,
-        keymap=lambda c, original: diffusers_keymap(c), shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
+        ckpt, cfg, is_original=_is_original, config_from_original=None,
+        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
         what=lambda c: f"LTX2VideoTransformer3DModel (dim {c.dim}, audio {c.audio_dim}, {c.num_layers} layers)",
         source=path)
     return nn.fill(abstract_state(cfg, dtype), pure), cfg

@@ -907,6 +907,8 @@ class LTX2(_Source, _Tiles, Pipeline):
         from vidax.models.ltx import diffusion_decoder as ldd
 
         split, cfg, stats = dd or self.load_diffusion_decoder()
+        if self.mesh is not None:  # tensor parallelism bounds this decoder's memory (heads, SwiGLU width)
+            split = ldd.shard(split, self.mesh)
         z = lvae.denormalize(stats, replace(self.vae_config(), scaling_factor=cfg.scaling_factor), latents)
         steps = request.options.get("decoder_steps")
         return ldd.decode(split, cfg, z, key_for(request.seed, _NOISE_DECODE, 1), steps)
