@@ -165,9 +165,11 @@ def test_mp4_has_a_sound_track_of_the_video_length(tmp_path):
     seconds = len(pcm) / 2 / 8000
     print(f"audio track: {seconds:.3f} s for {9 / 8:.3f} s of video")
     assert abs(seconds - 9 / 8) < 0.1 and np.abs(np.frombuffer(pcm, np.int16)).max() > 0
-    assert cli.main(args + ["--audio", "false", "--run-id", "silent"]) == 0
+    # video only, and LTX-2.5's diffusion decoder chosen for this run
+    assert cli.main(args + ["--audio", "false", "--vae-decoder", "diffusion", "--run-id", "silent"]) == 0
     silent = R.load_request(RunStore(url).run("silent"))
     assert "decode/audio" not in R.stage_names(silent)
+    assert RunStore(url).run("silent").group("decode/0.zarr")["frames"].attrs["decoder"] == "diffusion"
     info = subprocess.run([ff, "-i", str(tmp_path / "runs/silent/video.mp4")], capture_output=True, text=True).stderr
     assert "Audio:" not in info
 
@@ -196,3 +198,28 @@ def test_scale_equals_one_device(folder, mesh, chunk):
         err = float(np.max(np.abs(o - r)) / np.max(np.abs(r)))
         print(f"mesh={mesh} offload={chunk} {what}: rel err {err:.2e}")
         assert err <= 1e-5
+
+
+@pytest.mark.parametrize("mesh,chunk", [("tp=2", 1), ("sp=2", None)])
+def test_pipeline_sampling_on_a_mesh(mesh, chunk):
+    """The tiny preset's sampling (full guidance, image-to-video) on a mesh / with offloaded blocks
+    (the guidance passes then run from Python) equals one device; one compiled step program."""
+    from vidax.core.jit import CompileCounter
+    from vidax.models.ltx.pipeline import LTX2
+
+    rng = np.random.default_rng(0)
+    emb = lambda s: {"v": rng.standard_normal((1, 64, 32)).astype(np.float32), "a": rng.standard_normal((1, 64, 32)).astype(np.float32), "mask": np.ones((1, 64), np.float32)}  # noqa: E501,E731
+    cond, unc = emb(0), emb(1)
+    img = rng.standard_normal((1, 8, 1, 2, 3)).astype(np.float32)
+    kw = dict(seed=3, height=64, width=96, num_frames=9, steps=3, guidance=3.0, fps=8.0, image_latents=img,
+              options={"stg_blocks": "1"})
+    ref_v, ref_a = LTX2("tiny").sample_latents(cond, unc, **kw)
+    seen = []
+    with CompileCounter() as cc:
+        v, a = LTX2("tiny", mesh=mesh, offload_chunk_size=chunk).sample_latents(
+            cond, unc, on_step=lambda info, x, aa: seen.append(cc.count), **kw)
+    for o, r, what in ((v, ref_v, "video"), (a, ref_a, "audio")):
+        err = float(np.max(np.abs(o - r)) / np.max(np.abs(r)))
+        print(f"{mesh} offload={chunk} {what}: rel err {err:.2e}")
+        assert err <= 1e-5
+    assert seen[-1] == seen[0], f"recompiled after the first step: {seen}"

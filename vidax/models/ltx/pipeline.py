@@ -96,6 +96,17 @@ def resize_image(image, height: int, width: int, resample: str = "lanczos") -> n
     return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
 
 
+def _replicated(runner):
+    """Place loop arrays replicated on a runner's mesh (what its programs return), so the first
+    step and the later ones see the same argument shardings (one compile)."""
+    if runner is None:
+        return lambda a: a
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    s = NamedSharding(runner.mesh, PartitionSpec())
+    return lambda a: jax.device_put(a, s)
+
+
 # ----------------------------------------------------------------------------------- presets
 @dataclass(frozen=True)
 class LTXPreset:
@@ -397,8 +408,11 @@ class LTXVideo(_Source, _Tiles, Pipeline):
 
         jit_model = runner is None or runner.offload is None
         prm = params if runner is None else (runner.params if runner.offload is None else None)
-        c = {"ctx": jnp.asarray(cond, jnp.float32), "mask": jnp.asarray(cmask, jnp.float32)}
-        u = None if uncond is None else {"ctx": jnp.asarray(uncond, jnp.float32), "mask": jnp.asarray(umask, jnp.float32)}
+        put = _replicated(runner)
+        x = put(x)
+        c = {"ctx": put(jnp.asarray(cond, jnp.float32)), "mask": put(jnp.asarray(cmask, jnp.float32))}
+        u = None if uncond is None else {"ctx": put(jnp.asarray(uncond, jnp.float32)),
+                                         "mask": put(jnp.asarray(umask, jnp.float32))}
         x, _ = sample_video(model, sched, x, c, u, guidance=guidance, guidance_rescale=guidance_rescale, keep_first=keep,
                             start=start, on_step=on_step, params=prm, jit_model=jit_model)
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
@@ -834,7 +848,9 @@ class LTX2(_Source, _Tiles, Pipeline):
 
         jit_model = runner is None or runner.offload is None
         prm = params if runner is None else (runner.params if runner.offload is None else None)
-        f = lambda d: {k: jnp.asarray(v, jnp.float32) for k, v in d.items()}  # noqa: E731
+        put = _replicated(runner)
+        x, a = put(x), put(a)
+        f = lambda d: {k: put(jnp.asarray(v, jnp.float32)) for k, v in d.items()}  # noqa: E731
         x, a = sample_av(model, sched, x, a, f(cond), None if uncond is None else f(uncond), guidance=guidance,
                          audio_guidance=float(o["audio_guidance"]), stg=float(o["stg_scale"]),
                          audio_stg=float(o["audio_stg_scale"]), modality=float(o["modality_scale"]),

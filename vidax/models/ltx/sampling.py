@@ -141,8 +141,7 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
            "perturb": jnp.stack([jnp.concatenate([p[2] for p in g]) for g in groups]),
            "xmod": jnp.stack([jnp.concatenate([p[3] for p in g]) for g in groups])}
 
-    def run(params, x, a, i, call, scan: bool):
-        t = ts[i]
+    def run(params, x, a, t, call, scan: bool):
         xx, aa = jnp.concatenate([x] * per, 0), jnp.concatenate([a] * per, 0)
 
         def body(_, g):
@@ -189,15 +188,17 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     if jit_model:
         @jax.jit
         def step(params, x, a, state, i):
-            outs = run(params, x, a, i, model, scan=True)
+            outs = run(params, x, a, ts[i], model, scan=True)
             vv, va = guide(x, a, outs, i)
             return update(x, a, state, vv, va, i)
     else:
         g = jax.jit(guide)
         u = jax.jit(update)
 
+        host_ts = np.asarray(sched.timesteps, np.float32)
+
         def step(params, x, a, state, i):
-            outs = run(params, x, a, int(i), model, scan=False)
+            outs = run(params, x, a, jnp.float32(host_ts[int(i)]), model, scan=False)
             vv, va = g(x, a, outs, i)
             return u(x, a, state, vv, va, i)
 
