@@ -242,7 +242,7 @@ def diffusion_decoder(tmp_path_factory):
 
 def test_diffusion_decoder_denoise(diffusion_decoder):
     """``denoise(z, x_t, steps)``: the reference's stages 1-4 then its stage-5 loop from the given
-    pixel noise; one x0 step (as LTX-2.5 ships) and three Euler steps; tile sizes do not matter."""
+    pixel noise; one x0 step (as LTX-2.5 ships) and two Euler steps; tile sizes do not matter."""
     ref, path = diffusion_decoder
     m = compat.load_pretrained(path)
     rng = np.random.default_rng(0)
@@ -252,9 +252,10 @@ def test_diffusion_decoder_denoise(diffusion_decoder):
         warnings.simplefilter("ignore")
         ctx = dec.forward_stage_4(dec.forward_stages_1_to_3(torch.from_numpy(z)))
         xt = torch.from_numpy(rng.standard_normal((2, 3, ctx.shape[1], ctx.shape[2] * 4, ctx.shape[3] * 4)).astype(np.float32))
-        r1, r3 = to_numpy(dec.denoise(ctx, xt, 1)), to_numpy(dec.denoise(ctx, xt, 3))
+        r1, r2 = to_numpy(dec.denoise(ctx, xt, 1)), to_numpy(dec.denoise(ctx[:1], xt[:1], 2))
     assert_parity(m.denoise(z, xt.numpy(), 1), r1, what="LTX2VideoDiffusionDecoderModel denoise, 1 step")
-    assert_parity(m.denoise(z, xt.numpy(), 3, tile=(2, 3, 5)), r3, what="LTX2VideoDiffusionDecoderModel denoise, 3 steps")
+    assert_parity(m.denoise(z[:1], xt.numpy()[:1], 2, tile=(2, 3, 5)), r2,
+                  what="LTX2VideoDiffusionDecoderModel denoise, 2 Euler steps")
 
 
 def test_diffusion_decoder_tensor_parallel(diffusion_decoder):

@@ -129,3 +129,12 @@ def test_scale_equals_one_device(ref_folder, mesh, chunk):
     err = float(np.max(np.abs(out - one)) / np.max(np.abs(one)))
     print(f"mesh={mesh} offload={chunk}: rel err {err:.2e}")
     assert err <= 1e-5
+
+
+def test_indivisible_tokens_are_refused_by_name(ref_folder):
+    from vidax.core.mesh import ShardingConfigError
+
+    _, path = ref_folder
+    m = compat.load_pretrained(path, mesh="sp=2")
+    with pytest.raises(ShardingConfigError, match=r"input 'tokens' dim 1 \(size 15, tokens \(sequence parallel\)\) is not divisible by sp=2"):
+        m.forward(**_inputs(f=1, h=3, w=5))

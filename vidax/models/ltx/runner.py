@@ -143,8 +143,22 @@ class DiTRunner:
         return self._gather(y, out_specs)
 
     # ------------------------------------------------------------------ call
+    def check_inputs(self, inputs: dict) -> None:
+        """Every sharded input dimension divides by its mesh axes (before anything compiles): an
+        error names the input, e.g. the video tokens against ``sp`` or the batch against ``dp``."""
+        sizes = vmesh.axis_sizes(self.mesh)
+        for name, v in inputs.items():
+            spec = self.model_cls.act_spec(name, tuple(np.shape(v)))
+            for d, ax in enumerate(spec):
+                for a in (ax,) if isinstance(ax, str) else (ax or ()):
+                    if sizes[a] > 1 and np.shape(v)[d] % sizes[a]:
+                        what = {"sp": "tokens (sequence parallel)", "dp": "batch", "tp": "width"}.get(a, a)
+                        raise vmesh.ShardingConfigError(
+                            f"input {name!r} dim {d} (size {np.shape(v)[d]}, {what}) is not divisible by {a}={sizes[a]}")
+
     def __call__(self, inputs: dict) -> dict:
         inputs = {k: jax.numpy.asarray(v) for k, v in inputs.items()}
+        self.check_inputs(inputs)
         if self.offload is None:
             return self._fwd(self.rest, self.blocks, inputs)
         carry, consts = self._pre(self.rest, inputs)
@@ -159,6 +173,7 @@ class DiTRunner:
 
     def apply(self, params, inputs: dict) -> dict:
         """Traceable forward (params stay arguments) for a jitted sampling step."""
+        self.check_inputs(inputs)
         return self._resident(params["rest"], params["blocks"], inputs)
 
     def lower(self, inputs: dict):
