@@ -199,3 +199,22 @@ def test_bpe_tokenizers_match_transformers(name, tmp_path):
     assert ours.eos_id == ref.eos_token_id and ours.pad_id == ref.pad_token_id
     if ref.bos_token_id is not None:
         assert ours.bos_id == ref.bos_token_id
+
+
+def test_template_prefix_length(tmp_path):
+    """``crop_start`` of a chat template: the prefix's tokens are exactly the first tokens of every
+    templated prompt, so cropping them leaves the prompt's own tokens."""
+    from vidax.text.lm import prefix_length
+
+    build, cls, special = BPE_CASES["llama3"]
+    _save(build(), tmp_path, cls, **dict(special))
+    tok = load_tokenizer(tmp_path)
+    template = "<|begin_of_text|>system\nDescribe the video in detail:<|eot_id|>user\n{}<|eot_id|>"
+    n = prefix_length(tok, template)
+    for p in PROMPTS:
+        full = tok.encode(template.format(p))
+        assert full[:n] == tok.encode(template.split("{}")[0])
+    ids, mask = tok([template.format(p) for p in PROMPTS], n + 16)
+    assert mask[:, :n].all()
+    with pytest.raises(ValueError):
+        prefix_length(tok, "no placeholder")

@@ -112,6 +112,17 @@ def _reruns(run_id):
     return asyncio.run(go())
 
 
+def _finished_reruns(run_id, timeout=300):
+    """The rerun-stage runs of ``run_id`` that reached a final state (waits for the first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done = [r for r in _reruns(run_id) if r.state and r.state.is_final()]
+        if done:
+            return done
+        time.sleep(2)
+    return []
+
+
 def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
     """A decode stage made to fail leaves the run failed; the trigger's rerun_stage completes it."""
     store = str(tmp_path / "store")
@@ -123,13 +134,7 @@ def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
 
     run = RunStore(store).run("auto")
     assert run.record("decode/0") is not None
-    deadline = time.time() + 300
-    done = []
-    while time.time() < deadline:
-        done = [r for r in _reruns("auto") if r.state and r.state.is_final()]
-        if done:
-            break
-        time.sleep(2)
+    done = _finished_reruns("auto")
     assert done, "the vidax.stage.failed trigger did not start rerun-stage"
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     assert (tmp_path / "store/runs/auto/video.mp4").stat().st_size > 0
@@ -281,7 +286,7 @@ def test_killed_worker_fails_the_parent_within_its_timeout(deployed, tmp_path):
         from prefect.deployments import run_deployment
 
         parent = run_deployment("vidax-generate/generate",
-                                {"request": req, "store": store, "run_id": "doomed", "mode": "distributed"},
+                                parameters={"request": req, "store": store, "run_id": "doomed", "mode": "distributed"},
                                 job_variables={"env": {"VIDAX_CRASH_GRACE": "8"}}, timeout=0)
         lease = tmp_path / "store/runs/doomed/leases/sample.json"
         deadline = time.time() + 300
@@ -310,7 +315,6 @@ def test_killed_worker_fails_the_parent_within_its_timeout(deployed, tmp_path):
             time.sleep(1)
         assert st is not None and st.is_failed(), st
         assert time.time() - killed < 120, "the parent took too long to notice the dead worker"
-        assert "sample" in (st.message or "") or True
     finally:
         srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", "sample", "--pool", POOL, "--no-prompt")
 
@@ -330,13 +334,7 @@ def test_crashed_decode_stage_run_is_rerun_once_by_the_automation(deployed, tmp_
     child = _run_deployment("vidax-stage/decode", {"store": store, "run_id": "crash", "stage": "decode/1"},
                             job_variables={"env": {"VIDAX_FAULTS": "decode/1:kill"}})
     assert child.state.is_crashed(), child.state
-    deadline = time.time() + 300
-    done = []
-    while time.time() < deadline:
-        done = [r for r in _reruns("crash") if r.state and r.state.is_final()]
-        if done:
-            break
-        time.sleep(2)
+    done = _finished_reruns("crash")
     assert done, "the Crashed-state trigger did not start rerun-stage"
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     np.testing.assert_array_equal(_frames(store, "crash"), before)

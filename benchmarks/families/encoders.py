@@ -1,6 +1,6 @@
 """Benchmark rows for the shared conditioning encoders (``vidax.text``) vs transformers, same
 machine, same run: one forward each at a small but realistic width. Every case returns
-``dict(component, config, vidax, reference)``; both callables block until done (the vidax one
+``dict(component, config, vidax, reference, flops=None)``; both callables block until done (the vidax one
 through ``jax.block_until_ready``, the reference under ``torch.no_grad``).
 
 The vidax side is what the pipelines call: the decoder LMs' ``hidden_states`` (all layers, what
@@ -51,9 +51,11 @@ def _lm_case(name: str, make_ref, T: int = 256, left: bool = False):
             with torch.no_grad():
                 ref(input_ids=it, attention_mask=mt, output_hidden_states=True, use_cache=False)
 
-        return dict(component=f"{name} (all hidden states)",
-                    config=f"{cfg.num_layers} layers, D {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
-                           f"FFN {cfg.intermediate_size}, {T} tokens", vidax=run_vidax, reference=run_ref)
+        D, H, KV, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        per_layer = 2 * T * (D * (H + 2 * KV) * hd + H * hd * D + 3 * D * F) + 4 * T * T * H * hd
+        return dict(component=f"{name} (all hidden states, vs transformers)",
+                    config=f"{cfg.num_layers} layers, D {D}, {H}/{KV} heads, FFN {F}, {T} tokens",
+                    vidax=run_vidax, reference=run_ref, flops=cfg.num_layers * per_layer)
 
     case.__name__ = f"bench_{name.lower().replace(' ', '_').replace('.', '')}"
     return case
@@ -115,7 +117,7 @@ def bench_clip_text():
         with torch.no_grad():
             ref(input_ids=it)
 
-    return dict(component="CLIP text (pooled)", config="4 layers, D 768, 12 heads, 2 x 77 tokens",
+    return dict(component="CLIP text pooled (vs transformers CLIPTextModel)", config="4 layers, D 768, 12 heads, 2 x 77 tokens",
                 vidax=run_vidax, reference=run_ref)
 
 
@@ -142,7 +144,7 @@ def bench_siglip_vision():
         with torch.no_grad():
             ref(pixel_values=pt)
 
-    return dict(component="SigLIP vision", config="4 layers, D 768, 12 heads, 224 px / 16 (196 tokens), head",
+    return dict(component="SigLIP vision (vs transformers SiglipVisionModel)", config="4 layers, D 768, 12 heads, 224 px / 16 (196 tokens), head",
                 vidax=run_vidax, reference=run_ref)
 
 
@@ -171,7 +173,7 @@ def bench_byt5():
         with torch.no_grad():
             ref(input_ids=it, attention_mask=mt)
 
-    return dict(component="ByT5 encoder", config="4 layers, d_model 1472, 6 heads, 256 bytes",
+    return dict(component="ByT5 encoder (vs transformers T5EncoderModel)", config="4 layers, d_model 1472, 6 heads, 256 bytes",
                 vidax=run_vidax, reference=run_ref)
 
 

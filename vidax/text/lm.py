@@ -511,10 +511,19 @@ class LMEncoder(nn.Split):
 def crop(x, mask, start: int):
     """Drop a prompt template's first ``start`` tokens: ``x[:, start:]``, ``mask[:, start:]``
     (x: [B, T, ...] or stacked layers [L+1, B, T, D] -> cropped on the token axis)."""
-    tok_axis = 2 if x.ndim == 4 else 1
-    x = jax.lax.slice_in_dim(x, start, x.shape[tok_axis], axis=tok_axis) if isinstance(x, jax.Array) else \
-        np.take(x, np.arange(start, x.shape[tok_axis]), axis=tok_axis)
+    x = x[:, :, start:] if x.ndim == 4 else x[:, start:]
     return x, (None if mask is None else mask[:, start:])
+
+
+def prefix_length(tokenizer, template: str, placeholder: str = "{}") -> int:
+    """Tokens a prompt template puts before the prompt (special tokens such as ``<bos>``
+    included): the ``crop_start`` to pass to :func:`crop`. ``tokenizer`` is a
+    :class:`vidax.text.tokenizer.HFTokenizer` (``encode``); ``template`` holds one ``placeholder``.
+    Templates end their prefix with a special token or newline, so tokenising the prefix alone
+    gives the same tokens as inside the full prompt (checked by the tests)."""
+    if template.count(placeholder) != 1:
+        raise ValueError(f"template must contain the placeholder {placeholder!r} exactly once")
+    return len(tokenizer.encode(template.split(placeholder)[0], add_special_tokens=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,16 +786,25 @@ LM_CLASSES = (
 )
 
 
-@register(*LM_CLASSES)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
+@register(*LM_CLASSES, scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 **kw) -> CompatModel:
+    """``mesh`` (a Mesh or a spec like ``"tp=8"``): tensor parallel over its ``tp`` axis
+    (:func:`tp_rules`); sequence parallelism and offloading are not offered for prompt encoders."""
+    if offload_chunk_size is not None:
+        raise ValueError("decoder-LM encoders do not offload (shard them over tp instead)")
+    if parallelism not in (None, "tp", "none"):
+        raise ValueError(f"decoder-LM encoders support parallelism='tp' only, got {parallelism!r}")
     cfg = LMConfig.from_hf(config)
-    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype))
+    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype), device_put=mesh is None)
+    if mesh is not None:
+        enc = shard(enc, mesh)
     name = (config.get("architectures") or ["LlamaModel"])[0]
     return _LMCompat(name, config, enc)
 
 
 __all__ = [
     "Rope", "LMConfig", "RMSNorm", "LMBlock", "DecoderLM", "LMEncoder", "Output", "rope_table", "gqa_attention",
-    "crop", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
+    "crop", "prefix_length", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
     "detect_prefix", "hf_keymap", "load_params_from", "load_lm", "LM_CLASSES",
 ]

@@ -187,7 +187,7 @@ class T5Block(nnx.Module):
         self.cfg = cfg
         D, I, F = cfg.d_model, cfg.inner_dim, cfg.d_ff
         lin = partial(nn.Linear, rngs=rngs, bias=False, param_dtype=param_dtype, precision=jax.lax.Precision.HIGHEST)
-        norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+        norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, axis="embed", param_dtype=param_dtype)
         self.norm1 = norm()
         self.q, self.k, self.v = (lin(D, I, axes=("embed", "heads")) for _ in range(3))
         self.o = lin(I, D, axes=("heads", "embed"))
@@ -224,7 +224,8 @@ class T5(nnx.Module):
         self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, axes=("vocab", "embed"), param_dtype=param_dtype)
         self.rel_bias = None if cfg.per_layer_rel_bias else _rel_bias_table(cfg, rngs, param_dtype)
         self.blocks = nn.stack(lambda r: T5Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.final_norm = nn.RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+        self.final_norm = nn.RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.layer_norm_epsilon, axis="embed",
+                                     param_dtype=param_dtype)
 
     def __call__(self, input_ids, attention_mask=None):
         """Token ids [B, L] (+ mask [B, L], 1 = real token) -> last hidden state [B, L, d_model] float32.
