@@ -246,7 +246,7 @@ def test_diffusion_decoder_denoise(diffusion_decoder):
     ref, path = diffusion_decoder
     m = compat.load_pretrained(path)
     rng = np.random.default_rng(0)
-    z = rng.standard_normal((2, 8, 2, 2, 3)).astype(np.float32)
+    z = rng.standard_normal((2, 8, 2, 2, 2)).astype(np.float32)
     dec = ref.decoder
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")

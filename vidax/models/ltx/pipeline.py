@@ -684,7 +684,13 @@ class LTX2(_Source, _Tiles, Pipeline):
 
         if self.preset:
             return lm.init(_tiny_gemma(), seed=self.preset.seed + 1)
-        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32)
+        # Gemma 3 12B in float32 is ~48 GB: on a mesh its heads / MLP / vocabulary split over tp
+        mesh = None
+        if self.mesh is not None:
+            from vidax.core import mesh as vmesh
+
+            mesh = vmesh.make_mesh(self.mesh)
+        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh)
 
     def load_connectors(self):
         if self.preset:
