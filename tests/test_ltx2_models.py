@@ -263,8 +263,6 @@ def test_diffusion_decoder_tensor_parallel(diffusion_decoder):
     pixels as one device from the same seeded noise, and each device holds part of the weights."""
     import jax
 
-    from vidax.core.sharding import per_device_bytes, tree_bytes
-
     _, path = diffusion_decoder
     one = compat.load_pretrained(path)
     tp = compat.load_pretrained(path, mesh="tp=2")

@@ -2,7 +2,6 @@
 timesteps, masks, precomputed coordinates, original release names), compile count, load errors,
 and tp / sp / tp+sp / offload equal to one device."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

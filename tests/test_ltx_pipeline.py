@@ -51,7 +51,7 @@ def _embeds(b=2, seed=0):
 def test_sampling_matches_diffusers(folder, i2v):
     from diffusers import LTXImageToVideoPipeline, LTXPipeline
 
-    from vidax.models.ltx.pipeline import LTXVideo, key_for, pack
+    from vidax.models.ltx.pipeline import LTXVideo, pack
 
     root, dit, vae, sched = folder
     h, w, frames, steps = 64, 96, 17, 3

@@ -9,7 +9,6 @@ the public calls take and return the reference's layouts.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path

@@ -17,7 +17,6 @@ produces plausible, prompt-ignoring video (see the tests' scale checks).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path

@@ -19,7 +19,6 @@ compiler (the seed notes: tensor parallelism, not chunking, bounded this decoder
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path

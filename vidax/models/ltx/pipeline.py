@@ -13,9 +13,7 @@ reference's shifted sigmas), ``decode`` (the VAE, spatially tiled into persisted
 """
 from __future__ import annotations
 
-import gc
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 

@@ -18,9 +18,8 @@ tiles blended linearly); the pipelines run its tiles as persisted decode stages
 from __future__ import annotations
 
 import functools
-import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import jax
