@@ -1,0 +1,214 @@
+"""Benchmark rows of the LTX family vs diffusers, same machine, same run: one forward each at a
+small but realistic width. Every case returns ``dict(component, config, vidax, reference)``; both
+callables block until done (``jax.block_until_ready`` / ``torch.no_grad``)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def _torch():
+    import torch
+
+    from tests.refutil import perturb
+
+    return torch, perturb
+
+
+def _loaded(ref, tmp_name):
+    """The reference saved with save_pretrained and loaded through vidax.compat."""
+    import tempfile
+
+    from vidax import compat
+
+    d = tempfile.mkdtemp(prefix=f"vidax-bench-{tmp_name}-")
+    ref.save_pretrained(d)
+    return compat.load_pretrained(d)
+
+
+def bench_ltx_dit():
+    import jax
+
+    from diffusers import LTXVideoTransformer3DModel
+
+    from vidax.models.ltx import dit
+
+    torch, perturb = _torch()
+    torch.manual_seed(0)
+    ref = perturb(LTXVideoTransformer3DModel(num_attention_heads=8, attention_head_dim=64, cross_attention_dim=512,
+                                             num_layers=4, caption_channels=1024))
+    m = _loaded(ref, "ltx-dit")
+    cfg = m.model_config
+    f, h, w, lt = 8, 16, 24, 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, f * h * w, 128)).astype(np.float32)
+    ctx = rng.standard_normal((1, lt, 1024)).astype(np.float32)
+    mask = np.ones((1, lt), np.int64)
+    mask[:, 100:] = 0
+    cos, sin = dit.rope_tables(dit.video_coords(f, h, w, (8 / 25, 32, 32), cfg), cfg)
+    inp = dit.model_inputs(cfg, x, np.array([500.0], np.float32), ctx, mask, cos, sin)
+    fwd = jax.jit(dit.forward, static_argnums=1)
+    tx = {k: torch.from_numpy(v) for k, v in dict(hidden_states=x, encoder_hidden_states=ctx,
+                                                   timestep=np.array([500.0], np.float32), encoder_attention_mask=mask).items()}
+
+    def run_vidax():
+        jax.block_until_ready(fwd(m.params, cfg, inp))
+
+    def run_ref():
+        with torch.no_grad():
+            ref(**tx, num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+
+    return dict(component="LTX-Video DiT forward (vs diffusers LTXVideoTransformer3DModel)",
+                config=f"4 blocks, dim 512, 8 heads, latents {f}x{h}x{w}, text {lt} (masked)", vidax=run_vidax,
+                reference=run_ref)
+
+
+def bench_ltx2_dit():
+    import jax
+
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from vidax.models.ltx import dit2
+
+    torch, perturb = _torch()
+    torch.manual_seed(0)
+    ref = perturb(LTX2VideoTransformer3DModel(num_attention_heads=8, attention_head_dim=64, cross_attention_dim=512,
+                                              audio_num_attention_heads=8, audio_attention_head_dim=32,
+                                              audio_cross_attention_dim=256, num_layers=4, caption_channels=512,
+                                              rope_type="split", gated_attn=True, audio_gated_attn=True,
+                                              cross_attn_mod=True, audio_cross_attn_mod=True))
+    m = _loaded(ref, "ltx2-dit")
+    cfg = m.model_config
+    f, h, w, la, lt = 8, 16, 24, 50, 128
+    rng = np.random.default_rng(0)
+    kw = dict(hidden_states=rng.standard_normal((1, f * h * w, 128)).astype(np.float32),
+              audio_hidden_states=rng.standard_normal((1, la, 128)).astype(np.float32),
+              encoder_hidden_states=rng.standard_normal((1, lt, 512)).astype(np.float32),
+              audio_encoder_hidden_states=rng.standard_normal((1, lt, 512)).astype(np.float32),
+              timestep=np.array([500.0], np.float32), sigma=np.array([500.0], np.float32))
+    vc = dit2.video_coords(f, h, w, cfg, 24.0)
+    ac = dit2.audio_coords(la, cfg)
+    inp = dit2.model_inputs(cfg, kw["hidden_states"], kw["audio_hidden_states"], kw["encoder_hidden_states"],
+                            kw["audio_encoder_hidden_states"], kw["timestep"], dit2.rope_tables(cfg, vc, ac),
+                            sigma=kw["sigma"], use_cross_timestep=True)
+    fwd = jax.jit(dit2.forward, static_argnums=1)
+    tkw = {k: torch.from_numpy(v) for k, v in kw.items()}
+
+    def run_vidax():
+        jax.block_until_ready(fwd(m.params, cfg, inp))
+
+    def run_ref():
+        with torch.no_grad():
+            ref(**tkw, num_frames=f, height=h, width=w, audio_num_frames=la, use_cross_timestep=True, return_dict=False)
+
+    return dict(component="LTX-2 audio+video DiT forward (vs diffusers LTX2VideoTransformer3DModel)",
+                config=f"4 blocks, video dim 512 / audio 256, split RoPE, gated, cross-attn AdaLN; "
+                       f"video {f}x{h}x{w}, audio {la}, text {lt}", vidax=run_vidax, reference=run_ref)
+
+
+def _vae_case(cls_name, kw, label, z_shape, temb=None):
+    def case():
+        import diffusers
+        import jax
+
+        torch, perturb = _torch()
+        torch.manual_seed(0)
+        ref = perturb(getattr(diffusers, cls_name)(**kw))
+        m = _loaded(ref, cls_name)
+        z = np.random.default_rng(0).standard_normal(z_shape).astype(np.float32)
+        from vidax.models.ltx import vae as lvae
+
+        zt = torch.from_numpy(z)
+        t = None if temb is None else np.full((z_shape[0],), temb, np.float32)
+
+        def run_vidax():
+            jax.block_until_ready(lvae.decode(m.params, m.model_config, z, t))
+
+        def run_ref():
+            with torch.no_grad():
+                ref.decode(zt, None if t is None else torch.from_numpy(t))
+
+        return dict(component=f"{label} decode (vs diffusers {cls_name})",
+                    config=f"latents {z_shape[2]}x{z_shape[3]}x{z_shape[4]} -> "
+                           f"{(z_shape[2] - 1) * 8 + 1}x{z_shape[3] * 32}x{z_shape[4] * 32} px, narrow channels",
+                    vidax=run_vidax, reference=run_ref)
+
+    case.__name__ = f"bench_{label.lower().replace(' ', '_').replace('-', '').replace('.', '')}"
+    return case
+
+
+_V091 = dict(latent_channels=32, block_out_channels=(32, 64, 64, 64), decoder_block_out_channels=(32, 64, 128),
+             layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(2, 2, 2, 2),
+             decoder_spatio_temporal_scaling=(True, True, True), decoder_inject_noise=(False,) * 4,
+             upsample_residual=(True, True, True), upsample_factor=(2, 2, 2), timestep_conditioning=True)
+_V2 = dict(latent_channels=32, block_out_channels=(32, 64, 64, 64), decoder_block_out_channels=(32, 64, 128),
+           layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(2, 2, 2, 2), decoder_causal=False,
+           spatial_compression_ratio=32, temporal_compression_ratio=8)
+
+
+def bench_audio():
+    import jax
+
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    from vidax.models.ltx import audio as laudio
+
+    torch, perturb = _torch()
+    torch.manual_seed(0)
+    vae = perturb(AutoencoderKLLTX2Audio(base_channels=64, ch_mult=(1, 2, 4), num_res_blocks=2, latent_channels=8,
+                                         mel_bins=64))
+    voc = perturb(LTX2Vocoder(in_channels=128, hidden_channels=256))
+    mv, mc = _loaded(vae, "avae"), _loaded(voc, "voc")
+    z = np.random.default_rng(0).standard_normal((1, 8, 50, 16)).astype(np.float32)
+    zt = torch.from_numpy(z)
+
+    def run_vidax():
+        jax.block_until_ready(laudio.vocode(mc.split, laudio.decode_mel(mv.split, z)))
+
+    def run_ref():
+        with torch.no_grad():
+            voc(vae.decode(zt).sample)
+
+    return dict(component="LTX-2 audio VAE decode + vocoder (vs diffusers AutoencoderKLLTX2Audio + LTX2Vocoder)",
+                config="latents 50x16 (2 s) -> mel 197x64 -> 2 x 47280 samples at 24 kHz; vocoder width 256",
+                vidax=run_vidax, reference=run_ref)
+
+
+def bench_diffusion_decoder():
+    import jax
+
+    from diffusers import LTX2VideoDiffusionDecoderModel
+
+    from vidax.models.ltx import diffusion_decoder as ldd
+
+    torch, perturb = _torch()
+    torch.manual_seed(0)
+    ref = perturb(LTX2VideoDiffusionDecoderModel(
+        latent_channels=32, decoder_head_dim=32, decoder_stage_channels=(256, 128, 64, 64, 32),
+        decoder_stage_depths=(1, 1, 1, 1, 2), decoder_stage_kernels=((3, 5, 5), (3, 5, 5), (3, 3, 3), (3, 3, 3)),
+        decoder_stage5_kernel=(5, 5, 5)))
+    m = _loaded(ref, "dd")
+    z = np.random.default_rng(0).standard_normal((1, 32, 2, 5, 5)).astype(np.float32)
+    x_t = np.random.default_rng(1).standard_normal(ldd.pixel_shape(m.model_config, z.shape)).astype(np.float32)
+    dec = ref.decoder
+
+    def run_vidax():
+        jax.block_until_ready(m.denoise(z, x_t, 1))
+
+    def run_ref():
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            ctx = dec.forward_stage_4(dec.forward_stages_1_to_3(torch.from_numpy(z)))
+            dec.denoise(ctx, torch.from_numpy(x_t), 1)
+
+    return dict(component="LTX-2.5 diffusion decoder denoise (vs diffusers LTX2VideoDiffusionDecoderModel, flex attention)",
+                config="stages 256/128/64/64/32, head dim 32, windows 3x5x5 .. 5^3, latents 2x5x5 -> 9x160x160 px",
+                vidax=run_vidax, reference=run_ref)
+
+
+CASES = [bench_ltx_dit, bench_ltx2_dit,
+         _vae_case("AutoencoderKLLTXVideo", _V091, "LTX-Video 0.9.1 VAE", (1, 32, 3, 4, 6), temb=0.05),
+         _vae_case("AutoencoderKLLTX2Video", _V2, "LTX-2 VAE", (1, 32, 3, 4, 6)),
+         bench_audio, bench_diffusion_decoder]

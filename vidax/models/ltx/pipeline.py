@@ -1,0 +1,967 @@
+"""LTX pipelines on the vidax protocol: LTX-Video 0.9.x (text- and image-to-video, T5-XXL with its
+mask) and LTX-2.x (audio + video, Gemma 3 through the text connectors).
+
+Sources: a preset name (seeded random weights, a byte tokenizer; seconds on a CPU) or a diffusers
+pipeline folder (``model_index.json``; ``text_encoder/ tokenizer/ transformer/ vae/ scheduler/``,
+LTX-2 also ``connectors/ audio_vae/ vocoder/`` and optionally ``diffusion_decoder/``), local or at any
+fsspec URL (configs first, weights when a phase needs them).
+
+Phases (each loads its own weights and drops them): ``encode`` (prompt embeddings + masks in
+float32; the first frame's VAE latent for image-to-video), ``sample`` (flow-matching Euler on the
+reference's shifted sigmas), ``decode`` (the VAE, spatially tiled into persisted stages when
+``vae_tiling`` is on; LTX-2 also the audio VAE + vocoder to a waveform).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vidax.models.ltx import dit as ldit
+from vidax.models.ltx import vae as lvae
+from vidax.models.ltx.sampling import sample_video
+from vidax.pipeline import DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, to_uint8, to_unit_range
+from vidax.schedulers import from_diffusers_config
+from vidax.text import t5 as t5mod
+from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.source import is_url, resolve_source
+
+_CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json")
+_EMB = ("batch", "token", "channel")
+_LATENT = ("batch", "channel", "frame", "height", "width")
+
+#: the LTX checkpoints' scheduler (FlowMatchEulerDiscreteScheduler, resolution-dependent shift)
+LTX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+                 "use_dynamic_shifting": True, "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024,
+                 "max_image_seq_len": 4096, "shift_terminal": 0.1, "time_shift_type": "exponential"}
+
+# noise streams of a run (fold_in constants of the run's seed)
+_NOISE_LATENTS, _NOISE_AUDIO, _NOISE_IMAGE, _NOISE_DECODE, _NOISE_VAE = 0x7FFFFFFF, 0x7FFFFFFE, 0x11, 0x22, 0x33
+
+
+def calculate_shift(seq_len, base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15):
+    """The pipelines' resolution-dependent ``mu`` (linear in the token count)."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return seq_len * m + (base_shift - m * base_seq_len)
+
+
+def make_scheduler(config: dict, steps: int, seq_len: int, defaults=(256, 4096, 0.5, 1.15)):
+    """The scheduler as the LTX pipelines set it: ``sigmas = linspace(1, 1/N, N)``, ``mu`` from the
+    video token count and the config's (or the pipeline's default) shift bounds."""
+    b0, b1, s0, s1 = defaults
+    mu = calculate_shift(seq_len, config.get("base_image_seq_len", b0), config.get("max_image_seq_len", b1),
+                         config.get("base_shift", s0), config.get("max_shift", s1))
+    sigmas = np.linspace(1.0, 1.0 / steps, steps)
+    return from_diffusers_config(dict(config), steps, sigmas=sigmas, mu=mu)
+
+
+def key_for(seed: int, stream: int, *more: int):
+    k = jax.random.fold_in(jax.random.key(seed), stream)
+    for m in more:
+        k = jax.random.fold_in(k, m)
+    return k
+
+
+def pack(x, p: int = 1, pt: int = 1):
+    """Channels-last latents [B, F, H, W, C] -> tokens [B, S, C*pt*p*p] (the reference's _pack_latents)."""
+    b, f, h, w, c = x.shape
+    x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
+    return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+
+
+def unpack(y, grid, p: int = 1, pt: int = 1):
+    b = y.shape[0]
+    f, h, w = grid
+    y = y.reshape(b, f, h, w, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
+    return y.reshape(b, f * pt, h * p, w * p, -1)
+
+
+def resize_image(image, height: int, width: int, resample: str = "lanczos") -> np.ndarray:
+    """The reference ``VideoProcessor.preprocess`` for one RGB image: PIL resize to exactly
+    (height, width), [0, 255] -> [-1, 1]. Returns float32 [3, H, W]."""
+    import PIL.Image
+
+    from vidax.text.clip import _to_rgb_uint8
+
+    im = PIL.Image.fromarray(_to_rgb_uint8(image))
+    mode = {"lanczos": PIL.Image.Resampling.LANCZOS, "bilinear": PIL.Image.Resampling.BILINEAR}[resample]
+    a = np.asarray(im.resize((width, height), resample=mode).convert("RGB")).astype(np.float32) / 255.0
+    return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
+
+
+def _replicated(runner):
+    """Place loop arrays replicated on a runner's mesh (what its programs return), so the first
+    step and the later ones see the same argument shardings (one compile)."""
+    if runner is None:
+        return lambda a: a
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    s = NamedSharding(runner.mesh, PartitionSpec())
+    return lambda a: jax.device_put(a, s)
+
+
+# ----------------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class LTXPreset:
+    """A complete, seeded random-weight LTX-Video-shaped model (0.9.1-like: timestep-conditioned
+    decoder that injects noise) that runs on a CPU in seconds."""
+
+    text: t5mod.T5Config = field(default_factory=lambda: t5mod.T5Config(
+        vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, feed_forward_proj="gated-gelu"))
+    dit: ldit.LTXDiTConfig = field(default_factory=lambda: ldit.LTXDiTConfig(
+        in_channels=8, out_channels=8, num_heads=2, head_dim=12, cross_attention_dim=24, num_layers=2,
+        caption_channels=32))
+    vae: lvae.LTXVAEConfig = field(default_factory=lambda: lvae.LTXVAEConfig(
+        latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 32),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+        decoder_spatio_temporal_scaling=(True, True, True), decoder_inject_noise=(True, True, True, False),
+        upsample_residual=(True, True, True), upsample_factor=(2, 2, 2), timestep_conditioning=True))
+    max_text_len: int = 128
+    seed: int = 0
+
+
+PRESETS = {"tiny": LTXPreset()}
+
+
+def _stats(cfg, seed):
+    rng = np.random.default_rng(seed)
+    c = cfg.latent_channels
+    return {"latents_mean": (0.1 * rng.standard_normal(c)).astype(np.float32),
+            "latents_std": (1.0 + 0.1 * rng.uniform(-1, 1, c)).astype(np.float32)}
+
+
+# ----------------------------------------------------------------------------------- base
+class _Source:
+    """A preset name or a checkpoint folder (local or fsspec URL), configs read at construction."""
+
+    def _init_source(self, source, presets: dict):
+        remote = is_url(source)
+        self.source = str(source)
+        self.preset = presets.get(self.source) if not remote and not Path(self.source).exists() else None
+        self.preset_name = self.source if self.preset is not None else None
+        self._folder = None
+        if self.preset is None:
+            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
+            if not remote:
+                self._folder = self.config_folder
+            if not (self.config_folder / "model_index.json").exists():
+                raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a diffusers "
+                                 f"pipeline folder (no model_index.json)")
+            self.index = json.loads((self.config_folder / "model_index.json").read_text())
+        else:
+            self.config_folder, self.index = None, {}
+
+    @property
+    def folder(self) -> Path | None:
+        if self._folder is None and self.preset is None:
+            self._folder = resolve_source(self.source)
+        return self._folder
+
+    def _config(self, sub: str) -> dict:
+        return json.loads((self.config_folder / sub / "config.json").read_text())
+
+    def scheduler_config(self) -> dict:
+        if self.preset is not None:
+            return dict(LTX_SCHEDULER)
+        return json.loads((self.config_folder / "scheduler" / "scheduler_config.json").read_text())
+
+    def _fp(self, component: str, files: list[str]) -> str:
+        if self.preset is not None:
+            return f"preset:{self.preset_name}:{component}:{self.dtype.name}"
+        return f"{component}:{self.dtype.name}:" + files_fingerprint(self.folder, files)
+
+
+def _check_prompt_lengths(tok, request, limit: int):
+    neg = request.negative_prompt or ""
+    for name, texts in (("prompt", request.prompts), ("negative_prompt", [neg])):
+        for i, n in enumerate(tok.count([t.strip() for t in texts])):
+            if n > limit:
+                which = f" {i + 1}" if len(texts) > 1 else ""
+                raise OptionError(name, f"prompt{which} is {n} tokens long; the text encoder reads at most {limit}: "
+                                        "shorten it")
+
+
+class _Tiles:
+    """Decode plans of whole-video or spatially tiled VAE decodes (one persisted stage per tile,
+    raster order, each carrying the blended edge strips its right and lower neighbours need)."""
+
+    def video_plan(self, request, lat_frames: int, lh: int, lw: int, vae_cfg) -> list[DecodeSpan]:
+        tiling = self.tiling(request)
+        if tiling is None:
+            return [DecodeSpan("decode/0", "video", (0, lat_frames))]
+        grid = tiling.grid(vae_cfg, lh, lw)
+        boxes = [b for row in grid for b in row]
+        if len(boxes) == 1:
+            return [DecodeSpan("decode/0", "video", (0, lat_frames))]
+        return [DecodeSpan(f"decode/{k}", "video", (0, lat_frames), box, f"decode/{k - 1}" if k else None)
+                for k, box in enumerate(boxes)]
+
+    def tiling(self, request):
+        return lvae.Tiling() if request.options.get("vae_tiling") else None
+
+    def finish_tile(self, pixels, span: DecodeSpan, carry, request, lh: int, lw: int, vae_cfg):
+        """``pixels``: the raw decode of ``span``'s tile [B, 3, F, h, w] -> (uint8 frames, carry)."""
+        if span.tile is None:
+            return to_uint8(to_unit_range(pixels)), None
+        tiling = self.tiling(request)
+        grid = tiling.grid(vae_cfg, lh, lw)
+        boxes = [(i, j, b) for i, row in enumerate(grid) for j, b in enumerate(row)]
+        k = next(n for n, (_, _, b) in enumerate(boxes) if b == tuple(span.tile))
+        i, j, _ = boxes[k]
+        region, carry = lvae.blend_tile(pixels, i, j, carry, tiling, last=k == len(boxes) - 1)
+        return to_uint8(to_unit_range(region)), carry
+
+    def assemble_video(self, parts):
+        if len(parts) == 1 or parts[0][0].tile is None:
+            return np.concatenate([f for _, f in parts], axis=1)
+        rows: dict = {}
+        for span, f in parts:
+            rows.setdefault(span.tile[0], []).append((span.tile[2], f))
+        return np.concatenate([np.concatenate([f for _, f in sorted(r, key=lambda t: t[0])], axis=3)
+                               for _, r in sorted(rows.items())], axis=2)
+
+
+# ----------------------------------------------------------------------------------- LTX-Video 0.9
+class LTXVideo(_Source, _Tiles, Pipeline):
+    """LTX-Video 0.9.x text-to-video (``LTXPipeline``); with ``image_to_video=True`` (or an
+    ``LTXImageToVideoPipeline`` folder) image-to-video: the first latent frame is the image's VAE
+    latent, kept through sampling with per-token timestep 0."""
+
+    FAMILY = "ltx"
+    OPTIONS = (
+        Option("guidance_rescale", float, 0.0, "rescale the guided velocity toward the conditional one's std",
+               minimum=0.0, maximum=1.0),
+        Option("decode_timestep", float, 0.0, "timestep-conditioned VAE decoders: the decode timestep",
+               minimum=0.0, maximum=1.0, stages=("decode:video",)),
+        Option("decode_noise_scale", float, None, "noise mixed into the latents before a timestep-conditioned "
+               "decode (default: decode_timestep)", minimum=0.0, maximum=1.0, stages=("decode:video",)),
+        Option("vae_tiling", bool, False, "decode in spatial tiles, one persisted stage each (the reference's "
+               "enable_tiling: 512 px tiles, 448 px stride)", stages=("decode",)),
+    )
+    COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
+    CODE_DEPS = ("vidax.text",)
+    MAX_TEXT = 128
+
+    def __init__(self, source="tiny", *, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, image_to_video: bool | None = None):
+        self.dtype = np.dtype(dtype)
+        self.mesh, self.parallelism, self.offload_chunk_size, self.prefetch = mesh, parallelism, offload_chunk_size, prefetch
+        self._init_source(source, PRESETS)
+        cls = self.index.get("_class_name", "LTXPipeline")
+        self.image_to_video = cls == "LTXImageToVideoPipeline" if image_to_video is None else bool(image_to_video)
+
+    # ------------------------------------------------------------------ configs
+    def dit_config(self) -> ldit.LTXDiTConfig:
+        return self.preset.dit if self.preset else ldit.LTXDiTConfig.from_diffusers(self._config("transformer"))
+
+    def vae_config(self) -> lvae.LTXVAEConfig:
+        return self.preset.vae if self.preset else lvae.LTXVAEConfig.from_diffusers(self._config("vae"))
+
+    def geometry(self) -> Geometry:
+        d, v = self.dit_config(), self.vae_config()
+        return Geometry(spatial=v.spatial_ratio, temporal=v.temporal_ratio, latent_channels=d.out_channels,
+                        patch=(d.patch_size_t, d.patch_size, d.patch_size), num_heads=d.num_heads)
+
+    def check(self, request) -> None:
+        if self.preset is None and self._folder is None:
+            return
+        if self.folder is not None:
+            need = ["text_encoder", "tokenizer", "transformer", "vae", "scheduler"]
+            missing = [n for n in need if not (self.folder / n).is_dir()]
+            if missing:
+                raise OptionError("checkpoint", f"{self.folder}: missing {', '.join(missing)}/ (diffusers layout)")
+        _check_prompt_lengths(self.load_tokenizer(), request, self.MAX_TEXT)
+
+    def stage_params(self, kind, request, span=None):
+        p = super().stage_params(kind, request, span)
+        if kind == "sample":
+            p["fps"] = request.fps  # the rotary grid's time axis is in seconds (frame_rate)
+        return p
+
+    # ------------------------------------------------------------------ components
+    def load_tokenizer(self):
+        return ByteTokenizer() if self.preset else load_tokenizer(self.folder / "tokenizer")
+
+    def load_text_encoder(self):
+        if self.preset:
+            from vidax.models.ltx.layers import seeded_split
+
+            g, st = seeded_split(t5mod._build(self.preset.text, 0, np.float32), self.preset.seed + 1)
+            return t5mod.T5Encoder(g, jax.device_put(st), self.preset.text)
+        return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32)
+
+    def load_dit(self):
+        """(state on device, cfg), or (a :class:`DiTRunner`, cfg) on a mesh / with offloading."""
+        cfg = self.dit_config()
+        if self.preset:
+            state = ldit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
+        else:
+            state, cfg = ldit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+        if self.mesh is None and self.offload_chunk_size is None:
+            return jax.device_put(state), cfg
+        return ldit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                           prefetch=self.prefetch), cfg
+
+    def load_vae(self, encoder: bool = False):
+        cfg = self.vae_config()
+        if self.preset:
+            return jax.device_put(lvae.init_state(cfg, seed=self.preset.seed + 3)), cfg, _stats(cfg, self.preset.seed + 3)
+        state, cfg, stats = lvae.load_vae(self.folder / "vae", cfg, encoder=encoder)
+        return jax.device_put(state), cfg, stats
+
+    def fingerprint(self, component: str) -> str:
+        files = {"text": ["text_encoder", "tokenizer"], "dit": ["transformer"], "vae": ["vae"],
+                 "image": ["vae"]}[component]
+        if component == "dit":
+            files = files + ["scheduler"]
+        return self._fp(component, files)
+
+    # ------------------------------------------------------------------ phases
+    def encode_prompts(self, prompts, tok=None, enc=None):
+        """(embeddings [B, 128, D] float32, mask [B, 128]) as ``_get_t5_prompt_embeds``."""
+        tok = tok or self.load_tokenizer()
+        enc = enc or self.load_text_encoder()
+        ids, mask = tok([p.strip() for p in prompts], self.MAX_TEXT)
+        h = np.asarray(enc(jnp.asarray(ids), jnp.asarray(mask)), np.float32)
+        return h, np.asarray(mask, np.float32)
+
+    def encode_image(self, image, height: int, width: int, seed: int, vae=None) -> np.ndarray:
+        """The first frame's normalised latent [1, C, 1, h, w]: a posterior sample (the reference
+        samples with the run's generator), normalised with scaling factor 1 as ``prepare_latents``."""
+        state, cfg, stats = vae or self.load_vae(encoder=True)
+        px = resize_image(image, height, width)[None, :, None]
+        z = np.asarray(lvae.encode_sample(state, cfg, px, key_for(seed, _NOISE_IMAGE)))
+        return lvae.normalize(stats, cfg, z, scaling_factor=1.0)
+
+    def encode(self, request, image=None) -> dict:
+        tok, enc = self.load_tokenizer(), self.load_text_encoder()
+        cond, cmask = self.encode_prompts(request.prompts, tok, enc)
+        neg = request.negative_prompt if request.negative_prompt is not None else ""
+        unc, umask = self.encode_prompts([neg] * len(request.prompts), tok, enc)
+        del enc
+        dt = np.dtype(np.float32) if request.dtype == "float32" else np.dtype(jnp.bfloat16)
+        attrs = dict(model=request.model, computed_in="float32", stored_as=str(dt))
+        out = {"prompt_embeds": Named(cond.astype(dt), _EMB, attrs), "prompt_mask": Named(cmask, ("batch", "token")),
+               "negative_embeds": Named(unc.astype(dt), _EMB, attrs), "negative_mask": Named(umask, ("batch", "token"))}
+        if image is not None:
+            lat = self.encode_image(image, request.height, request.width, request.seed)
+            out["image_latents"] = Named(lat.astype(np.float32), _LATENT, {"role": "first frame, normalised"})
+        return out
+
+    def latent_grid(self, height, width, num_frames):
+        v = self.vae_config()
+        return (num_frames - 1) // v.temporal_ratio + 1, height // v.spatial_ratio, width // v.spatial_ratio
+
+    def rope(self, cfg, grid, fps: float):
+        v = self.vae_config()
+        f, h, w = grid
+        ris = (v.temporal_ratio / fps, v.spatial_ratio, v.spatial_ratio)
+        g = ldit.video_coords(f // cfg.patch_size_t, h // cfg.patch_size, w // cfg.patch_size, ris, cfg)
+        return ldit.rope_tables(g, cfg)
+
+    def sample_latents(self, cond, cmask, uncond=None, umask=None, *, seed=0, height=512, width=704, num_frames=161,
+                       steps=50, guidance=3.0, fps=25.0, guidance_rescale=0.0, image_latents=None, latents=None,
+                       start=0, on_step=None, dit=None):
+        """Final latents [B, C, F, H, W] (normalised). ``latents``: channels-last to resume from at
+        step ``start`` (the state after step ``start - 1``)."""
+        d = dit or self.load_dit()
+        params, cfg = d
+        grid = self.latent_grid(height, width, num_frames)
+        b = cond.shape[0]
+        seq = (grid[0] // cfg.patch_size_t) * (grid[1] // cfg.patch_size) * (grid[2] // cfg.patch_size)
+        sched = make_scheduler(self.scheduler_config(), steps, seq)
+        keep = None
+        if image_latents is not None:
+            keep = np.zeros((1, *grid, 1), np.float32)
+            keep[:, 0] = 1.0
+            keep = jnp.asarray(keep)
+        if latents is None:
+            if start:
+                raise ValueError("resuming (start > 0) needs the latents saved at that step")
+            x = jax.random.normal(key_for(seed, _NOISE_LATENTS), (b, *grid, cfg.in_channels), jnp.float32)
+            if image_latents is not None:
+                init = jnp.asarray(np.asarray(image_latents, np.float32).transpose(0, 2, 3, 4, 1))  # [1, 1, h, w, C]
+                x = init * keep + x * (1.0 - keep)
+        else:
+            x = jnp.asarray(latents, jnp.float32)
+        cos, sin = self.rope(cfg, grid, fps)
+        cos, sin = jnp.asarray(cos), jnp.asarray(sin)
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        from vidax.models.ltx.runner import DiTRunner
+
+        runner = params if isinstance(params, DiTRunner) else None
+        dt = ldit.state_dtype(params) if runner is None else jnp.dtype(self.dtype)
+
+        def model(prm, xx, tt, ctx, mask):
+            inp = ldit.model_inputs(cfg, pack(xx, p, pt).astype(dt), tt, ctx.astype(dt), mask, cos, sin)
+            out = ldit.forward(prm, cfg, inp) if runner is None else (runner.apply(prm, inp) if prm is not None
+                                                                       else runner(inp))
+            return unpack(out["y"], (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)
+
+        jit_model = runner is None or runner.offload is None
+        prm = params if runner is None else (runner.params if runner.offload is None else None)
+        put = _replicated(runner)
+        x = put(x)
+        c = {"ctx": put(jnp.asarray(cond, jnp.float32)), "mask": put(jnp.asarray(cmask, jnp.float32))}
+        u = None if uncond is None else {"ctx": put(jnp.asarray(uncond, jnp.float32)),
+                                         "mask": put(jnp.asarray(umask, jnp.float32))}
+        x, _ = sample_video(model, sched, x, c, u, guidance=guidance, guidance_rescale=guidance_rescale, keep_first=keep,
+                            start=start, on_step=on_step, params=prm, jit_model=jit_model)
+        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+
+    def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
+        o = request.options
+        use_cfg = request.guidance > 1.0
+        start, latents = 0, None
+        if resume is not None:
+            start = int(resume["step"])
+            latents = np.asarray(resume["arrays"]["latents"], np.float32).transpose(0, 2, 3, 4, 1)
+
+        def cb(info, x, st):
+            on_step(info, lambda: {"latents": np.asarray(x).transpose(0, 4, 1, 2, 3)})
+
+        lat = self.sample_latents(
+            conditioning["prompt_embeds"], conditioning["prompt_mask"],
+            conditioning.get("negative_embeds") if use_cfg else None, conditioning.get("negative_mask") if use_cfg else None,
+            seed=request.seed, height=request.height, width=request.width, num_frames=request.num_frames,
+            steps=request.steps, guidance=request.guidance, fps=request.fps,
+            guidance_rescale=o.get("guidance_rescale") or 0.0, image_latents=conditioning.get("image_latents"),
+            latents=latents, start=start, on_step=None if on_step is None else cb)
+        return {"latents": Named(lat, _LATENT, {"model": request.model, "normalised": True})}
+
+    # ------------------------------------------------------------------ decode
+    def decode_plan(self, request) -> list[DecodeSpan]:
+        f, h, w = self.latent_grid(request.height, request.width, request.num_frames)
+        return self.video_plan(request, f, h, w, self.vae_config())
+
+    def decode_latents(self, latents, request, vae=None, tile=None):
+        """Normalised latents [B, C, F, H, W] -> raw pixels [B, 3, F', H', W'] (numpy), as the
+        pipeline decodes: denormalise, then (timestep-conditioned decoders) mix in decode noise
+        drawn from the run's seed and decode at ``decode_timestep``. ``tile``: a latent box."""
+        state, cfg, stats = vae or self.load_vae()
+        z = lvae.denormalize(stats, cfg, latents)
+        temb = None
+        if cfg.timestep_conditioning:
+            o = request.options
+            t = float(o.get("decode_timestep") or 0.0)
+            s = o.get("decode_noise_scale")
+            s = t if s is None else float(s)
+            noise = np.asarray(jax.random.normal(key_for(request.seed, _NOISE_DECODE), z.shape, jnp.float32))
+            z = (1 - np.float32(s)) * z + np.float32(s) * noise
+            temb = np.full((z.shape[0],), t, np.float32)
+        index = 0
+        if tile is not None:
+            y0, y1, x0, x1 = tile
+            z = z[..., y0:y1, x0:x1]
+            index = y0 * 100003 + x0
+        key = key_for(request.seed, _NOISE_VAE, index) if any(cfg.decoder_inject_noise) else None
+        return np.asarray(lvae.decode(state, cfg, z, temb, key))
+
+    def decode(self, latents, span, carry, request):
+        lat = latents["latents"]
+        px = self.decode_latents(lat, request, tile=span.tile)
+        frames, carry = self.finish_tile(px, span, carry, request, lat.shape[-2], lat.shape[-1], self.vae_config())
+        return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
+                                {"tile": list(span.tile) if span.tile else None, "units": "uint8 RGB"})}, carry
+
+    def generate(self, prompt, negative_prompt=None, *, image=None, seed=0, height=512, width=704, num_frames=161,
+                 steps=50, guidance=3.0, fps=25.0, **options):
+        """Prompt(s) (+ image) -> uint8 frames [B, F, H, W, 3], through the same phases."""
+        from types import SimpleNamespace
+
+        opts = {o.name: o.default for o in self.OPTIONS}
+        opts.update(options)
+        req = SimpleNamespace(model="ltx", prompts=[prompt] if isinstance(prompt, str) else list(prompt),
+                              negative_prompt=negative_prompt, seed=seed, height=height, width=width,
+                              num_frames=num_frames, steps=steps, guidance=guidance, fps=fps, dtype="float32",
+                              options=opts, decode_stages=None)
+        cond = {k: v.array for k, v in self.encode(req, image).items()}
+        lat = self.sample(cond, req)["latents"].array
+        parts, carry = [], None
+        for span in self.decode_plan(req):
+            out, carry = self.decode({"latents": lat}, span, carry, req)
+            parts.append((span, out["frames"].array))
+        return self.assemble_video(parts)
+
+
+class LTXVideoI2V(LTXVideo):
+    """LTX-Video 0.9.x image-to-video (``LTXImageToVideoPipeline`` on the same checkpoint)."""
+
+    def __init__(self, source="tiny", **kw):
+        kw.setdefault("image_to_video", True)
+        super().__init__(source, **kw)
+
+
+# ----------------------------------------------------------------------------------- LTX-2
+from vidax.models.ltx import audio as laudio  # noqa: E402
+from vidax.models.ltx import connectors as lconn  # noqa: E402
+from vidax.models.ltx import dit2 as ldit2  # noqa: E402
+from vidax.models.ltx.sampling import sample_av  # noqa: E402
+
+
+def _tiny_gemma():
+    from vidax.text import lm
+
+    return lm.LMConfig.from_hf({"model_type": "gemma3_text", "vocab_size": 384, "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+                                "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8,
+                                "query_pre_attn_scalar": 16, "sliding_window_pattern": 2})
+
+
+@dataclass(frozen=True)
+class LTX2Preset:
+    """A seeded random-weight LTX-2-shaped model: Gemma 3 (3 layers), connectors with registers,
+    an audio+video DiT, LTX-2 video VAE, audio VAE + vocoder (8 kHz), a diffusion decoder."""
+
+    dit: ldit2.LTX2DiTConfig = field(default_factory=lambda: ldit2.LTX2DiTConfig(
+        in_channels=8, out_channels=8, num_heads=2, head_dim=8, cross_attention_dim=16, audio_in_channels=16,
+        audio_out_channels=16, audio_num_heads=2, audio_head_dim=6, audio_cross_attention_dim=12, num_layers=2,
+        caption_channels=32, rope_type="split", perturbed_attn=True))
+    connectors: lconn.ConnectorsConfig = field(default_factory=lambda: lconn.ConnectorsConfig(
+        caption_channels=32, text_proj_in_factor=4, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=16, video_connector_num_layers=1, video_connector_num_learnable_registers=8,
+        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=16, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8, rope_type="split"))
+    vae: lvae.LTXVAEConfig = field(default_factory=lambda: replace(
+        lvae.V2_DEFAULTS, latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 32),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), decoder_causal=False))
+    audio_vae: laudio.AudioVAEConfig = field(default_factory=lambda: laudio.AudioVAEConfig(
+        base_channels=16, ch_mult=(1, 2), num_res_blocks=1, latent_channels=4, mel_bins=16, resolution=16))
+    vocoder: laudio.VocoderConfig = field(default_factory=lambda: laudio.VocoderConfig(
+        in_channels=32, hidden_channels=16, upsample_kernel_sizes=(7, 4, 4), upsample_factors=(5, 4, 4),
+        resnet_kernel_sizes=(3,), resnet_dilations=((1, 3),), output_sampling_rate=8000))
+    max_text_len: int = 64
+    seed: int = 0
+
+
+LTX2_PRESETS = {"tiny": LTX2Preset()}
+
+#: LTX2Pipeline's defaults (guidance in x0 space)
+LTX2_GUIDANCE = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0,
+                     guidance_rescale=0.7, audio_guidance_rescale=0.7)
+
+
+def apply_crf(image_uint8: np.ndarray, crf: int) -> np.ndarray:
+    """Re-compress one RGB image as a 1-frame H.264 video at ``crf`` (libx264, veryfast, yuv420p),
+    as the LTX-2 image-to-video pipeline does before encoding it; ``crf=0`` returns it unchanged.
+    Dimensions are cut to even sizes first, as the reference does."""
+    if not crf:
+        return image_uint8
+    import os
+    import tempfile
+
+    import imageio.v2 as iio2
+
+    img = np.asarray(image_uint8, np.uint8)
+    img = img[: img.shape[0] // 2 * 2, : img.shape[1] // 2 * 2]
+    fd, path = tempfile.mkstemp(suffix=".mp4", prefix="vidax-crf-")
+    os.close(fd)
+    try:
+        w = iio2.get_writer(path, fps=1, codec="libx264", quality=None, macro_block_size=1, pixelformat="yuv420p",
+                            ffmpeg_params=["-crf", str(int(crf)), "-preset", "veryfast"], ffmpeg_log_level="error")
+        w.append_data(img)
+        w.close()
+        r = iio2.get_reader(path)
+        out = np.asarray(r.get_data(0))
+        r.close()
+    finally:
+        os.remove(path)
+    return out
+
+
+class LTX2(_Source, _Tiles, Pipeline):
+    """LTX-2.x audio + video (``LTX2Pipeline``; with ``image_to_video`` or an
+    ``LTX2ImageToVideoPipeline`` folder, image-to-video). LTX-2.5 checkpoints load through the same
+    class (their DiT / connector switches come from the configs)."""
+
+    FAMILY = "ltx"
+    GUIDANCE = "cfg"
+    OUTPUTS = ("video", "audio")
+    OPTIONS = (
+        Option("audio", bool, True, "write the sound track (sampling always runs both streams)", stages=("mux",)),
+        Option("audio_guidance", float, 7.0, "classifier-free guidance of the audio stream", minimum=0.0, maximum=100.0),
+        Option("stg_scale", float, 1.0, "spatio-temporal guidance (video)", minimum=0.0, maximum=100.0),
+        Option("audio_stg_scale", float, 1.0, "spatio-temporal guidance (audio)", minimum=0.0, maximum=100.0),
+        Option("stg_blocks", str, "28", "blocks whose self-attention spatio-temporal guidance skips (comma list)"),
+        Option("modality_scale", float, 3.0, "modality-isolation guidance (video)", minimum=0.0, maximum=100.0),
+        Option("audio_modality_scale", float, 3.0, "modality-isolation guidance (audio)", minimum=0.0, maximum=100.0),
+        Option("guidance_rescale", float, 0.7, "guidance rescale (video)", minimum=0.0, maximum=1.0),
+        Option("audio_guidance_rescale", float, 0.7, "guidance rescale (audio)", minimum=0.0, maximum=1.0),
+        Option("use_cross_timestep", bool, True, "cross-modal modulation from the other stream's sigma (LTX-2.3+)"),
+        Option("decode_timestep", float, 0.0, "timestep-conditioned VAE decoders: the decode timestep",
+               minimum=0.0, maximum=1.0, stages=("decode:video",)),
+        Option("decode_noise_scale", float, None, "noise mixed into the latents before a timestep-conditioned decode "
+               "(default: decode_timestep)", minimum=0.0, maximum=1.0, stages=("decode:video",)),
+        Option("vae_tiling", bool, True, "decode the video in spatial tiles, one persisted stage each (512 px tiles, "
+               "448 px stride, as the reference's enable_tiling)", stages=("decode",)),
+        Option("vae_decoder", str, "vae", "video decoder: the convolutional VAE, or LTX-2.5's diffusion decoder",
+               choices=("vae", "diffusion"), stages=("decode",)),
+        Option("decoder_steps", int, None, "diffusion decoder steps (default: its config)", minimum=1, maximum=50,
+               stages=("decode:video",)),
+        Option("image_crf", int, 33, "H.264 CRF the conditioning image is re-compressed with (0: none)",
+               minimum=0, maximum=51, stages=("encode",)),
+    )
+    COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae", "audio")}
+    CODE_DEPS = ("vidax.text",)
+
+    def __init__(self, source="tiny", *, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, image_to_video: bool | None = None):
+        self.dtype = np.dtype(dtype)
+        self.mesh, self.parallelism, self.offload_chunk_size, self.prefetch = mesh, parallelism, offload_chunk_size, prefetch
+        self._init_source(source, LTX2_PRESETS)
+        cls = self.index.get("_class_name", "LTX2Pipeline")
+        self.image_to_video = cls == "LTX2ImageToVideoPipeline" if image_to_video is None else bool(image_to_video)
+
+    # ------------------------------------------------------------------ configs
+    @property
+    def max_text_len(self) -> int:
+        return self.preset.max_text_len if self.preset else 1024
+
+    def dit_config(self) -> ldit2.LTX2DiTConfig:
+        return self.preset.dit if self.preset else ldit2.LTX2DiTConfig.from_diffusers(self._config("transformer"))
+
+    def vae_config(self) -> lvae.LTXVAEConfig:
+        return self.preset.vae if self.preset else lvae.LTXVAEConfig.from_diffusers(self._config("vae"))
+
+    def audio_vae_config(self) -> laudio.AudioVAEConfig:
+        return self.preset.audio_vae if self.preset else laudio.AudioVAEConfig.from_diffusers(self._config("audio_vae"))
+
+    def geometry(self) -> Geometry:
+        d, v = self.dit_config(), self.vae_config()
+        return Geometry(spatial=v.spatial_ratio, temporal=v.temporal_ratio, latent_channels=d.out_channels,
+                        patch=(d.patch_size_t, d.patch_size, d.patch_size), num_heads=d.num_heads)
+
+    def check(self, request) -> None:
+        if request.options.get("vae_decoder") == "diffusion" and not self.has_diffusion_decoder:
+            raise OptionError("vae_decoder", f"{self.source}: this checkpoint has no diffusion_decoder/")
+        if self.preset is None and self._folder is None:
+            return
+        if self.folder is not None:
+            need = ["text_encoder", "tokenizer", "connectors", "transformer", "vae", "audio_vae", "vocoder", "scheduler"]
+            missing = [n for n in need if not (self.folder / n).is_dir()]
+            if missing:
+                raise OptionError("checkpoint", f"{self.folder}: missing {', '.join(missing)}/ (diffusers layout)")
+        _check_prompt_lengths(self.load_tokenizer(), request, self.max_text_len)
+
+    @property
+    def has_diffusion_decoder(self) -> bool:
+        if self.preset is not None:
+            return True
+        return (self.config_folder / "diffusion_decoder" / "config.json").exists()
+
+    def stage_params(self, kind, request, span=None):
+        p = super().stage_params(kind, request, span)
+        if kind == "sample":
+            p["fps"] = request.fps  # the rotary time coordinates are in seconds
+        return p
+
+    # ------------------------------------------------------------------ components
+    def load_tokenizer(self):
+        if self.preset:
+            return ByteTokenizer()
+        return load_tokenizer(self.folder / "tokenizer")
+
+    def tokenize(self, tok, prompts):
+        """Left-padded ids and mask [B, max_text_len] (the reference pads on the left)."""
+        prompts = [p.strip() for p in prompts]
+        if isinstance(tok, ByteTokenizer):
+            ids, mask = tok(prompts, self.max_text_len)
+            n = mask.sum(axis=1)
+            return (np.stack([np.roll(r, self.max_text_len - k) for r, k in zip(ids, n)]),
+                    np.stack([np.roll(r, self.max_text_len - k) for r, k in zip(mask, n)]))
+        return tok(prompts, self.max_text_len, padding_side="left", add_special_tokens=True)
+
+    def load_text_encoder(self):
+        from vidax.text import lm
+
+        if self.preset:
+            return lm.init(_tiny_gemma(), seed=self.preset.seed + 1)
+        # Gemma 3 12B in float32 is ~48 GB: on a mesh its heads / MLP / vocabulary split over tp
+        mesh = None
+        if self.mesh is not None:
+            from vidax.core import mesh as vmesh
+
+            mesh = vmesh.make_mesh(self.mesh)
+        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh)
+
+    def load_connectors(self):
+        if self.preset:
+            return lconn.init(self.preset.connectors, seed=self.preset.seed + 5)
+        return lconn.load(self.folder / "connectors")
+
+    def load_dit(self):
+        cfg = self.dit_config()
+        if self.preset:
+            state = ldit2.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
+        else:
+            state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+        if self.mesh is None and self.offload_chunk_size is None:
+            return jax.device_put(state), cfg
+        return ldit2.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                            prefetch=self.prefetch), cfg
+
+    def load_vae(self, encoder: bool = False):
+        cfg = self.vae_config()
+        if self.preset:
+            return jax.device_put(lvae.init_state(cfg, seed=self.preset.seed + 3)), cfg, _stats(cfg, self.preset.seed + 3)
+        state, cfg, stats = lvae.load_vae(self.folder / "vae", cfg, encoder=encoder)
+        return jax.device_put(state), cfg, stats
+
+    def load_audio(self):
+        """(audio VAE decoder, its stats, vocoder)."""
+        if self.preset:
+            cfg = self.preset.audio_vae
+            rng = np.random.default_rng(self.preset.seed + 6)
+            c = cfg.base_channels
+            stats = {"latents_mean": (0.1 * rng.standard_normal(c)).astype(np.float32),
+                     "latents_std": (1.0 + 0.1 * rng.uniform(-1, 1, c)).astype(np.float32)}
+            return (laudio.init_vae(cfg, self.preset.seed + 6, encoder=False), stats,
+                    laudio.init_vocoder(self.preset.vocoder, self.preset.seed + 7))
+        vae, _, stats = laudio.load_vae(self.folder / "audio_vae")
+        return vae, stats, laudio.load_vocoder(self.folder / "vocoder")
+
+    def load_diffusion_decoder(self):
+        from vidax.models.ltx import diffusion_decoder as ldd
+
+        if self.preset:
+            cfg = ldd.PRESETS["tiny"]
+            return ldd.init(cfg, self.preset.seed + 8), cfg, _stats(self.preset.vae, self.preset.seed + 3)
+        return ldd.load(self.folder / "diffusion_decoder")
+
+    def audio_sample_rate(self) -> int:
+        if self.preset:
+            return self.preset.vocoder.output_sampling_rate
+        return laudio.vocoder_config(self._config("vocoder")).output_sampling_rate
+
+    def fingerprint(self, component: str) -> str:
+        files = {"text": ["text_encoder", "tokenizer", "connectors"], "dit": ["transformer", "scheduler"],
+                 "vae": ["vae", "diffusion_decoder"], "image": ["vae"], "audio": ["audio_vae", "vocoder"]}[component]
+        return self._fp(component, files)
+
+    # ------------------------------------------------------------------ encode
+    def encode_prompts(self, prompts, tok=None, enc=None, conn=None):
+        """Gemma 3's hidden states of every layer (left-padded prompts) through the connectors:
+        (video embeddings [B, T, Dv], audio embeddings [B, T, Da], mask [B, T]), float32."""
+        tok = tok or self.load_tokenizer()
+        enc = enc or self.load_text_encoder()
+        conn = conn or self.load_connectors()
+        ids, mask = self.tokenize(tok, prompts)
+        hs = enc.hidden_states(jnp.asarray(ids), jnp.asarray(mask))  # [L+1, B, T, D]
+        hs = jnp.transpose(hs, (1, 2, 3, 0))  # [B, T, D, L+1] as torch.stack(..., dim=-1)
+        v, a, m = conn(hs, jnp.asarray(mask), padding_side="left")
+        return np.asarray(v, np.float32), np.asarray(a, np.float32), np.asarray(m, np.float32)
+
+    def encode_image(self, image, height: int, width: int, crf: int = 33, vae=None) -> np.ndarray:
+        """The first frame's normalised latent [1, C, 1, h, w]: re-compressed at ``crf``, bilinear
+        resize, the posterior mean ("argmax"), normalised with scaling factor 1."""
+        from vidax.text.clip import _to_rgb_uint8
+
+        state, cfg, stats = vae or self.load_vae(encoder=True)
+        img = apply_crf(_to_rgb_uint8(image), crf)
+        px = resize_image(img, height, width, resample="bilinear")[None, :, None]
+        z = np.asarray(lvae.encode(state, cfg, px))
+        return lvae.normalize(stats, cfg, z, scaling_factor=1.0)
+
+    def encode(self, request, image=None) -> dict:
+        tok, enc, conn = self.load_tokenizer(), self.load_text_encoder(), self.load_connectors()
+        v, a, m = self.encode_prompts(request.prompts, tok, enc, conn)
+        neg = request.negative_prompt if request.negative_prompt is not None else ""
+        nv, na, nm = self.encode_prompts([neg] * len(request.prompts), tok, enc, conn)
+        del enc
+        dt = np.dtype(np.float32) if request.dtype == "float32" else np.dtype(jnp.bfloat16)
+        at = dict(model=request.model, computed_in="float32", stored_as=str(dt), role="connector output")
+        out = {"video_embeds": Named(v.astype(dt), _EMB, at), "audio_embeds": Named(a.astype(dt), _EMB, at),
+               "prompt_mask": Named(m, ("batch", "token")),
+               "negative_video_embeds": Named(nv.astype(dt), _EMB, at),
+               "negative_audio_embeds": Named(na.astype(dt), _EMB, at), "negative_mask": Named(nm, ("batch", "token"))}
+        if image is not None:
+            lat = self.encode_image(image, request.height, request.width, int(request.options.get("image_crf") or 0))
+            out["image_latents"] = Named(lat.astype(np.float32), _LATENT, {"role": "first frame, normalised"})
+        return out
+
+    # ------------------------------------------------------------------ sample
+    def latent_grid(self, height, width, num_frames):
+        v = self.vae_config()
+        return (num_frames - 1) // v.temporal_ratio + 1, height // v.spatial_ratio, width // v.spatial_ratio
+
+    def audio_frames(self, num_frames: int, fps: float) -> int:
+        """Audio latent frames for the video's duration (``round(seconds * rate / hop / 4)``)."""
+        a = self.audio_vae_config()
+        per_second = a.sample_rate / a.mel_hop_length / float(laudio.LATENT_DOWNSAMPLE)
+        return round(num_frames / fps * per_second)
+
+    def sample_latents(self, cond: dict, uncond: dict | None, *, seed=0, height=512, width=768, num_frames=121, steps=30,
+                       guidance=3.0, fps=24.0, options: dict | None = None, image_latents=None, latents=None,
+                       audio_latents=None, start=0, on_step=None, dit=None):
+        """(video latents [B, C, F, H, W] normalised, packed audio latents [B, La, Ca] normalised).
+        ``cond`` / ``uncond``: ``{"v", "a", "mask"}``; ``options``: the guidance options (defaults
+        as ``LTX2Pipeline``); ``latents`` / ``audio_latents``: to resume at ``start``."""
+        o = {**{x.name: x.default for x in self.OPTIONS}, **(options or {})}
+        params, cfg = dit or self.load_dit()
+        grid = self.latent_grid(height, width, num_frames)
+        b = cond["v"].shape[0]
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        tgrid = (grid[0] // pt, grid[1] // p, grid[2] // p)
+        seq = tgrid[0] * tgrid[1] * tgrid[2]
+        la = self.audio_frames(num_frames, fps)
+        sched = make_scheduler(self.scheduler_config(), steps, seq, defaults=(1024, 4096, 0.95, 2.05))
+        keep = None
+        if image_latents is not None:
+            keep = np.zeros((1, *grid, 1), np.float32)
+            keep[:, 0] = 1.0
+            keep = jnp.asarray(keep)
+        if latents is None:
+            if start:
+                raise ValueError("resuming (start > 0) needs the latents saved at that step")
+            x = jax.random.normal(key_for(seed, _NOISE_LATENTS), (b, *grid, cfg.in_channels), jnp.float32)
+            a = jax.random.normal(key_for(seed, _NOISE_AUDIO), (b, la, cfg.audio_in_channels), jnp.float32)
+            if image_latents is not None:
+                init = jnp.asarray(np.asarray(image_latents, np.float32).transpose(0, 2, 3, 4, 1))
+                x = init * keep + x * (1.0 - keep)
+        else:
+            x, a = jnp.asarray(latents, jnp.float32), jnp.asarray(audio_latents, jnp.float32)
+        vc = ldit2.video_coords(*tgrid, cfg, fps)
+        ac = ldit2.audio_coords(la, cfg)
+        ropes = {k: jnp.asarray(v) for k, v in ldit2.rope_tables(cfg, vc, ac).items()}
+        stg_blocks = tuple(int(s) for s in str(o.get("stg_blocks") or "").split(",") if s.strip() != ""
+                           and int(s) < cfg.num_layers)
+        uct = bool(o.get("use_cross_timestep"))
+        ktok = None if keep is None else keep[0, ::pt, ::p, ::p, 0].reshape(1, -1)
+        from vidax.models.ltx.runner import DiTRunner
+
+        runner = params if isinstance(params, DiTRunner) else None
+        dt = ldit2.state_dtype(params) if runner is None else jnp.dtype(self.dtype)
+
+        def model(prm, xx, aa, t, ctx, actx, mask, perturb, xmod):
+            n = xx.shape[0]
+            tb = jnp.full((n,), t, jnp.float32)
+            vt = tb if ktok is None else tb[:, None] * (1.0 - ktok)
+            inp = ldit2.model_inputs(
+                cfg, pack(xx, p, pt).astype(dt), aa.astype(dt), ctx.astype(dt), actx.astype(dt), vt, ropes, ta=tb,
+                sigma=tb, mask=mask, amask=mask, use_cross_timestep=uct, perturb=perturb, stg_blocks=stg_blocks,
+                isolate=1.0 - xmod)
+            out = (ldit2.forward(prm, cfg, inp) if runner is None else
+                   (runner.apply(prm, inp) if prm is not None else runner(inp)))
+            return unpack(out["y"], tgrid, p, pt), out["ya"]
+
+        jit_model = runner is None or runner.offload is None
+        prm = params if runner is None else (runner.params if runner.offload is None else None)
+        put = _replicated(runner)
+        x, a = put(x), put(a)
+        f = lambda d: {k: put(jnp.asarray(v, jnp.float32)) for k, v in d.items()}  # noqa: E731
+        x, a = sample_av(model, sched, x, a, f(cond), None if uncond is None else f(uncond), guidance=guidance,
+                         audio_guidance=float(o["audio_guidance"]), stg=float(o["stg_scale"]),
+                         audio_stg=float(o["audio_stg_scale"]), modality=float(o["modality_scale"]),
+                         audio_modality=float(o["audio_modality_scale"]), rescale_v=float(o["guidance_rescale"]),
+                         rescale_a=float(o["audio_guidance_rescale"]), perturbed_attn=cfg.perturbed_attn and bool(stg_blocks),
+                         keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model)
+        return np.asarray(x).transpose(0, 4, 1, 2, 3), np.asarray(a)
+
+    def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
+        o = request.options
+        use_cfg = request.guidance > 1.0 or float(o.get("audio_guidance") or 0.0) > 1.0
+        c = conditioning
+        cond = {"v": c["video_embeds"], "a": c["audio_embeds"], "mask": c["prompt_mask"]}
+        unc = ({"v": c["negative_video_embeds"], "a": c["negative_audio_embeds"], "mask": c["negative_mask"]}
+               if use_cfg else None)
+        start, latents, alat = 0, None, None
+        if resume is not None:
+            start = int(resume["step"])
+            latents = np.asarray(resume["arrays"]["latents"], np.float32).transpose(0, 2, 3, 4, 1)
+            alat = np.asarray(resume["arrays"]["audio_latents"], np.float32)
+
+        def cb(info, x, a):
+            on_step(info, lambda: {"latents": np.asarray(x).transpose(0, 4, 1, 2, 3), "audio_latents": np.asarray(a)})
+
+        v, a = self.sample_latents(cond, unc, seed=request.seed, height=request.height, width=request.width,
+                                   num_frames=request.num_frames, steps=request.steps, guidance=request.guidance,
+                                   fps=request.fps, options=dict(o), image_latents=c.get("image_latents"),
+                                   latents=latents, audio_latents=alat, start=start,
+                                   on_step=None if on_step is None else cb)
+        return {"latents": Named(v, _LATENT, {"model": request.model, "normalised": True}),
+                "audio_latents": Named(a, ("batch", "time", "channel"),
+                                       {"model": request.model, "normalised": True, "layout": "packed [B, L, C*mel]"})}
+
+    # ------------------------------------------------------------------ decode
+    def decode_plan(self, request) -> list[DecodeSpan]:
+        f, h, w = self.latent_grid(request.height, request.width, request.num_frames)
+        if request.options.get("vae_decoder") == "diffusion":
+            plan = [DecodeSpan("decode/0", "video", (0, f))]
+        else:
+            plan = self.video_plan(request, f, h, w, self.vae_config())
+        if request.options.get("audio", True):
+            plan.append(DecodeSpan("decode/audio", "audio", inputs=("audio_latents",)))
+        return plan
+
+    def decode_latents(self, latents, request, vae=None, tile=None):
+        """Normalised video latents -> raw pixels [B, 3, F, H, W]: (timestep-conditioned decoders)
+        decode noise mixed in first, then denormalised, as ``LTX2Pipeline``."""
+        state, cfg, stats = vae or self.load_vae()
+        z = np.asarray(latents, np.float32)
+        temb = None
+        if cfg.timestep_conditioning:
+            o = request.options
+            t = float(o.get("decode_timestep") or 0.0)
+            s = o.get("decode_noise_scale")
+            s = t if s is None else float(s)
+            noise = np.asarray(jax.random.normal(key_for(request.seed, _NOISE_DECODE), z.shape, jnp.float32))
+            z = (1 - np.float32(s)) * z + np.float32(s) * noise
+            temb = np.full((z.shape[0],), t, np.float32)
+        z = lvae.denormalize(stats, cfg, z)
+        if tile is not None:
+            y0, y1, x0, x1 = tile
+            z = z[..., y0:y1, x0:x1]
+        key = key_for(request.seed, _NOISE_VAE, 0 if tile is None else tile[0] * 100003 + tile[2]) \
+            if any(cfg.decoder_inject_noise) else None
+        return np.asarray(lvae.decode(state, cfg, z, temb, key))
+
+    def decode_diffusion(self, latents, request, dd=None):
+        """LTX-2.5's diffusion decoder: denormalised latents -> pixels, its pixel noise drawn from the
+        run's seed."""
+        from vidax.models.ltx import diffusion_decoder as ldd
+
+        split, cfg, stats = dd or self.load_diffusion_decoder()
+        if self.mesh is not None:  # tensor parallelism bounds this decoder's memory (heads, SwiGLU width)
+            split = ldd.shard(split, self.mesh)
+        z = lvae.denormalize(stats, replace(self.vae_config(), scaling_factor=cfg.scaling_factor), latents)
+        steps = request.options.get("decoder_steps")
+        return ldd.decode(split, cfg, z, key_for(request.seed, _NOISE_DECODE, 1), steps)
+
+    def decode_audio(self, audio_latents, audio=None):
+        """Packed normalised audio latents [B, La, C*M] -> waveform [B, 2, samples] (float32)."""
+        vae, stats, voc = audio or self.load_audio()
+        cfg = vae.cfg
+        a = np.asarray(audio_latents, np.float32) * stats["latents_std"] + stats["latents_mean"]
+        b, la, _ = a.shape
+        z = a.reshape(b, la, cfg.latent_channels, cfg.latent_mel_bins).transpose(0, 2, 1, 3)
+        mel = laudio.decode_mel(vae, z)
+        return laudio.vocode(voc, mel)
+
+    def decode(self, latents, span, carry, request):
+        if span.kind == "audio":
+            w = self.decode_audio(latents["audio_latents"])
+            return {"waveform": Named(w.astype(np.float32), ("batch", "channel", "sample"),
+                                      {"sample_rate": int(self.audio_sample_rate())})}, None
+        lat = latents["latents"]
+        if request.options.get("vae_decoder") == "diffusion":
+            px = self.decode_diffusion(lat, request)
+            return {"frames": Named(to_uint8(to_unit_range(px)), ("batch", "frame", "height", "width", "rgb"),
+                                    {"decoder": "diffusion"})}, None
+        px = self.decode_latents(lat, request, tile=span.tile)
+        frames, carry = self.finish_tile(px, span, carry, request, lat.shape[-2], lat.shape[-1], self.vae_config())
+        return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
+                                {"tile": list(span.tile) if span.tile else None, "units": "uint8 RGB"})}, carry
+
+
+class LTX2I2V(LTX2):
+    """LTX-2.x image-to-video (``LTX2ImageToVideoPipeline`` on the same checkpoint)."""
+
+    def __init__(self, source="tiny", **kw):
+        kw.setdefault("image_to_video", True)
+        super().__init__(source, **kw)
