@@ -511,8 +511,9 @@ def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
     """torchvision ``resize(..., NEAREST)`` of ``[..., H, W]`` (source index ``floor(i * in / out)``)."""
     mask = np.asarray(mask)
     hi, wi = mask.shape[-2:]
-    ys = np.floor(np.arange(height) * (hi / height)).astype(np.int64).clip(0, hi - 1)
-    xs = np.floor(np.arange(width) * (wi / width)).astype(np.int64).clip(0, wi - 1)
+    # ATen's nearest kernel: src = min(floor(dst * (float) in / out), in - 1), in float32
+    ys = np.minimum(np.floor(np.arange(height, dtype=np.float32) * np.float32(hi / height)), hi - 1).astype(np.int64)
+    xs = np.minimum(np.floor(np.arange(width, dtype=np.float32) * np.float32(wi / width)), wi - 1).astype(np.int64)
     return mask[..., ys, :][..., :, xs]
 
 
