@@ -120,3 +120,41 @@ def predict25_folder(folder: Path):
                                          vae=vae, scheduler=scheduler, safety_checker=DummySafety())
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+MOT = dict(head_dim=12, hidden_act="silu", hidden_size=24, intermediate_size=40, latent_channel=8, latent_patch_size=2,
+           num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, patch_latent_dim=32, qk_norm_for_text=True,
+           rms_norm_eps=1e-6, rope_axes_dim=[2, 2, 2], rope_theta=10000.0)
+VAE22 = dict(base_dim=8, decoder_base_dim=16, z_dim=8, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+             temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+             scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.05 * i - 0.1 for i in range(8)],
+             latents_std=[0.8 + 0.05 * i for i in range(8)])
+COSMOS3_SCHED = dict(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=10.0, use_karras_sigmas=False)
+
+
+def cosmos3_folder(folder: Path, **mot_overrides):
+    """A diffusers Cosmos3OmniPipeline folder of tiny perturbed components; returns the reference
+    pipeline built from the same modules."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    from transformers import AutoTokenizer
+
+    make_tokenizer(folder / "text_tokenizer")
+    tok = AutoTokenizer.from_pretrained(folder / "text_tokenizer")
+    torch.manual_seed(0)
+    transformer = perturb(Cosmos3OmniTransformer(**{**MOT, "vocab_size": len(tok), **mot_overrides}), seed=1)
+    torch.manual_seed(1)
+    vae = perturb(AutoencoderKLWan(**VAE22), seed=2)
+    scheduler = UniPCMultistepScheduler(**COSMOS3_SCHED)
+    transformer.save_pretrained(folder / "transformer")
+    vae.save_pretrained(folder / "vae")
+    scheduler.save_pretrained(folder / "scheduler")
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": "Cosmos3OmniPipeline", "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "Cosmos3OmniTransformer"], "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "sound_tokenizer": [None, None], "safety_checker": [None, None], "enable_safety_checker": False,
+        "default_use_system_prompt": True, "use_native_flow_schedule": False}))
+    pipe = Cosmos3OmniPipeline(transformer=transformer, text_tokenizer=tok, vae=vae, scheduler=scheduler,
+                               enable_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
