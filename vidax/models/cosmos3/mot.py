@@ -689,6 +689,10 @@ class Cosmos3Runner:
                                            P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return h, i + self.chunk
 
+    def _zero(self):
+        """The layer counter an offloaded pass carries, replicated over the mesh."""
+        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, P()))
+
     # ---------------------------------------------------------------- public
     def text_cache(self, ids, cos, sin):
         ids, cos, sin = jnp.asarray(ids, jnp.int32), jnp.asarray(cos, F32), jnp.asarray(sin, F32)
@@ -699,7 +703,7 @@ class Cosmos3Runner:
         shape = (self.cfg.num_hidden_layers, b, lu, self.cfg.num_key_value_heads, self.cfg.head_dim)
         s = NamedSharding(self.mesh, self.cache_spec)
         ks, vs = jax.jit(lambda: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype)), out_shardings=(s, s))()
-        _, ks, vs, _ = self.offload.run("text", (x, ks, vs, jnp.int32(0)), cos, sin)
+        _, ks, vs, _ = self.offload.run("text", (x, ks, vs, self._zero()), cos, sin)
         return ks, vs
 
     def vision(self, patches, t, noisy, cos, sin, cache, text_mask):
@@ -710,7 +714,7 @@ class Cosmos3Runner:
         if self.offload is None:
             return self._vision(self.rest, self.gen, patches, t, noisy, cos, sin, cache[0], cache[1], tm)
         h = self._embed_vision(self.rest, patches, t, noisy)
-        h, _ = self.offload.run("vision", (h, jnp.int32(0)), cache[0], cache[1], cos, sin, tm)
+        h, _ = self.offload.run("vision", (h, self._zero()), cache[0], cache[1], cos, sin, tm)
         return self._head(self.rest, h)
 
 
