@@ -262,9 +262,12 @@ class CosmosPredict(Pipeline):
         return load_tokenizer(folder), chat.load_template(folder), chat.special_tokens(folder), side
 
     def load_text_encoder(self) -> lm.LMEncoder:
+        """The Qwen2.5-VL text model in float32 (7B: 28 GB), tensor-parallel over every local device
+        when there are several accelerators (``lm.tp_rules``: what does not divide stays replicated)."""
         if self.preset:
             return lm.init(self.preset.text, seed=self.preset.seed + 1)
-        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32)
+        n = jax.local_device_count() if jax.default_backend() != "cpu" else 1
+        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=f"tp={n}" if n > 1 else None)
 
     @property
     def scaled(self) -> bool:
