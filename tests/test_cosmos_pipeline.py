@@ -133,3 +133,29 @@ def test_no_guidance_and_resume_bitwise(setup):
     resumed = pipe.sample_latents(cond, None, latents=saved["x"], start=2, state=saved["state"], height=H, width=W,
                                   num_frames=F, steps=4, guidance=1.0)
     np.testing.assert_array_equal(resumed, full)
+
+
+def test_video2world_option_through_the_protocol(tmp_path):
+    """``--video`` is a declared option read by the encode stage; its content digest enters the
+    encode key; bad combinations are refused before anything runs."""
+    from types import SimpleNamespace
+
+    from vidax.pipeline import OptionError
+    from vidax.video import write_mp4
+
+    clip = tmp_path / "clip.mp4"
+    write_mp4((np.random.default_rng(0).random((7, 48, 64, 3)) * 255).astype(np.uint8), clip, fps=8)
+    pipe = CosmosPredict("tiny")
+    req = SimpleNamespace(model="cosmos2.5-2b", prompts=["sparks fly"], negative_prompt="", height=H, width=W,
+                          num_frames=F, dtype="float32", image=None,
+                          options={"video": str(clip), "cond_frames": 2, "cond_timestep": 1e-4})
+    pipe.check(req)
+    out = pipe.encode(req)
+    assert out["cond_latents"].array.shape == (1, 16, 2, H // 8, W // 8)
+    assert len(pipe.stage_params("encode", req)["video_digest"]) == 20
+    with pytest.raises(OptionError, match="^video: give either"):
+        pipe.check(SimpleNamespace(**{**req.__dict__, "image": "x.png"}))
+    short = tmp_path / "short.mp4"
+    write_mp4((np.random.default_rng(1).random((3, 48, 64, 3)) * 255).astype(np.uint8), short, fps=8)
+    with pytest.raises(OptionError, match="needs at least 5"):
+        pipe.check(SimpleNamespace(**{**req.__dict__, "options": {**req.options, "video": str(short)}}))
