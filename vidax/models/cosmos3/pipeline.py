@@ -321,7 +321,7 @@ class Cosmos3Omni(Pipeline):
         if o.get("video") is not None and request.num_frames == 1:
             raise OptionError("video", "video-to-video needs more than one frame")
         n_lat = self.geometry().latent_frames(request.num_frames)
-        if int(o.get("cond_frames") or 2) > n_lat:
+        if o.get("video") is not None and int(o.get("cond_frames") or 2) > n_lat:
             raise OptionError("cond_frames", f"{o.get('cond_frames')} conditioning latent frames do not fit "
                                              f"{request.num_frames} frames ({n_lat} latent frames)")
         self.warn_prompts(request.prompts)
