@@ -87,6 +87,8 @@ def test_reference_calling_convention(model):
 
 def test_image_positions_without_fps(model):
     ref, path, cfg = model
+    if cfg is EDGE:
+        return  # positions do not depend on the variant
     kw = _packed(cfg, und_len=5, t_lat=1, h=4, w=4, noisy=(0,), fps=None, seed=2)  # text-to-image
     assert_parity(compat.load_pretrained(path).forward(**kw)[0], _run_ref(ref, kw)[0], what="Cosmos3 image")
 
@@ -150,6 +152,8 @@ def test_model_prefix_names(model, tmp_path):
     from vidax.weights import save_safetensors
 
     ref, path, cfg = model
+    if cfg is EDGE:
+        return  # names do not depend on the variant beyond the key norms (covered by the parity test)
     sd = load_file(path / "diffusion_pytorch_model.safetensors")
     save_safetensors({f"model.{k}": v for k, v in sd.items()}, tmp_path / "model.safetensors")
     state, c = mot.load_model(tmp_path / "model.safetensors", mot.Cosmos3Config.from_diffusers(cfg))
@@ -158,20 +162,23 @@ def test_model_prefix_names(model, tmp_path):
                   what="Cosmos3 from model.* names")
 
 
-def test_vision_step_compiles_once():
+def test_vision_step_compiles_once(model):
     from vidax.core.jit import CompileCounter
 
-    c = mot.PRESETS["tiny"]
-    state = jax.tree.map(jnp.asarray, mot.init_state(c, seed=0))
+    _, path, cfg = model
+    if cfg is EDGE:
+        return
+    cm = compat.load_pretrained(path)
+    state, c = cm.params, cm.model_config
     rng = np.random.default_rng(0)
     lu, lg = 7, 12
     cu, su = (jnp.asarray(a[None]) for a in mot.rope_tables(c, mot.text_positions(lu, True)))
-    cache = mot.text_cache(state, c, jnp.asarray(rng.integers(0, 100, (1, lu)), jnp.int32), cu, su)
+    cache = mot.text_cache(state, c, jnp.asarray(rng.integers(0, c.vocab_size, (1, lu)), jnp.int32), cu, su)
     pos = mot.vision_positions(c, (3, 2, 2), lu + 15000, fps=24.0)
     cg, sg = (jnp.asarray(a[None]) for a in mot.rope_tables(c, pos))
     fwd = jax.jit(mot.vision_forward, static_argnums=1)
     xs = [jnp.asarray(rng.standard_normal((1, lg, c.patch_latent_dim)), jnp.float32) for _ in range(10)]
-    ts = [jnp.full((1, lg), 999.0 - 90 * i, jnp.float32) for i in range(10)]
+    ts = [jnp.asarray(np.full((1, lg), 999.0 - 90 * i, np.float32)) for i in range(10)]
     noisy, tm = jnp.ones((1, lg), jnp.float32), jnp.ones((1, lu), bool)
     with CompileCounter() as cc:
         for x, t in zip(xs, ts):

@@ -146,24 +146,24 @@ def test_original_release_names(ref_folder, tmp_path):
     assert_parity(np.asarray(out).transpose(0, 4, 1, 2, 3), _run_ref(ref, kw), what="Cosmos DiT from original names")
 
 
-def test_forward_compiles_once_over_ten_calls():
+def test_forward_compiles_once_over_ten_calls(ref_folder):
     import jax
     import jax.numpy as jnp
 
     from vidax.core.jit import CompileCounter
     from vidax.models.cosmos import dit
 
-    cfg = dit.PRESETS["tiny"]
-    params = jax.tree.map(jnp.asarray, dit.init_state(cfg, seed=0))
+    cm = compat.load_pretrained(ref_folder[1])
+    params, cfg = cm.params, cm.model_config
     fwd = jax.jit(dit.forward, static_argnums=1)
     rng = np.random.default_rng(0)
     ctx = jnp.asarray(rng.standard_normal((1, 5, cfg.context_dim)), jnp.float32)
-    cm = jnp.zeros((1, 2, 4, 4, 1), jnp.float32)
+    cm_ = jnp.zeros((1, 2, 4, 4, 1), jnp.float32)
     xs = [jnp.asarray(rng.standard_normal((1, 2, 4, 4, cfg.in_channels - 1)), jnp.float32) for _ in range(10)]
     ts = [jnp.asarray(np.full((1, 2), 1.0 - 0.1 * i, np.float32)) for i in range(10)]
     with CompileCounter() as cc:
         for x, t in zip(xs, ts):
-            fwd(params, cfg, x, t, ctx, cond_mask=cm).block_until_ready()
+            fwd(params, cfg, x, t, ctx, cond_mask=cm_).block_until_ready()
     print("compiles over 10 DiT calls:", cc.count)
     assert cc.count == 1
 

@@ -135,7 +135,7 @@ def test_no_guidance_and_resume_bitwise(setup):
     np.testing.assert_array_equal(resumed, full)
 
 
-def test_video2world_option_through_the_protocol(tmp_path):
+def test_video2world_option_through_the_protocol(setup, tmp_path):
     """``--video`` is a declared option read by the encode stage; its content digest enters the
     encode key; bad combinations are refused before anything runs."""
     from types import SimpleNamespace
@@ -145,7 +145,7 @@ def test_video2world_option_through_the_protocol(tmp_path):
 
     clip = tmp_path / "clip.mp4"
     write_mp4((np.random.default_rng(0).random((7, 48, 64, 3)) * 255).astype(np.uint8), clip, fps=8)
-    pipe = CosmosPredict("tiny")
+    pipe = setup[1]
     req = SimpleNamespace(model="cosmos2.5-2b", prompts=["sparks fly"], negative_prompt="", height=H, width=W,
                           num_frames=F, dtype="float32", image=None,
                           options={"video": str(clip), "cond_frames": 2, "cond_timestep": 1e-4})

@@ -50,8 +50,7 @@ def predict():
     return state, (x, t, ctx), kw, np.asarray(ref)
 
 
-@pytest.mark.parametrize("spec,chunk", [("tp=2", None), ("tp=8", None), ("sp=4", None), ("tp=2,sp=2", None),
-                                        ("dp=2,tp=2,sp=2", None), (None, 1), ("tp=2,sp=2", 1)])
+@pytest.mark.parametrize("spec,chunk", [("tp=8", None), ("sp=4", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)])
 def test_predict25_dit_scaled(predict, spec, chunk):
     state, (x, t, ctx), kw, ref = predict
     runner = cdit.CosmosDiTRunner(state, PCFG, spec, offload_chunk_size=chunk)
@@ -89,8 +88,7 @@ def cosmos3():
     return state, (ids, cu, su), (patches, t, noisy, cg, sg, tmask), cache, np.asarray(ref)
 
 
-@pytest.mark.parametrize("spec,chunk", [("tp=2", None), ("sp=2", None), ("sp=4", None), ("tp=2,sp=2", None),
-                                        ("dp=2,tp=2,sp=2", None), (None, 1), ("tp=2,sp=2", 1)])
+@pytest.mark.parametrize("spec,chunk", [("tp=2", None), ("sp=4", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)])
 def test_cosmos3_scaled(cosmos3, spec, chunk):
     state, text, vis, cache_ref, ref = cosmos3
     runner = mot.Cosmos3Runner(state, MCFG, spec, offload_chunk_size=chunk)
@@ -113,12 +111,12 @@ def test_predict25_pipeline_sampling_mesh_and_offload():
     from vidax.models.cosmos.pipeline import CosmosPredict
 
     base = CosmosPredict("tiny")
-    cond = np.random.default_rng(0).standard_normal((1, 16, 72)).astype(np.float32)
+    cond = np.random.default_rng(0).standard_normal((1, 12, 72)).astype(np.float32)
     kw = dict(height=32, width=32, num_frames=5, steps=2, guidance=3.0, seed=1)
     ref = base.sample_latents(cond, cond[::-1] * 0.5, **kw)
-    for mesh, chunk in (("dp=2,tp=2", None), ("sp=2", 1)):
-        out = CosmosPredict("tiny", mesh=mesh, offload_chunk_size=chunk).sample_latents(cond, cond[::-1] * 0.5, **kw)
-        _close(out, ref, f"Predict2.5 sampling mesh={mesh} offload={chunk}")
+    # CFG-parallel (the conditional / unconditional rows on dp), heads on tp, blocks streamed
+    out = CosmosPredict("tiny", mesh="dp=2,tp=2", offload_chunk_size=1).sample_latents(cond, cond[::-1] * 0.5, **kw)
+    _close(out, ref, "Predict2.5 sampling dp=2,tp=2 + offload")
 
 
 def test_cosmos3_pipeline_sampling_mesh_and_offload():
@@ -128,6 +126,5 @@ def test_cosmos3_pipeline_sampling_mesh_and_offload():
     ids = [[5, 6, 7, 8, 9, 1, 2], [9, 9, 1, 2]]
     kw = dict(height=64, width=64, num_frames=5, steps=2, guidance=3.0, seed=2, fps=24.0)
     ref = base.sample_latents(ids[:1], ids[1:], **kw)
-    for mesh, chunk in (("dp=2,sp=2", None), ("sp=2", 1)):
-        out = Cosmos3Omni("tiny", mesh=mesh, offload_chunk_size=chunk).sample_latents(ids[:1], ids[1:], **kw)
-        _close(out, ref, f"Cosmos3 sampling mesh={mesh} offload={chunk}")
+    out = Cosmos3Omni("tiny", mesh="dp=2,sp=2", offload_chunk_size=1).sample_latents(ids[:1], ids[1:], **kw)
+    _close(out, ref, "Cosmos3 sampling dp=2,sp=2 + offload")

@@ -47,7 +47,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
                             to_unit_range, unpack_state)
 from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text import lm
-from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.weights.source import is_url, resolve_source
 
@@ -64,14 +64,15 @@ _EMB = ("batch", "token", "channel")
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """A complete, seeded random-weight Predict2.5-shaped model that runs on a laptop CPU."""
+    """A complete, seeded random-weight Predict2.5-shaped model that runs on a laptop CPU (a hashed
+    word tokenizer, :class:`vidax.models.cosmos.chat.WordTokenizer`)."""
 
     text: lm.LMConfig = field(default_factory=lambda: lm.LMConfig(
         vocab_size=384, hidden_size=24, intermediate_size=48, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=12,
         qkv_bias=True, rms_norm_eps=1e-6, model_type="qwen2_5_vl"))
     dit: cdit.CosmosDiTConfig = cdit.PRESETS["tiny"]
     vae: cvae.Config = cvae.TINY_21
-    max_text_len: int = 768  # bytes: the default negative prompt is ~670 with its chat template
+    max_text_len: int = 256
     seed: int = 0
 
 
@@ -255,7 +256,7 @@ class CosmosPredict(Pipeline):
     def load_tokenizer(self):
         """``(tokenizer, chat template, special tokens, padding side)``."""
         if self.preset:
-            return ByteTokenizer(), None, {}, "right"
+            return chat.WordTokenizer(self.preset.text.vocab_size), None, {}, "right"
         folder = self.folder / "tokenizer"
         side = json.loads((folder / "tokenizer_config.json").read_text()).get("padding_side", "right") \
             if (folder / "tokenizer_config.json").exists() else "right"

@@ -44,7 +44,7 @@ from vidax.models.cosmos3.prompt import ShortPromptWarning, short_prompt_warning
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
 from vidax.schedulers import from_diffusers_config, make_scheduler
-from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.weights.source import is_url, resolve_source
 
@@ -64,8 +64,8 @@ _LATENT = ("batch", "channel", "frame", "height", "width")
 class TinyPreset:
     model: mot.Cosmos3Config = mot.PRESETS["tiny"]
     vae: cvae.Config = cvae.TINY_22
-    eos_id: int = 1  # the byte tokenizer's eos; <|vision_start|> gets the unused id 2
-    vision_start_id: int = 2
+    eos_id: int = 2  # <|im_end|> and <|vision_start|> of the presets' chat.WordTokenizer
+    vision_start_id: int = 3
     use_system_prompt: bool = True
     seed: int = 0
 
@@ -280,7 +280,8 @@ class Cosmos3Omni(Pipeline):
     def load_tokenizer(self):
         """``(tokenizer, template, specials, eos id, <|vision_start|> id)``."""
         if self.preset:
-            return ByteTokenizer(), None, {}, self.preset.eos_id, self.preset.vision_start_id
+            return (chat.WordTokenizer(self.preset.model.vocab_size), None, {}, self.preset.eos_id,
+                    self.preset.vision_start_id)
         folder = self.folder / "text_tokenizer"
         tok = load_tokenizer(folder)
         specials = chat.special_tokens(folder)
