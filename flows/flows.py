@@ -51,6 +51,9 @@ def _stage_cache_key(context, parameters) -> str:
       cache_expiration=timedelta(days=30))
 def stage_task(store: str, run_id: str, stage: str, key: str, force: bool = False) -> dict:
     """Run one stage in this process (skipping it if already committed with this key)."""
+    from vidax.core import runtime
+
+    runtime.setup()  # join a multi-host job; persistent compilation cache
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
     req = R.load_request(run)

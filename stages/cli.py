@@ -352,6 +352,10 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
         commands.update(extend(ap))
     a = ap.parse_args(argv)
     from stages.run import StageError
+    from vidax.core import runtime
+
+    if a.cmd in ("generate", "batch", "stage", "rerun"):
+        runtime.setup()  # join a multi-host job; persistent compilation cache
 
     try:
         return commands[a.cmd](a)

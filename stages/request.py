@@ -123,7 +123,7 @@ def validate(req: Request, pipeline=None) -> Request:
         try:
             kind = check_source(req.checkpoint)  # a URL is listed, not downloaded
         except FileNotFoundError:
-            raise RequestError("checkpoint", f"{req.checkpoint!r} is not a folder (no such path)") from None
+            raise RequestError("checkpoint", f"{req.checkpoint!r}: no such folder") from None
         except Exception as e:  # noqa: BLE001 - unreachable store, bad URL, missing fsspec backend
             raise RequestError("checkpoint", f"cannot list {req.checkpoint!r} ({type(e).__name__}: {e})") from None
         if kind != "folder":

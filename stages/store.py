@@ -73,9 +73,16 @@ def is_transient(exc: BaseException | None) -> bool:
     return is_transient(exc.__cause__) if exc.__cause__ is not None and exc.__cause__ is not exc else False
 
 
-def retry(fn, *args, attempts: int = 6, base: float = 0.25, what: str = "storage request", **kw):
+#: transient-error retries: attempts and the first backoff (doubling, with jitter); env-overridable
+RETRY_ATTEMPTS = int(os.environ.get("VIDAX_STORAGE_RETRIES", "6"))
+RETRY_BASE_S = float(os.environ.get("VIDAX_STORAGE_BACKOFF", "0.25"))
+
+
+def retry(fn, *args, attempts: int | None = None, base: float | None = None, what: str = "storage request", **kw):
     """``fn(*args, **kw)``, retried with exponential backoff (and jitter) on transient errors;
     other errors propagate at once. After ``attempts`` transient failures: TransientStoreError."""
+    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    base = RETRY_BASE_S if base is None else base
     for i in range(attempts):
         try:
             return fn(*args, **kw)
@@ -124,15 +131,15 @@ class CountingStore(WrapperStore):
     async def _retry(self, coro_fn, what):
         import asyncio
 
-        for i in range(6):
+        for i in range(RETRY_ATTEMPTS):
             try:
                 return await coro_fn()
             except Exception as e:  # noqa: BLE001
-                if not is_transient(e) or i == 5:
+                if not is_transient(e) or i == RETRY_ATTEMPTS - 1:
                     if is_transient(e):
                         raise TransientStoreError(f"{what}: {type(e).__name__}: {e}") from e
                     raise
-                await asyncio.sleep(0.25 * 2 ** i * (0.5 + random.random()))
+                await asyncio.sleep(RETRY_BASE_S * 2 ** i * (0.5 + random.random()))
 
     async def get(self, key, prototype, byte_range=None):
         buf = await self._retry(lambda: self._store.get(key, prototype, byte_range), f"read {key}")
@@ -198,7 +205,7 @@ def _fs_options(protocol: str) -> dict:
     if protocol in ("gs", "gcs"):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             opts["token"] = "anon"
-        opts["retries"] = 2  # we retry with backoff ourselves; keep gcsfs's own loop short
+        opts["retries"] = int(os.environ.get("VIDAX_GCS_RETRIES", "2"))  # we retry with backoff ourselves
     return opts
 
 

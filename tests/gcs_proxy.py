@@ -20,8 +20,11 @@ from __future__ import annotations
 import http.client
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -168,3 +171,25 @@ class FaultProxy:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def start_emulator(bucket: str) -> tuple[subprocess.Popen, str]:
+    """``gcp-storage-emulator`` (in memory) on a free loopback port with ``bucket``; returns the
+    process and its URL for ``STORAGE_EMULATOR_HOST``. It does not enforce if-not-exists
+    preconditions."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    exe = Path(sys.executable).with_name("gcp-storage-emulator")
+    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
+                             bucket, "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("gcp-storage-emulator did not start")

@@ -182,7 +182,7 @@ def test_cli_refuses_bad_images(store, images, capsys, model, image, text):
 
 
 @pytest.mark.parametrize("folder,text", [("empty", "empty"), ("config-only", "config-only"), ("bad-json", "bad-json"),
-                                         ("missing", "not a folder"), ("a-file", "not a folder")])
+                                         ("missing", "no such folder"), ("a-file", "not a folder")])
 def test_cli_refuses_bad_checkpoint_folders(store, folders, capsys, folder, text):
     before = tree_digest(store)
     rc, out, err = _run_cli([*BASE, "--checkpoint", str(folders / folder)], store, capsys)

@@ -22,16 +22,6 @@ IMAGE_CASES = {"none": [False], "required": [True], "optional": [False, True]}
 CASES = [(m, img) for m in sorted(registry.MODELS) for img in IMAGE_CASES[registry.MODELS[m].image]]
 
 
-@pytest.fixture(scope="module")
-def cond_image(tmp_path_factory):
-    import PIL.Image
-
-    p = tmp_path_factory.mktemp("img") / "first-frame.png"
-    rng = np.random.default_rng(3)
-    PIL.Image.fromarray((rng.random((90, 160, 3)) * 255).astype(np.uint8)).save(p)
-    return str(p)
-
-
 def _outputs(run, group, names=None):
     g = run.group(group)
     return {n: read_array(g, n) for n in (names or sorted(g.array_keys()))}

@@ -37,6 +37,21 @@ def _llama():
     return transformers.LlamaModel(cfg)
 
 
+def _llama_causal():
+    return transformers.LlamaForCausalLM(_llama().config)
+
+
+def _llava():
+    """The original HunyuanVideo 1.0 text encoder is llava-llama-3's language model."""
+    cfg = transformers.LlavaConfig(text_config=_llama().config.to_dict(), image_token_index=V - 1, vision_config=dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    return transformers.LlavaForConditionalGeneration(cfg)
+
+
+def _qwen2_causal():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT))
+
+
 def _qwen_vl():
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
@@ -66,9 +81,18 @@ def _gemma_text():
     return transformers.Gemma3TextModel(transformers.Gemma3TextConfig(**GEMMA_TEXT))
 
 
+def _gemma_causal():
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA_TEXT))
+
+
 # name -> (builder, sharded save)
 CASES = {"llama": (_llama, True), "qwen2_5_vl": (_qwen_vl, False), "qwen2_5_vl_text": (_qwen_text, False),
          "gemma3": (_gemma_vl, False), "gemma3_text": (_gemma_text, False)}
+# the other classes whose text towers load (same text configs as above: they share its compiles)
+MORE = {"llama_causal": (_llama_causal, False), "llava": (_llava, False), "qwen2_causal": (_qwen2_causal, False),
+        "qwen2": (lambda: transformers.Qwen2Model(_qwen2_causal().config), False),
+        "qwen2_5_vl_model": (lambda: transformers.Qwen2_5_VLModel(_qwen_vl().config), False),
+        "gemma3_causal": (_gemma_causal, False), "gemma3_model": (lambda: transformers.Gemma3Model(_gemma_vl().config), False)}
 
 
 def _inputs(side: str, seed: int = 0):
@@ -94,7 +118,7 @@ def _ref_hidden(model, ids, mask, **kw):
 @pytest.fixture(scope="module")
 def case_models(tmp_path_factory):
     built = {}
-    for name, (make, sharded) in CASES.items():
+    for name, (make, sharded) in {**CASES, **MORE}.items():
         torch.manual_seed(0)
         model = perturb(make(), seed=1)
         folder = tmp_path_factory.mktemp(name)
@@ -176,11 +200,26 @@ def test_parity_all_layers_vs_transformers(name, case_models):
         last = cm.forward(input_ids=ids, attention_mask=mask)
         assert_parity(last, ref[-1], what=f"{name} {side}-padded last_hidden_state")
         np.testing.assert_array_equal(out.last_hidden_state, out.hidden_states[-1])
+    if name != "llama":
+        return
     # no mask at all
     ids, _ = _inputs("right")
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(ids), output_hidden_states=True, use_cache=False).hidden_states[-1]
     assert_parity(cm.forward(input_ids=ids), ref.numpy(), what=f"{name} unmasked")
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_other_classes_load_their_text_tower(name, case_models):
+    """``*ForCausalLM`` (lm_head ignored) and Llava (vision tower + projector ignored): every layer."""
+    model, folder = case_models[name]
+    cm = load_pretrained(folder)
+    ids, mask = _inputs("left" if name.startswith("gemma") else "right")
+    ref = _ref_hidden(model, ids, mask)
+    out = cm(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref)
+    for i, (a, b) in enumerate(zip(out.hidden_states, ref)):
+        assert_parity(a, b, what=f"{name} hidden_states[{i}]")
 
 
 def test_layer_selection_and_feature_scale(case_models):
@@ -201,7 +240,7 @@ def test_layer_selection_and_feature_scale(case_models):
     # the embeddings really are scaled by sqrt(D) (Gemma), the layers grow the signal as the reference does
     emb = np.asarray(enc.state["embed"]["embedding"])[ids]
     np.testing.assert_allclose(hs[0], emb * np.float32(np.sqrt(enc.cfg.hidden_size)), rtol=1e-6)
-    for k in (0, 2, -3, -1):
+    for k in (0, -3, -1):  # -3: HunyuanVideo's 'skip 2 layers'
         np.testing.assert_allclose(np.asarray(enc.layer(ids, mask, index=k)), hs[k], rtol=1e-6, atol=1e-6)
     with pytest.raises(IndexError):
         enc.layer(ids, mask, index=enc.cfg.num_layers + 1)
@@ -350,6 +389,22 @@ def test_tensor_parallel_matches_one_device(tp, kv):
     per_dev, total = vsh.per_device_bytes(enc.state, specs, mesh), vsh.tree_bytes(enc.state)
     print(f"per-device bytes {per_dev} of {total} ({per_dev / total:.3f})")
     assert per_dev <= total * (1 / tp + 0.12), (per_dev, total)
+
+
+def test_load_pretrained_on_a_tp_mesh(case_models):
+    """``load_pretrained(folder, mesh="tp=2")`` and ``load_lm(..., mesh=)``: each device gets its
+    slices, the encode equals the reference."""
+    model, folder = case_models["gemma3"]
+    cm = load_pretrained(folder, mesh="tp=2")
+    k = cm.encoder.state["blocks"]["k"]["kernel"]
+    assert len(k.sharding.device_set) == 2 and k.addressable_shards[0].data.shape[-1] == k.shape[-1] // 2
+    ids, mask = _inputs("left")
+    ref = _ref_hidden(model, ids, mask)
+    assert_parity(cm(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2], ref[-2],
+                  what="tp=2 load_pretrained")
+    assert_parity(np.asarray(lm.load_lm(folder, mesh="tp=2").layer(ids, mask, index=-1)), ref[-1], what="tp=2 load_lm")
+    with pytest.raises(ValueError, match="offload"):
+        load_pretrained(folder, offload_chunk_size=1)
 
 
 def test_tp_rules_for_the_real_models():

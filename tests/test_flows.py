@@ -112,6 +112,17 @@ def _reruns(run_id):
     return asyncio.run(go())
 
 
+def _finished_reruns(run_id, timeout=300):
+    """The rerun-stage runs of ``run_id`` that reached a final state (waits for the first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done = [r for r in _reruns(run_id) if r.state and r.state.is_final()]
+        if done:
+            return done
+        time.sleep(2)
+    return []
+
+
 def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
     """A decode stage made to fail leaves the run failed; the trigger's rerun_stage completes it."""
     store = str(tmp_path / "store")
@@ -123,13 +134,7 @@ def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
 
     run = RunStore(store).run("auto")
     assert run.record("decode/0") is not None
-    deadline = time.time() + 300
-    done = []
-    while time.time() < deadline:
-        done = [r for r in _reruns("auto") if r.state and r.state.is_final()]
-        if done:
-            break
-        time.sleep(2)
+    done = _finished_reruns("auto")
     assert done, "the vidax.stage.failed trigger did not start rerun-stage"
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     assert (tmp_path / "store/runs/auto/video.mp4").stat().st_size > 0
@@ -330,13 +335,7 @@ def test_crashed_decode_stage_run_is_rerun_once_by_the_automation(deployed, tmp_
     child = _run_deployment("vidax-stage/decode", {"store": store, "run_id": "crash", "stage": "decode/1"},
                             job_variables={"env": {"VIDAX_FAULTS": "decode/1:kill"}})
     assert child.state.is_crashed(), child.state
-    deadline = time.time() + 300
-    done = []
-    while time.time() < deadline:
-        done = [r for r in _reruns("crash") if r.state and r.state.is_final()]
-        if done:
-            break
-        time.sleep(2)
+    done = _finished_reruns("crash")
     assert done, "the Crashed-state trigger did not start rerun-stage"
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     np.testing.assert_array_equal(_frames(store, "crash"), before)

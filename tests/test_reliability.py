@@ -239,8 +239,12 @@ def test_two_processes_race_on_one_run_gcs(gcs_emulator, tmp_path):
 # ------------------------------------------------------------------ GCS faults
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
+    import stages.store as S
+
     p = FaultProxy(gcs_emulator)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
+    monkeypatch.setenv("VIDAX_GCS_RETRIES", "1")  # our own retries, quick ones, are the ones under test
+    monkeypatch.setattr(S, "RETRY_BASE_S", 0.02)
     yield p
     p.close()
 
@@ -280,11 +284,14 @@ def test_persistent_transient_errors_fail_clearly(proxy, reference):
     assert {r.status for r in res} == {"skipped"}
 
 
-def test_network_cut_at_every_request_of_a_commit_is_repaired(proxy, reference):
+def test_network_cut_at_every_request_of_a_commit_is_repaired(proxy, reference, monkeypatch):
     """Cut the network after the N-th request, for every N across the sample stage (its
     checkpoint writes, its commit and the checkpoint clean-up); a fault-free generate then
     repairs the run bitwise."""
+    import stages.store as S
+
     req, want = reference
+    monkeypatch.setattr(S, "RETRY_ATTEMPTS", 3)  # a cut network fails fast, so every N is affordable
     # where the sample stage's requests are in a run: count them once
     probe = RunStore(_gs("probe")).run("r")
     marks = {}

@@ -258,16 +258,6 @@ def test_end_to_end_gcs(gcs_emulator, monkeypatch, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ image-to-video and Wan2.2 recipes
-@pytest.fixture(scope="module")
-def cond_image(tmp_path_factory):
-    import PIL.Image
-
-    p = tmp_path_factory.mktemp("img") / "first-frame.png"
-    rng = np.random.default_rng(3)
-    PIL.Image.fromarray((rng.random((90, 160, 3)) * 255).astype(np.uint8)).save(p)
-    return str(p)
-
-
 def test_image_requirements_are_validated(tmp_path, capsys, cond_image):
     _cli_fails(tmp_path, capsys, ["--prompt", "x", "--model", "wan2.1-i2v-480p"], "image", "image-to-video model")
     _cli_fails(tmp_path, capsys, ["--prompt", "x", "--image", cond_image], "image", "takes no image")

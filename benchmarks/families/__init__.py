@@ -1,0 +1,1 @@
+"""Benchmark cases of each model family (``CASES`` in ``<family>.py``; see ``benchmarks/run.py``)."""

@@ -10,5 +10,8 @@ PORTS = {
     **{name: "vidax.text.lm" for name in (
         "LlamaModel", "LlamaForCausalLM", "Qwen2Model", "Qwen2ForCausalLM", "Qwen2_5_VLTextModel",
         "Qwen2_5_VLModel", "Qwen2_5_VLForConditionalGeneration", "Gemma3TextModel", "Gemma3ForCausalLM",
-        "Gemma3Model", "Gemma3ForConditionalGeneration")},
+        "Gemma3Model", "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")},
+    "CLIPTextModel": "vidax.text.clip_text",
+    "CLIPTextModelWithProjection": "vidax.text.clip_text",
+    "SiglipVisionModel": "vidax.text.siglip",
 }

@@ -148,7 +148,7 @@ class CLIPBlock(nnx.Module):
         self.cfg = cfg
         D, F = cfg.hidden_size, cfg.intermediate_size
         lin = partial(nn.Linear, rngs=rngs, param_dtype=param_dtype, precision=jax.lax.Precision.HIGHEST)
-        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
+        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, axis="embed", param_dtype=param_dtype)
         self.norm1 = norm()
         self.q, self.k, self.v = (lin(D, D, axes=("embed", "heads")) for _ in range(3))
         self.o = lin(D, D, axes=("heads", "embed"))
@@ -181,7 +181,7 @@ class CLIPVision(nnx.Module):
         self.cls = nnx.Param(nn.logical(nnx.initializers.normal(D**-0.5), "embed")(rngs.params(), (D,), param_dtype))
         self.pos = nnx.Param(nn.logical(nnx.initializers.normal(0.02), None, "embed")(
             rngs.params(), (cfg.seq_len, D), param_dtype))
-        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, param_dtype=param_dtype)
+        norm = partial(nn.LayerNorm, D, rngs=rngs, eps=cfg.layer_norm_eps, axis="embed", param_dtype=param_dtype)
         self.pre_norm = norm()
         self.blocks = nn.stack(lambda r: CLIPBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.post_norm = norm()

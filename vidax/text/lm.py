@@ -511,10 +511,19 @@ class LMEncoder(nn.Split):
 def crop(x, mask, start: int):
     """Drop a prompt template's first ``start`` tokens: ``x[:, start:]``, ``mask[:, start:]``
     (x: [B, T, ...] or stacked layers [L+1, B, T, D] -> cropped on the token axis)."""
-    tok_axis = 2 if x.ndim == 4 else 1
-    x = jax.lax.slice_in_dim(x, start, x.shape[tok_axis], axis=tok_axis) if isinstance(x, jax.Array) else \
-        np.take(x, np.arange(start, x.shape[tok_axis]), axis=tok_axis)
+    x = x[:, :, start:] if x.ndim == 4 else x[:, start:]
     return x, (None if mask is None else mask[:, start:])
+
+
+def prefix_length(tokenizer, template: str, placeholder: str = "{}") -> int:
+    """Tokens a prompt template puts before the prompt (special tokens such as ``<bos>``
+    included): the ``crop_start`` to pass to :func:`crop`. ``tokenizer`` is a
+    :class:`vidax.text.tokenizer.HFTokenizer` (``encode``); ``template`` holds one ``placeholder``.
+    Templates end their prefix with a special token or newline, so tokenising the prefix alone
+    gives the same tokens as inside the full prompt (checked by the tests)."""
+    if template.count(placeholder) != 1:
+        raise ValueError(f"template must contain the placeholder {placeholder!r} exactly once")
+    return len(tokenizer.encode(template.split(placeholder)[0], add_special_tokens=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,9 +533,38 @@ def _build(cfg: LMConfig, seed: int = 0, dtype=np.float32):
     return lambda: DecoderLM(cfg, rngs=nnx.Rngs(seed), param_dtype=dtype)
 
 
+def random_params(shapes: dict, seed: int = 0, zero_centred_scales: bool = False, dtype=np.float32) -> dict:
+    """Seeded random weights on the host for a nested dict of parameter shapes (tiny presets,
+    tests) — what ``nn.perturb`` of a freshly initialised module gives, without running the
+    initialisers on the device (no per-op compiles): kernels lecun-normal, embeddings / other
+    tensors N(0, 1), biases 0.02 N(0, 1), norm scales 1 + 0.05 N(0, 1) (``zero_centred_scales``:
+    0.02 N(0, 1), for Gemma's (1 + w) norms). Nothing is zero, nothing is one."""
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for path, s in sorted(jax.tree_util.tree_leaves_with_path(shapes), key=lambda kv: jax.tree_util.keystr(kv[0])):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        shape, name = tuple(s.shape), keys[-1]
+        z = rng.standard_normal(shape)
+        if name == "bias":
+            a = 0.02 * z
+        elif name == "scale":
+            a = 0.02 * z if zero_centred_scales else 1 + 0.05 * z
+        elif name == "kernel":
+            fan_in = int(np.prod(shape[-4:-1])) if len(shape) >= 4 and "patch" in keys else shape[-2]
+            a = z / np.sqrt(fan_in)
+        else:
+            a = z
+        d = out
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = np.asarray(a, dtype)
+    return out
+
+
 def init(cfg: LMConfig, seed: int = 0, dtype=np.float32) -> LMEncoder:
-    """Seeded random weights (tiny presets, tests): every parameter perturbed."""
-    return LMEncoder.of(nn.perturb(_build(cfg, seed, dtype)(), seed))
+    """Seeded random weights (tiny presets, tests): every parameter perturbed (:func:`random_params`)."""
+    params = random_params(param_shapes(cfg, dtype), seed, zero_centred_scales=bool(cfg.norm_offset), dtype=dtype)
+    return from_params(cfg, params)
 
 
 def param_shapes(cfg: LMConfig, dtype=np.float32) -> dict:
@@ -537,8 +575,13 @@ def abstract(cfg: LMConfig, dtype=np.float32) -> LMEncoder:
     return LMEncoder(*nn.abstract_state(_build(cfg, dtype=dtype)), cfg)
 
 
+def _dtype_of(params) -> np.dtype:
+    """Storage dtype of a parameter tree (the module is built with it so equal trees share compiles)."""
+    return np.dtype(jax.tree.leaves(params)[0].dtype)
+
+
 def from_params(cfg: LMConfig, params: dict, device_put: bool = True) -> LMEncoder:
-    return LMEncoder.from_pure(_build(cfg), params, device_put=device_put)
+    return LMEncoder.from_pure(_build(cfg, dtype=_dtype_of(params)), params, device_put=device_put)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,20 +782,29 @@ class _LMCompat(CompatModel):
 LM_CLASSES = (
     "LlamaModel", "LlamaForCausalLM", "Qwen2Model", "Qwen2ForCausalLM", "Qwen2_5_VLTextModel",
     "Qwen2_5_VLModel", "Qwen2_5_VLForConditionalGeneration", "Gemma3TextModel", "Gemma3ForCausalLM", "Gemma3Model",
-    "Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )
 
 
-@register(*LM_CLASSES)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
+@register(*LM_CLASSES, scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 **kw) -> CompatModel:
+    """``mesh`` (a Mesh or a spec like ``"tp=8"``): tensor parallel over its ``tp`` axis
+    (:func:`tp_rules`); sequence parallelism and offloading are not offered for prompt encoders."""
+    if offload_chunk_size is not None:
+        raise ValueError("decoder-LM encoders do not offload (shard them over tp instead)")
+    if parallelism not in (None, "tp", "none"):
+        raise ValueError(f"decoder-LM encoders support parallelism='tp' only, got {parallelism!r}")
     cfg = LMConfig.from_hf(config)
-    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype))
+    enc = from_params(cfg, load_params_from(open_checkpoint(folder), cfg, dtype=dtype), device_put=mesh is None)
+    if mesh is not None:
+        enc = shard(enc, mesh)
     name = (config.get("architectures") or ["LlamaModel"])[0]
     return _LMCompat(name, config, enc)
 
 
 __all__ = [
     "Rope", "LMConfig", "RMSNorm", "LMBlock", "DecoderLM", "LMEncoder", "Output", "rope_table", "gqa_attention",
-    "crop", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
+    "crop", "prefix_length", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
     "detect_prefix", "hf_keymap", "load_params_from", "load_lm", "LM_CLASSES",
 ]

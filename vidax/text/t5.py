@@ -187,7 +187,7 @@ class T5Block(nnx.Module):
         self.cfg = cfg
         D, I, F = cfg.d_model, cfg.inner_dim, cfg.d_ff
         lin = partial(nn.Linear, rngs=rngs, bias=False, param_dtype=param_dtype, precision=jax.lax.Precision.HIGHEST)
-        norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+        norm = partial(nn.RMSNorm, D, rngs=rngs, eps=cfg.layer_norm_epsilon, axis="embed", param_dtype=param_dtype)
         self.norm1 = norm()
         self.q, self.k, self.v = (lin(D, I, axes=("embed", "heads")) for _ in range(3))
         self.o = lin(I, D, axes=("heads", "embed"))
@@ -224,7 +224,8 @@ class T5(nnx.Module):
         self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, axes=("vocab", "embed"), param_dtype=param_dtype)
         self.rel_bias = None if cfg.per_layer_rel_bias else _rel_bias_table(cfg, rngs, param_dtype)
         self.blocks = nn.stack(lambda r: T5Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.final_norm = nn.RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.layer_norm_epsilon, param_dtype=param_dtype)
+        self.final_norm = nn.RMSNorm(cfg.d_model, rngs=rngs, eps=cfg.layer_norm_epsilon, axis="embed",
+                                     param_dtype=param_dtype)
 
     def __call__(self, input_ids, attention_mask=None):
         """Token ids [B, L] (+ mask [B, L], 1 = real token) -> last hidden state [B, L, d_model] float32.
@@ -236,9 +237,22 @@ class T5(nnx.Module):
 
     def encode_embeds(self, inputs_embeds, attention_mask=None):
         """The stack on input embeddings [B, L, D] -> last hidden state [B, L, D] float32."""
-        cfg = self.cfg
         x = jnp.asarray(inputs_embeds, jnp.float32)
-        L = x.shape[1]
+        return self.final_norm(nn.scan(self.blocks, x, self._layer_fn(x.shape[1], attention_mask)))
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        """All hidden states [num_layers + 1, B, L, D] float32: the reference's
+        ``output_hidden_states`` tuple stacked (0: embeddings, i: output of layer i, last: the
+        final-normed output = ``last_hidden_state``)."""
+        return self.hidden_states_embeds(self.embed(jnp.asarray(input_ids, jnp.int32)).astype(jnp.float32), attention_mask)
+
+    def hidden_states_embeds(self, inputs_embeds, attention_mask=None):
+        x = jnp.asarray(inputs_embeds, jnp.float32)
+        last, hs = nn.scan_range(self.blocks, x, self._layer_fn(x.shape[1], attention_mask), collect=True)
+        return jnp.concatenate([x[None], hs[:-1], self.final_norm(last)[None]], axis=0)
+
+    def _layer_fn(self, L: int, attention_mask):
+        cfg = self.cfg
         mask = None if attention_mask is None else (jnp.asarray(attention_mask) != 0)[:, None, None, :]  # keys only
         buckets = jnp.asarray(relative_position_buckets(
             L, L, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance))
@@ -248,7 +262,7 @@ class T5(nnx.Module):
             bias = shared if shared is not None else _position_bias(block.rel_bias, buckets)
             return block(h, bias, mask)
 
-        return self.final_norm(nn.scan(self.blocks, x, layer))
+        return layer
 
 
 class T5Encoder(nn.Split):
@@ -262,6 +276,13 @@ class T5Encoder(nn.Split):
     def encode_embeds(self, inputs_embeds, attention_mask=None):
         """:meth:`T5.encode_embeds`: the stack on input embeddings [B, L, D]."""
         return self.apply("encode_embeds", inputs_embeds, attention_mask)
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        """:meth:`T5.hidden_states`: every layer's output [num_layers + 1, B, L, D]."""
+        return self.apply("hidden_states", input_ids, attention_mask)
+
+    def hidden_states_embeds(self, inputs_embeds, attention_mask=None):
+        return self.apply("hidden_states_embeds", inputs_embeds, attention_mask)
 
 
 def _build(cfg: T5Config, seed: int = 0, dtype=np.float32):
@@ -460,6 +481,27 @@ class _T5Compat(CompatModel):
         else:
             out = self.encoder.encode_embeds(np.asarray(inputs_embeds, np.float32), mask)
         return np.asarray(out)
+
+    def outputs(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=False, **kwargs):
+        """The reference's ``BaseModelOutput`` fields (dict with attribute access): ``last_hidden_state``
+        and, with ``output_hidden_states``, the ``hidden_states`` tuple."""
+        from vidax.text.lm import Output
+
+        if not output_hidden_states:
+            return Output(last_hidden_state=self.forward(input_ids, attention_mask, inputs_embeds, **kwargs))
+        for k, v in kwargs.items():
+            if v is not None and k not in ("return_dict", "output_attentions"):
+                raise TypeError(f"{self.name}.forward: unsupported argument {k!r}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids / inputs_embeds")
+        mask = None if attention_mask is None else np.asarray(attention_mask)
+        if input_ids is not None:
+            hs = np.asarray(self.encoder.hidden_states(np.asarray(input_ids), mask))
+        else:
+            hs = np.asarray(self.encoder.hidden_states_embeds(np.asarray(inputs_embeds, np.float32), mask))
+        return Output(last_hidden_state=hs[-1], hidden_states=tuple(hs))
+
+    __call__ = outputs
 
 
 @register("T5EncoderModel", "UMT5EncoderModel")

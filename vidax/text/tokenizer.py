@@ -63,25 +63,45 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` (from ``tokenizer.json``) behind the common call signature."""
+    """A ``tokenizers.Tokenizer`` (from ``tokenizer.json``) behind the common call signature.
 
-    def __init__(self, tokenizer, pad_id: int, pad_token: str):
+    ``tok(prompts, max_length, padding_side=None, add_special_tokens=True) -> (ids, mask)``: padded
+    to ``max_length`` on ``padding_side`` (default: the tokenizer's own, ``tokenizer_config.json``'s
+    ``padding_side`` or the class default — Gemma pads on the left), truncated on the right like
+    transformers' ``padding="max_length", truncation=True``."""
+
+    def __init__(self, tokenizer, pad_id: int, pad_token: str, padding_side: str = "right",
+                 bos_id: int | None = None, eos_id: int | None = None, truncation_side: str = "right"):
         self.tok, self.pad_id, self.pad_token = tokenizer, int(pad_id), pad_token
+        self.padding_side, self.truncation_side = padding_side, truncation_side
+        self.bos_id, self.eos_id = bos_id, eos_id
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def count(self, prompts) -> list[int]:
+    def count(self, prompts, add_special_tokens: bool = True) -> list[int]:
         """Tokens per prompt, special tokens included, before any truncation."""
         self.tok.no_truncation()
         self.tok.no_padding()
-        return [len(e.ids) for e in self.tok.encode_batch(_as_list(prompts), add_special_tokens=True)]
+        return [len(e.ids) for e in self.tok.encode_batch(_as_list(prompts), add_special_tokens=add_special_tokens)]
 
-    def __call__(self, prompts, max_length: int):
-        self.tok.enable_truncation(max_length=max_length, strategy="longest_first", direction="right")
-        self.tok.enable_padding(direction="right", pad_id=self.pad_id, pad_token=self.pad_token, length=max_length)
-        enc = self.tok.encode_batch(_as_list(prompts), add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of one text, no padding or truncation (e.g. a template prefix, for ``crop_start``)."""
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, prompts, max_length: int, padding_side: str | None = None, add_special_tokens: bool = True):
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+        self.tok.enable_truncation(max_length=max_length, strategy="longest_first", direction=self.truncation_side)
+        self.tok.enable_padding(direction=side, pad_id=self.pad_id, pad_token=self.pad_token, length=max_length)
+        enc = self.tok.encode_batch(_as_list(prompts), add_special_tokens=add_special_tokens)
         ids = np.asarray([e.ids for e in enc], dtype=np.int32).reshape(-1, max_length)
         mask = np.asarray([e.attention_mask for e in enc], dtype=np.int32).reshape(-1, max_length)
         return ids, mask
@@ -137,7 +157,9 @@ def _token_str(t) -> str | None:
 def load_tokenizer(folder: str | Path):
     """Tokenizer from a checkpoint folder (``tokenizer.json`` preferred, else ``spiece.model``).
 
-    A folder that holds a ``tokenizer/`` sub-folder (diffusers layout) is accepted too."""
+    A folder that holds a ``tokenizer/`` sub-folder (diffusers layout) is accepted too. A ByT5
+    folder (``tokenizer_class`` ByT5Tokenizer, no vocabulary file) gives a
+    :class:`vidax.text.byt5.ByT5Tokenizer`."""
     folder = Path(folder)
     if not (folder / "tokenizer.json").exists() and not (folder / "spiece.model").exists() and (folder / "tokenizer").is_dir():
         folder = folder / "tokenizer"
@@ -146,6 +168,10 @@ def load_tokenizer(folder: str | Path):
     pad_token = _token_str(cfg.get("pad_token") or special.get("pad_token")) or "<pad>"
     eos_token = _token_str(cfg.get("eos_token") or special.get("eos_token")) or "</s>"
     tok_class = cfg.get("tokenizer_class")
+    if tok_class == "ByT5Tokenizer" and not (folder / "tokenizer.json").exists():
+        from vidax.text.byt5 import ByT5Tokenizer
+
+        return ByT5Tokenizer.from_folder(folder)
 
     if (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer
@@ -157,15 +183,59 @@ def load_tokenizer(folder: str | Path):
             j = _t5_pipeline(j, eos_token)
         j["truncation"] = None
         j["padding"] = None
+        if not is_t5:
+            j = _post_processor(j, cfg, tok_class, special)
         tok = Tokenizer.from_str(json.dumps(j))
         pad_id = tok.token_to_id(pad_token)
         if pad_id is None:
             pad_id = 0
-        return HFTokenizer(tok, pad_id, pad_token)
+        bos, eos = _token_str(cfg.get("bos_token") or special.get("bos_token")), eos_token
+        side = cfg.get("padding_side") or ("left" if str(tok_class or "").startswith("Gemma") else "right")
+        return HFTokenizer(tok, pad_id, pad_token, padding_side=side,
+                           bos_id=None if bos is None else tok.token_to_id(bos), eos_id=tok.token_to_id(eos),
+                           truncation_side=cfg.get("truncation_side") or "right")
 
     if (folder / "spiece.model").exists():
         return SentencePieceTokenizer(folder / "spiece.model")
     raise FileNotFoundError(f"{folder}: no tokenizer.json or spiece.model")
+
+
+def _post_processor(j: dict, cfg: dict, tok_class: str | None, special: dict) -> dict:
+    """The post-processor transformers (>= 5) ends up with: CLIP always gets ``<bos> $A <eos>``
+    (RobertaProcessing); a config that states ``add_bos_token`` / ``add_eos_token`` (Gemma, Llama)
+    gets a template with exactly those; otherwise the file's own (none: nothing added)."""
+    j = dict(j)
+    ids = {t["content"]: t["id"] for t in j.get("added_tokens", [])}
+    vocab = j.get("model", {}).get("vocab")
+    if isinstance(vocab, dict):
+        ids = {**vocab, **ids}
+
+    def tid(name):
+        t = _token_str(cfg.get(name) or special.get(name))
+        if t is None or t not in ids:
+            return None, None
+        return t, ids[t]
+
+    cls = str(tok_class or "").removesuffix("Fast")
+    if cls == "CLIPTokenizer":
+        (bos, bi), (eos, ei) = tid("bos_token"), tid("eos_token")
+        if bos is not None and eos is not None:
+            j["post_processor"] = {"type": "RobertaProcessing", "sep": [eos, ei], "cls": [bos, bi],
+                                   "trim_offsets": False, "add_prefix_space": False}
+        return j
+    if "add_bos_token" in cfg or "add_eos_token" in cfg or j.get("post_processor") is None:
+        add_bos, add_eos = bool(cfg.get("add_bos_token", False)), bool(cfg.get("add_eos_token", False))
+        (bos, bi), (eos, ei) = tid("bos_token"), tid("eos_token")
+        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+        if not (add_bos or add_eos) and j.get("post_processor") is None:
+            return j
+        seq = lambda k: {"Sequence": {"id": k, "type_id": 0 if k == "A" else 1}}  # noqa: E731
+        sp = lambda t, k: {"SpecialToken": {"id": t, "type_id": k}}  # noqa: E731
+        single = ([sp(bos, 0)] if add_bos else []) + [seq("A")] + ([sp(eos, 0)] if add_eos else [])
+        pair = single + ([sp(bos, 1)] if add_bos else []) + [seq("B")] + ([sp(eos, 1)] if add_eos else [])
+        toks = {t: {"id": t, "ids": [i], "tokens": [t]} for t, i, on in ((bos, bi, add_bos), (eos, ei, add_eos)) if on}
+        j["post_processor"] = {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": toks}
+    return j
 
 
 def _t5_pipeline(j: dict, eos_token: str) -> dict:

@@ -2,6 +2,13 @@
 (``is_residual=True``: residual down/up blocks with parameter-free pooling/duplicating shortcuts,
 ``patch_size`` 2x2 space-to-channel patchify).
 
+Modules: :class:`WanVAE` is a Flax NNX module tree whose attribute names follow diffusers'
+(``encoder.down_blocks.3.conv1``, ``decoder.up_blocks.0.upsampler.time_conv`` ...). Convs are
+``nnx.Conv`` (channels-last kernels ``[*k, in, out]``); the L2 channel norm is our own
+:class:`ChannelNorm`. The module is split once: :func:`graphdef` (one per config) and a state
+(:func:`init_params`, :func:`load_vae`) that the loaders fill and the chunk programs take as their
+argument; each chunk program merges the two inside ``jax.jit``.
+
 Layout: the public functions (:func:`encode`, :func:`decode`, the ``*_chunk`` functions, the
 latent (de)normalisation) take and return the reference layout ``[B, C, F, H, W]``; inside a chunk
 program everything is channels-last, ``[B, F, H, W, C]`` (the layout changes once on the way in and
@@ -18,9 +25,9 @@ Each chunk is one call of one jitted function, driven from an ordinary Python lo
 static, so a decode or encode of any length (and any number of them at one spatial size) uses at
 most two programs. Chunks are cut on the host and passed in alone, so programs do not depend on
 the video's length and no slicing program is dispatched. The temporal context is an explicit cache
-pytree (a flat dict ``name -> array``, the same structure and shapes after every chunk, the first
-included) passed in and returned, so a caller can persist it (:func:`cache_to_numpy`) and resume
-at chunk ``k`` (``decode(..., start=k, cache=...)``):
+pytree (a flat dict ``name -> array``, keyed by the conv's module path, the same structure and
+shapes after every chunk, the first included) passed in and returned, so a caller can persist it
+(:func:`cache_to_numpy`) and resume at chunk ``k`` (``decode(..., start=k, cache=...)``):
 
 - every causal 3x3x3 conv (and the ``(3,1,1)`` time conv of a temporal upsample) keeps the last
   two frames of its padded input. The reference starts with "no cache" (zero padding) and keeps
@@ -28,27 +35,35 @@ at chunk ``k`` (``decode(..., start=k, cache=...)``):
   the cache has one structure from the first chunk on;
 - the stride-2 time conv of a temporal downsample keeps the last frame of its input.
 
+The cache stays functional (a dict threaded through the calls in a :class:`_Ctx`), not NNX
+``Cache`` variables on the modules: its shapes depend on the batch and frame size, known only at
+the first chunk (variables would be created inside the trace, and the first chunk's module would
+have a different graph from the later ones'); the first chunk is a different program anyway
+(``first``); and a pipeline stage persists and resumes it as plain ``name -> array`` data without
+touching the module.
+
 On the first chunk the reference skips the time convs of temporal down/upsamples (and Wan2.2's
 duplicating shortcut keeps only its last frame); that is what ``first`` switches.
 
 Conv formulation (same results up to float rounding): ``conv_impl="native"`` runs the convs over
-time as 3-D convs; ``"fold"`` (the default on CPU, where XLA's 2-D conv is several times faster than
-its generic 3-D one) folds the time taps into the channel axis and runs 2-D convs per frame. Either
-way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the low-resolution
-frames (one per output pixel phase), and 1x1 convs as matmuls.
+time as 3-D convs (``nnx.Conv``); ``"fold"`` (the default on CPU, where XLA's 2-D conv is several
+times faster than its generic 3-D one) folds the time taps into the channel axis and runs 2-D convs
+per frame. Either way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the
+low-resolution frames (one per output pixel phase), and 1x1 convs as matmuls.
 """
 from __future__ import annotations
 
 import math
 import warnings
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from vidax import compat
 from vidax.core import nn
@@ -272,184 +287,15 @@ def _decoder_plan(cfg: WanVAEConfig) -> tuple[list[_Up], int]:
     return out, dims[0]
 
 
-class _P(NamedTuple):
-    dst: str  # dotted vidax path
-    diff: str  # diffusers name
-    orig: str | None  # original-release name (None: not representable)
-    kind: str  # key-map layout kind
-    shape: tuple  # vidax shape
-    init: str  # "w<fan_in>" | "b" | "g"
 
-
-def _conv(dst, diff, orig, kernel, cin, cout, kind):
-    fan = cin * int(np.prod(kernel))
-    return [
-        _P(f"{dst}.w", f"{diff}.weight", orig and f"{orig}.weight", kind, (*kernel, cin, cout), f"w{fan}"),
-        _P(f"{dst}.b", f"{diff}.bias", orig and f"{orig}.bias", "none", (cout,), "b"),
-    ]
-
-
-def _gamma(dst, diff, orig, c):
-    return [_P(dst, f"{diff}.gamma", orig and f"{orig}.gamma", "flat", (c,), "g")]
-
-
-def _res_spec(dst, diff, orig, cin, cout):
-    r = orig and f"{orig}.residual"
-    s = (
-        _gamma(f"{dst}.norm1", f"{diff}.norm1", r and f"{r}.0", cin)
-        + _conv(f"{dst}.conv1", f"{diff}.conv1", r and f"{r}.2", (3, 3, 3), cin, cout, "conv3d")
-        + _gamma(f"{dst}.norm2", f"{diff}.norm2", r and f"{r}.3", cout)
-        + _conv(f"{dst}.conv2", f"{diff}.conv2", r and f"{r}.6", (3, 3, 3), cout, cout, "conv3d")
-    )
-    if cin != cout:
-        s += _conv(f"{dst}.shortcut", f"{diff}.conv_shortcut", orig and f"{orig}.shortcut", (1, 1, 1), cin, cout, "conv3d")
-    return s
-
-
-def _attn_spec(dst, diff, orig, c):
-    return (
-        _gamma(f"{dst}.norm", f"{diff}.norm", orig and f"{orig}.norm", c)
-        + _conv(f"{dst}.qkv", f"{diff}.to_qkv", orig and f"{orig}.to_qkv", (1, 1), c, 3 * c, "conv2d")
-        + _conv(f"{dst}.proj", f"{diff}.proj", orig and f"{orig}.proj", (1, 1), c, c, "conv2d")
-    )
-
-
-def _resample_spec(dst, diff, orig, mode, c, cout):
-    s = _conv(f"{dst}.conv", f"{diff}.resample.1", orig and f"{orig}.resample.1", (3, 3), c, cout, "conv2d")
-    if mode == "down3d":
-        s += _conv(f"{dst}.time_conv", f"{diff}.time_conv", orig and f"{orig}.time_conv", (3, 1, 1), c, c, "conv3d")
-    elif mode == "up3d":
-        s += _conv(f"{dst}.time_conv", f"{diff}.time_conv", orig and f"{orig}.time_conv", (3, 1, 1), c, 2 * c, "conv3d")
-    return s
-
-
-def _original_decoder_has_attention(cfg: WanVAEConfig) -> bool:
-    # The original Decoder3d puts attention blocks in its upsamples where scale is in attn_scales
-    # (scale starts at 1 / 2**(n-2) and doubles per level); diffusers' decoder never does.
-    n = len(cfg.dim_mult)
-    scale = 1.0 / 2 ** (n - 2)
-    for _ in range(n):
-        if scale in cfg.attn_scales:
-            return True
-        scale *= 2.0
-    return False
-
-
-def _spec(cfg: WanVAEConfig) -> list[_P]:
-    """Every parameter: vidax path, diffusers name, original-release name, layout kind, shape."""
-    s: list[_P] = []
-    s += _conv("encoder.conv_in", "encoder.conv_in", "encoder.conv1", (3, 3, 3), cfg.in_channels, cfg.base_dim, "conv3d")
-    if cfg.is_residual:
-        blocks, enc_top = _residual_encoder_plan(cfg)
-        enc = []
-        for i, blk in enumerate(blocks):
-            cin = blk.cin
-            for r in range(cfg.num_res_blocks):
-                s += _res_spec(f"encoder.down.{i}.res.{r}", f"encoder.down_blocks.{i}.resnets.{r}", None, cin, blk.cout)
-                cin = blk.cout
-            if blk.mode:
-                s += _resample_spec(f"encoder.down.{i}.resample", f"encoder.down_blocks.{i}.downsampler", None,
-                                    blk.mode, blk.cout, blk.cout)
-    else:
-        enc, enc_top = _encoder_plan(cfg)
-    for j, layer in enumerate(enc):
-        dst, diff, orig = f"encoder.down.{j}", f"encoder.down_blocks.{j}", f"encoder.downsamples.{j}"
-        if layer.kind == "res":
-            s += _res_spec(dst, diff, orig, layer.cin, layer.cout)
-        elif layer.kind == "attn":
-            s += _attn_spec(dst, diff, orig, layer.cout)
-        else:
-            s += _resample_spec(dst, diff, orig, layer.kind, layer.cout, layer.cout)
-    s += _mid_spec("encoder", enc_top)
-    s += _gamma("encoder.norm_out", "encoder.norm_out", "encoder.head.0", enc_top)
-    s += _conv("encoder.conv_out", "encoder.conv_out", "encoder.head.2", (3, 3, 3), enc_top, 2 * cfg.z_dim, "conv3d")
-    s += _conv("quant_conv", "quant_conv", "conv1", (1, 1, 1), 2 * cfg.z_dim, 2 * cfg.z_dim, "conv3d")
-    s += _conv("post_quant_conv", "post_quant_conv", "conv2", (1, 1, 1), cfg.z_dim, cfg.z_dim, "conv3d")
-
-    dec, dec_top = _decoder_plan(cfg)
-    s += _conv("decoder.conv_in", "decoder.conv_in", "decoder.conv1", (3, 3, 3), cfg.z_dim, dec_top, "conv3d")
-    s += _mid_spec("decoder", dec_top)
-    flat = 0  # the original release numbers the decoder's upsamples flat
-    for i, lv in enumerate(dec):
-        cin = lv.cin
-        for r in range(cfg.num_res_blocks + 1):
-            s += _res_spec(f"decoder.up.{i}.res.{r}", f"decoder.up_blocks.{i}.resnets.{r}",
-                           None if cfg.is_residual else f"decoder.upsamples.{flat}", cin, lv.cout)
-            cin = lv.cout
-            flat += 1
-        if lv.mode:
-            diff = f"decoder.up_blocks.{i}." + ("upsampler" if cfg.is_residual else "upsamplers.0")
-            s += _resample_spec(f"decoder.up.{i}.resample", diff,
-                                None if cfg.is_residual else f"decoder.upsamples.{flat}", lv.mode, lv.cout, lv.up_out)
-            flat += 1
-    s += _gamma("decoder.norm_out", "decoder.norm_out", "decoder.head.0", dec[-1].cout)
-    s += _conv("decoder.conv_out", "decoder.conv_out", "decoder.head.2", (3, 3, 3), dec[-1].cout, cfg.out_channels, "conv3d")
-    return s
-
-
-def _mid_spec(side, c):
-    return (
-        _res_spec(f"{side}.mid.res0", f"{side}.mid_block.resnets.0", f"{side}.middle.0", c, c)
-        + _attn_spec(f"{side}.mid.attn", f"{side}.mid_block.attentions.0", f"{side}.middle.1", c)
-        + _res_spec(f"{side}.mid.res1", f"{side}.mid_block.resnets.1", f"{side}.middle.2", c, c)
-    )
-
-
-def _set(tree, path, value):
-    keys = path.split(".")
-    for k in keys[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[keys[-1]] = value
-
-
-# ----------------------------------------------------------------------------------- params
-def init_params(cfg: WanVAEConfig, seed: int = 0, dtype=np.float32):
-    """Random parameters (every tensor perturbed: no zero biases, gammas around 1)."""
-    ini = nn.Init(seed, dtype)
-    p: dict = {}
-    for e in _spec(cfg):
-        if e.init == "g":
-            v = ini.norm_weight(e.shape)
-        elif e.init == "b":
-            v = ini.bias(e.shape)
-        else:
-            v = ini.normal(e.shape, std=1.0 / math.sqrt(int(e.init[1:])))
-        _set(p, e.dst, v)
-    return p
-
-
-def param_shapes(cfg: WanVAEConfig, dtype=np.float32):
-    p: dict = {}
-    for e in _spec(cfg):
-        _set(p, e.dst, jax.ShapeDtypeStruct(e.shape, np.dtype(dtype)))
-    return p
-
-
-def diffusers_keymap(cfg: WanVAEConfig) -> KeyMap:
-    return KeyMap([Rule(e.diff, e.dst, e.kind) for e in _spec(cfg)])
-
-
-def original_keymap(cfg: WanVAEConfig) -> KeyMap:
-    """Names of the original release file ``Wan2.1_VAE.pth`` (``WanVAE_`` of the Wan repository)."""
-    if cfg.is_residual:
-        raise NotImplementedError(
-            "original_keymap: is_residual=True (Wan2.2_VAE.pth naming) is not mapped; use a diffusers folder"
-        )
-    if _original_decoder_has_attention(cfg):
-        raise NotImplementedError(
-            f"attn_scales={cfg.attn_scales}: the original Wan decoder would have attention blocks in its "
-            "upsamples, which diffusers' AutoencoderKLWan (the reference ported here) does not model"
-        )
-    return KeyMap([Rule(e.orig, e.dst, e.kind) for e in _spec(cfg)])
-
-
-# ----------------------------------------------------------------------------------- layers
+# ----------------------------------------------------------------------------------- array helpers
+_HIGHEST = jax.lax.Precision.HIGHEST
 CONV_IMPLS = ("fold", "native")
 
 
 def _conv_impl(conv_impl: str | None) -> str:
-    """How the convs over time run (see :func:`_time_conv`): ``"fold"`` (the default on CPU) or
-    ``"native"`` (the default elsewhere)."""
+    """How the convs over time run (see :meth:`CausalConv3d.over_time`): ``"fold"`` (the default on
+    CPU) or ``"native"`` (the default elsewhere)."""
     if conv_impl is None:
         return "fold" if jax.default_backend() == "cpu" else "native"
     if conv_impl not in CONV_IMPLS:
@@ -458,7 +304,8 @@ def _conv_impl(conv_impl: str | None) -> str:
 
 
 class _Ctx:
-    """Per-chunk trace-time state: the incoming cache (None on the first chunk) and the new one."""
+    """Per-chunk trace-time state: the incoming cache (None on the first chunk), the new one, and
+    how attention and the convs over time run."""
 
     def __init__(self, old: dict | None, attn_impl, conv_impl: str = "native"):
         self.old, self.new, self.attn_impl, self.conv_impl = old, {}, attn_impl, conv_impl
@@ -468,11 +315,20 @@ class _Ctx:
         return self.old is None
 
 
-def _pointwise(p, x):
-    """A 1x1(x1) conv as a matmul over the channel axis (channels-last)."""
-    w = p["w"]
-    y = jnp.matmul(x, w.reshape(w.shape[-2], w.shape[-1]).astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-    return y + p["b"].astype(y.dtype) if "b" in p else y
+def _matmul(x, w, b=None):
+    """``x [..., in] @ w [in, out] (+ b)`` at full precision: a 1x1 conv over the channel axis."""
+    y = jnp.matmul(x, w.astype(x.dtype), precision=_HIGHEST)
+    return y if b is None else y + b.astype(y.dtype)
+
+
+def _conv2d(x, w, b=None, *, padding):
+    """Channels-last 2-D conv of frames ``x`` [N, H, W, in] with a computed kernel ``w``
+    [kh, kw, in, out] (folded time taps, upsampling phases) at full precision; 1x1: a matmul."""
+    if w.shape[:2] == (1, 1):
+        return _matmul(x, w[0, 0], b)
+    y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), (1, 1), padding,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HIGHEST)
+    return y if b is None else y + b.astype(y.dtype)
 
 
 def _per_frame(fn, x):
@@ -506,122 +362,12 @@ def _tap(old, x, k: int, n_old: int, span: int, stride: int):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _time_conv(ctx: _Ctx, p, old, x, stride: int = 1):
-    """VALID conv over time of ``[old, x]`` (concatenated on the frame axis; ``old=None``: kt-1 zero
-    frames), 'same' zero padding in space.
-
-    ``"native"`` runs it as one 3-D conv. ``"fold"`` folds the kt time taps into the channel axis
-    (one copy of the input, kt times wider) and runs one 2-D conv (a matmul for 1x1 spatial
-    kernels) per frame: XLA's CPU backend has a fast 2-D conv and dot but a slow generic 3-D conv.
-    With ``old=None`` the taps that only ever see the zero frames are left out."""
-    kt, kh, kw, cin, cout = p["w"].shape
-    sp = [(kh // 2, kh // 2), (kw // 2, kw // 2)]
-    n_old = kt - 1 if old is None else old.shape[1]
-    if ctx.conv_impl == "native":
-        if old is None:
-            return nn.conv(p, x, stride=(stride, 1, 1), padding=[(n_old, 0), *sp])
-        return nn.conv(p, jnp.concatenate([old.astype(x.dtype), x], axis=1), stride=(stride, 1, 1),
-                       padding=[(0, 0), *sp])
-    tout = (n_old + x.shape[1] - kt) // stride + 1
-    span = stride * (tout - 1) + 1
-    k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
-    xs = [_tap(old, x, k, n_old, span, stride) for k in range(k0, kt)]
-    xc = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # [B, tout, H, W, (kt - k0) cin]
-    w = p["w"][k0:].transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * cin, cout)
-    q = {"w": w, "b": p["b"]} if "b" in p else {"w": w}
-    if kh == kw == 1:
-        return _pointwise(q, xc)
-    return _per_frame(lambda y: nn.conv(q, y, padding=sp), xc)
-
-
-def _causal_conv(ctx: _Ctx, name: str, p, x):
-    """Causal conv over time (kernel kt, cache kt-1 frames), 'same' zero padding in space."""
-    kt, kh, kw = p["w"].shape[:3]
-    if kt == 1:
-        if kh == kw == 1:
-            return _pointwise(p, x)
-        return _per_frame(lambda y: nn.conv(p, y, padding=[(kh // 2, kh // 2), (kw // 2, kw // 2)]), x)
-    # no cache on the first chunk: zero padding in front (= a zero-filled cache)
-    old = None if ctx.first else ctx.old[name]
-    ctx.new[name] = _tail(old, x, kt - 1)
-    return _time_conv(ctx, p, old, x)
-
-
-def _norm(gamma, x):
-    return nn.l2_channel_norm(x, gamma)
-
-
-def _res_block(ctx: _Ctx, name: str, p, x):
-    h = _pointwise(p["shortcut"], x) if "shortcut" in p else x
-    y = jax.nn.silu(_norm(p["norm1"], x))
-    y = _causal_conv(ctx, f"{name}.conv1", p["conv1"], y)
-    y = jax.nn.silu(_norm(p["norm2"], y))
-    y = _causal_conv(ctx, f"{name}.conv2", p["conv2"], y)
-    return y + h
-
-
-def _attn_block(ctx: _Ctx, p, x):
-    """Single-head self-attention over each frame's pixels."""
-    b, t, h, w, c = x.shape
-    y = _norm(p["norm"], x).reshape(b * t, h * w, c)
-    qkv = _pointwise(p["qkv"], y).reshape(b * t, h * w, 3, 1, c)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    # the single head has the full channel width (384 for Wan2.1): fused kernels rarely take it
-    impl = ctx.attn_impl or ("xla" if c > 128 else None)
-    o = attention(q, k, v, impl=impl).reshape(b, t, h, w, c)
-    return x + _pointwise(p["proj"], o)
-
-
-def _downsample(ctx: _Ctx, name: str, p, x, temporal: bool):
-    # ZeroPad2d((0,1,0,1)) + stride 2
-    y = _per_frame(lambda f: nn.conv(p["conv"], f, stride=2, padding=[(0, 1), (0, 1)]), x)
-    if not temporal:
-        return y
-    key = f"{name}.time_conv"
-    old = None if ctx.first else ctx.old[key]
-    ctx.new[key] = y[:, -1:]
-    if ctx.first:
-        return y  # the reference skips the time conv on the first chunk
-    return _time_conv(ctx, p["time_conv"], old, y, stride=2)
-
-
 def _up_taps(w, axis: int):
     """Nearest 2x upsampling then a 3-tap 'same' conv along ``axis`` = per output phase a 2-tap conv
     of the original: phase 0 sees offsets (-1, 0) with (w0, w1 + w2), phase 1 offsets (0, +1) with
     (w0 + w1, w2)."""
     w0, w1, w2 = (jax.lax.index_in_dim(w, i, axis) for i in range(3))
     return jnp.concatenate([w0, w1 + w2], axis), jnp.concatenate([w0 + w1, w2], axis)
-
-
-def _upsample_conv(p, y):
-    """Nearest 2x upsampling followed by the 3x3 'same' conv ``p``, on frames ``y`` [N, h, w, C], as
-    four 2x2 convs of ``y`` (one per output pixel phase; 16 instead of 36 taps per input pixel, and
-    no upsampled copy of the input), interleaved into [N, 2h, 2w, C']."""
-    n, h, w, _ = y.shape
-    rows = _up_taps(p["w"], 0)
-    outs = []
-    for a in range(2):
-        cols = _up_taps(rows[a], 1)
-        for c in range(2):
-            outs.append(nn.conv({"w": cols[c]}, y, padding=[(1 - a, a), (1 - c, c)]))
-    o = jnp.stack(outs).reshape(2, 2, n, h, w, -1).transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * h, 2 * w, -1)
-    return o + p["b"].astype(o.dtype)
-
-
-def _upsample(ctx: _Ctx, name: str, p, x, temporal: bool):
-    if temporal:
-        key = f"{name}.time_conv"
-        if ctx.first:
-            # the reference skips the time conv on the first chunk and starts the next one from zeros
-            ctx.new[key] = jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
-        else:
-            old = ctx.old[key]
-            ctx.new[key] = _tail(old, x, 2)
-            y = _time_conv(ctx, p["time_conv"], old, x)  # [B, T, H, W, 2C]
-            b, t, h, w, c2 = y.shape
-            # channels [0, C) are each pair's first frame, [C, 2C) its second
-            x = y.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
-    return _per_frame(lambda f: _upsample_conv(p["conv"], f), x)
 
 
 def _avg_down(x, cout: int, ft: int, fs: int):
@@ -667,77 +413,531 @@ def unpatchify(x, p: int):
     return x.reshape(b, f, h * p, w * p, cpp // (p * p))
 
 
-def _mid(ctx: _Ctx, name: str, p, x):
-    x = _res_block(ctx, f"{name}.res0", p["res0"], x)
-    x = _attn_block(ctx, p["attn"], x)
-    return _res_block(ctx, f"{name}.res1", p["res1"], x)
+# ----------------------------------------------------------------------------------- modules
+# VAE weights are never sharded (the decode runs replicated or tiled): every axis is logical None.
+def _replicated(init, ndim: int):
+    return nn.logical(init, *(None,) * ndim)
 
 
-def _head(ctx: _Ctx, name: str, p, x):
-    x = jax.nn.silu(_norm(p["norm_out"], x))
-    return _causal_conv(ctx, f"{name}.conv_out", p["conv_out"], x)
+class Conv(nnx.Conv):
+    """``nnx.Conv`` (channels-last, kernel ``[*k, in, out]``) at full precision; a 1x1 kernel runs
+    as a matmul over the channel axis (the same product; XLA's dot beats its 1x1 conv on CPU)."""
+
+    def __init__(self, cin: int, cout: int, kernel: tuple, *, rngs: nnx.Rngs, strides=1, padding="VALID",
+                 param_dtype=jnp.float32):
+        super().__init__(cin, cout, kernel_size=tuple(kernel), strides=strides, padding=padding,
+                         precision=_HIGHEST, param_dtype=param_dtype, rngs=rngs,
+                         kernel_init=_replicated(nnx.initializers.lecun_normal(), len(kernel) + 2),
+                         bias_init=_replicated(nnx.initializers.zeros_init(), 1))
+        st = (strides,) * len(kernel) if isinstance(strides, int) else tuple(strides)
+        self.pointwise = all(k == 1 for k in self.kernel_size) and all(s == 1 for s in st)
+
+    def __call__(self, x):
+        if self.pointwise:
+            return _matmul(x, self.kernel[...].reshape(self.in_features, self.out_features), self.bias[...])
+        return super().__call__(x)
 
 
-def _encoder(cfg: WanVAEConfig, ctx: _Ctx, p, x):
-    x = _causal_conv(ctx, "encoder.conv_in", p["conv_in"], x)
+class CausalConv3d(Conv):
+    """diffusers' ``WanCausalConv3d`` on ``[B, T, H, W, C]``: kernel ``(kt, kh, kw)``, causal in time
+    (the last ``kt - 1`` frames of the previous chunk in front, zeros before the video's first),
+    'same' zero padding in space. Its cache entry is ``ctx.new[self.cache_name]`` (the module path,
+    set by :class:`WanVAE`)."""
+
+    def __init__(self, cin: int, cout: int, kernel: tuple = (3, 3, 3), *, rngs: nnx.Rngs, stride: int = 1,
+                 param_dtype=jnp.float32):
+        _, kh, kw = kernel
+        super().__init__(cin, cout, kernel, strides=(stride, 1, 1), padding=((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)),
+                         rngs=rngs, param_dtype=param_dtype)
+        self.cache_name = ""
+
+    def __call__(self, x, ctx: _Ctx):
+        kt = self.kernel_size[0]
+        if kt == 1:
+            return super().__call__(x)
+        old = None if ctx.first else ctx.old[self.cache_name]
+        ctx.new[self.cache_name] = _tail(old, x, kt - 1)
+        return self.over_time(ctx, old, x)
+
+    def over_time(self, ctx: _Ctx, old, x):
+        """VALID conv over time (stride ``self.strides[0]``) of ``[old, x]`` (concatenated on the frame
+        axis; ``old=None``: kt-1 zero frames), 'same' zero padding in space.
+
+        ``"native"`` runs it as one 3-D conv (``nnx.Conv``). ``"fold"`` folds the kt time taps into
+        the channel axis (one copy of the input, kt times wider) and runs one 2-D conv (a matmul for
+        1x1 spatial kernels) per frame: XLA's CPU backend has a fast 2-D conv and dot but a slow
+        generic 3-D conv. With ``old=None`` the taps that only ever see the zero frames are left out."""
+        kt, kh, kw = self.kernel_size
+        stride = self.strides[0]
+        n_old = kt - 1 if old is None else old.shape[1]
+        if ctx.conv_impl == "native":
+            old = jnp.zeros((x.shape[0], n_old, *x.shape[2:]), x.dtype) if old is None else old.astype(x.dtype)
+            return nnx.Conv.__call__(self, jnp.concatenate([old, x], axis=1))
+        tout = (n_old + x.shape[1] - kt) // stride + 1
+        span = stride * (tout - 1) + 1
+        k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
+        xs = [_tap(old, x, k, n_old, span, stride) for k in range(k0, kt)]
+        xc = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # [B, tout, H, W, (kt - k0) cin]
+        w = self.kernel[...][k0:].transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * self.in_features,
+                                                                   self.out_features)
+        return _per_frame(lambda f: _conv2d(f, w, self.bias[...], padding=self.padding[1:]), xc)
+
+
+class ChannelNorm(nnx.Module):
+    """diffusers' ``WanRMS_norm`` (channels-last): ``x / max(||x||_2, 1e-12) * sqrt(C) * gamma`` over
+    the channel axis, in float32. Not ``nnx.RMSNorm``: the reference divides by the clamped L2 norm
+    (not ``sqrt(mean + eps)``), which differs near zero."""
+
+    def __init__(self, dim: int, *, param_dtype=jnp.float32):
+        self.gamma = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(None,))  # logical axes: replicated
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        n = jnp.sqrt(jnp.sum(jnp.square(xf), axis=-1, keepdims=True))
+        y = xf / jnp.maximum(n, 1e-12) * math.sqrt(x.shape[-1]) * self.gamma[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class ResidualBlock(nnx.Module):
+    """diffusers' ``WanResidualBlock``: (norm, SiLU, causal 3x3x3 conv) x 2 plus a shortcut (a 1x1x1
+    conv when the width changes)."""
+
+    def __init__(self, cin: int, cout: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm1 = ChannelNorm(cin, param_dtype=param_dtype)
+        self.conv1 = CausalConv3d(cin, cout, **kw)
+        self.norm2 = ChannelNorm(cout, param_dtype=param_dtype)
+        self.conv2 = CausalConv3d(cout, cout, **kw)
+        self.conv_shortcut = CausalConv3d(cin, cout, (1, 1, 1), **kw) if cin != cout else None
+
+    def __call__(self, x, ctx: _Ctx):
+        h = x if self.conv_shortcut is None else self.conv_shortcut(x, ctx)
+        y = self.conv1(jax.nn.silu(self.norm1(x)), ctx)
+        y = self.conv2(jax.nn.silu(self.norm2(y)), ctx)
+        return y + h
+
+
+class AttentionBlock(nnx.Module):
+    """diffusers' ``WanAttentionBlock``: single-head self-attention over each frame's pixels."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm = ChannelNorm(dim, param_dtype=param_dtype)
+        self.to_qkv = Conv(dim, 3 * dim, (1, 1), **kw)
+        self.proj = Conv(dim, dim, (1, 1), **kw)
+
+    def __call__(self, x, ctx: _Ctx):
+        b, t, h, w, c = x.shape
+        qkv = self.to_qkv(self.norm(x).reshape(b * t, h * w, c)).reshape(b * t, h * w, 3, 1, c)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        # the single head has the full channel width (384 for Wan2.1): fused kernels rarely take it
+        impl = ctx.attn_impl or ("xla" if c > 128 else None)
+        o = attention(q, k, v, impl=impl).reshape(b, t, h, w, c)
+        return x + self.proj(o)
+
+
+class Resample(nnx.Module):
+    """diffusers' ``WanResample``. ``down2d``/``down3d``: ZeroPad2d((0, 1, 0, 1)) then a stride-2 3x3
+    conv per frame (``down3d``: then a stride-2 (3, 1, 1) time conv, keeping the input's last frame
+    as cache). ``up2d``/``up3d``: (``up3d``: a (3, 1, 1) time conv to 2C channels, read as two
+    frames per frame) then nearest 2x upsampling and a 3x3 conv per frame, run as four 2x2 convs of
+    the low-resolution frames. The first chunk skips the time convs, as the reference does."""
+
+    def __init__(self, dim: int, mode: str, cout: int | None = None, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.mode = mode
+        if mode.startswith("down"):
+            self.conv = Conv(dim, dim, (3, 3), strides=2, padding=((0, 1), (0, 1)), **kw)
+        else:
+            self.conv = Conv(dim, dim if cout is None else cout, (3, 3), padding=((1, 1), (1, 1)), **kw)
+        if mode == "down3d":
+            self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=2, **kw)
+        elif mode == "up3d":
+            self.time_conv = CausalConv3d(dim, 2 * dim, (3, 1, 1), **kw)
+        else:
+            self.time_conv = None
+
+    def __call__(self, x, ctx: _Ctx):
+        return self._down(x, ctx) if self.mode.startswith("down") else self._up(x, ctx)
+
+    def _down(self, x, ctx: _Ctx):
+        y = self.conv(x)  # nnx.Conv folds [B, T] into one batch axis: a 2-D conv per frame
+        if self.time_conv is None:
+            return y
+        key = self.time_conv.cache_name
+        old = None if ctx.first else ctx.old[key]
+        ctx.new[key] = y[:, -1:]
+        if ctx.first:
+            return y  # the reference skips the time conv on the first chunk
+        return self.time_conv.over_time(ctx, old, y)
+
+    def _up(self, x, ctx: _Ctx):
+        if self.time_conv is not None:
+            key = self.time_conv.cache_name
+            if ctx.first:
+                # the reference skips the time conv on the first chunk and starts the next one from zeros
+                ctx.new[key] = jnp.zeros((x.shape[0], 2, *x.shape[2:]), x.dtype)
+            else:
+                old = ctx.old[key]
+                ctx.new[key] = _tail(old, x, 2)
+                y = self.time_conv.over_time(ctx, old, x)  # [B, T, H, W, 2C]
+                b, t, h, w, c2 = y.shape
+                # channels [0, C) are each pair's first frame, [C, 2C) its second
+                x = y.reshape(b, t, h, w, 2, c2 // 2).transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
+        return _per_frame(self._upsample_conv, x)
+
+    def _upsample_conv(self, y):
+        """Nearest 2x upsampling followed by the 3x3 'same' conv, on frames ``y`` [N, h, w, C], as four
+        2x2 convs of ``y`` (one per output pixel phase; 16 instead of 36 taps per input pixel, and no
+        upsampled copy of the input), interleaved into [N, 2h, 2w, C']."""
+        n, h, w, _ = y.shape
+        rows = _up_taps(self.conv.kernel[...], 0)
+        outs = []
+        for a in range(2):
+            cols = _up_taps(rows[a], 1)
+            for c in range(2):
+                outs.append(_conv2d(y, cols[c], padding=((1 - a, a), (1 - c, c))))
+        o = jnp.stack(outs).reshape(2, 2, n, h, w, -1).transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * h, 2 * w, -1)
+        return o + self.conv.bias[...].astype(o.dtype)
+
+
+class MidBlock(nnx.Module):
+    """diffusers' ``WanMidBlock``: residual block, attention, residual block."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.resnets = nnx.List([ResidualBlock(dim, dim, **kw), ResidualBlock(dim, dim, **kw)])
+        self.attentions = nnx.List([AttentionBlock(dim, **kw)])
+
+    def __call__(self, x, ctx: _Ctx):
+        x = self.resnets[0](x, ctx)
+        x = self.attentions[0](x, ctx)
+        return self.resnets[1](x, ctx)
+
+
+class ResidualDownBlock(nnx.Module):
+    """Wan2.2's ``WanResidualDownBlock``: residual blocks, an optional downsampler, plus the
+    parameter-free ``AvgDown3D`` shortcut."""
+
+    def __init__(self, blk: _Down, num_res_blocks: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.resnets = nnx.List([ResidualBlock(blk.cin if r == 0 else blk.cout, blk.cout, **kw)
+                                 for r in range(num_res_blocks)])
+        self.downsampler = Resample(blk.cout, blk.mode, **kw) if blk.mode else None
+        self.cout = blk.cout
+        self.factors = (2 if blk.mode == "down3d" else 1, 2 if blk.mode else 1)
+
+    def __call__(self, x, ctx: _Ctx):
+        x0 = x
+        for r in self.resnets:
+            x = r(x, ctx)
+        if self.downsampler is not None:
+            x = self.downsampler(x, ctx)
+        return x + _avg_down(x0, self.cout, *self.factors)
+
+
+class UpBlock(nnx.Module):
+    """A decoder level: ``num_res_blocks + 1`` residual blocks, then an optional upsampler (diffusers'
+    ``WanUpBlock``); Wan2.2 (``residual``, ``WanResidualUpBlock``) adds the parameter-free
+    ``DupUp3D`` shortcut around the level when it upsamples."""
+
+    def __init__(self, lv: _Up, num_res_blocks: int, residual: bool, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.resnets = nnx.List([ResidualBlock(lv.cin if r == 0 else lv.cout, lv.cout, **kw)
+                                 for r in range(num_res_blocks + 1)])
+        self.upsampler = Resample(lv.cout, lv.mode, lv.up_out, **kw) if lv.mode else None
+        self.shortcut_t = (2 if lv.mode == "up3d" else 1) if residual and lv.mode else None
+        self.cout = lv.cout
+
+    def __call__(self, x, ctx: _Ctx):
+        x0 = x
+        for r in self.resnets:
+            x = r(x, ctx)
+        if self.upsampler is not None:
+            x = self.upsampler(x, ctx)
+        if self.shortcut_t is not None:
+            x = x + _dup_up(x0, self.cout, self.shortcut_t, 2, ctx.first)
+        return x
+
+
+class Encoder(nnx.Module):
+    """diffusers' ``WanEncoder3d`` (channels-last; the patchified video in, moments' features out)."""
+
+    def __init__(self, cfg: WanVAEConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.conv_in = CausalConv3d(cfg.in_channels, cfg.base_dim, **kw)
+        if cfg.is_residual:
+            plan, top = _residual_encoder_plan(cfg)
+            blocks = [ResidualDownBlock(blk, cfg.num_res_blocks, **kw) for blk in plan]
+        else:
+            plan, top = _encoder_plan(cfg)
+            blocks = [ResidualBlock(e.cin, e.cout, **kw) if e.kind == "res"
+                      else AttentionBlock(e.cout, **kw) if e.kind == "attn"
+                      else Resample(e.cout, e.kind, **kw) for e in plan]
+        self.down_blocks = nnx.List(blocks)
+        self.mid_block = MidBlock(top, **kw)
+        self.norm_out = ChannelNorm(top, param_dtype=param_dtype)
+        self.conv_out = CausalConv3d(top, 2 * cfg.z_dim, **kw)
+
+    def __call__(self, x, ctx: _Ctx):
+        x = self.conv_in(x, ctx)
+        for blk in self.down_blocks:
+            x = blk(x, ctx)
+        x = self.mid_block(x, ctx)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)), ctx)
+
+
+class Decoder(nnx.Module):
+    """diffusers' ``WanDecoder3d`` (channels-last; latents' features in, patchified pixels out)."""
+
+    def __init__(self, cfg: WanVAEConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        plan, top = _decoder_plan(cfg)
+        self.conv_in = CausalConv3d(cfg.z_dim, top, **kw)
+        self.mid_block = MidBlock(top, **kw)
+        self.up_blocks = nnx.List([UpBlock(lv, cfg.num_res_blocks, cfg.is_residual, **kw) for lv in plan])
+        self.norm_out = ChannelNorm(plan[-1].cout, param_dtype=param_dtype)
+        self.conv_out = CausalConv3d(plan[-1].cout, cfg.out_channels, **kw)
+
+    def __call__(self, x, ctx: _Ctx):
+        x = self.conv_in(x, ctx)
+        x = self.mid_block(x, ctx)
+        for blk in self.up_blocks:
+            x = blk(x, ctx)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)), ctx)
+
+
+class WanVAE(nnx.Module):
+    """diffusers' ``AutoencoderKLWan`` as an NNX module (one chunk at a time, channels-last)."""
+
+    def __init__(self, cfg: WanVAEConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.encoder = Encoder(cfg, **kw)
+        self.quant_conv = CausalConv3d(2 * cfg.z_dim, 2 * cfg.z_dim, (1, 1, 1), **kw)
+        self.post_quant_conv = CausalConv3d(cfg.z_dim, cfg.z_dim, (1, 1, 1), **kw)
+        self.decoder = Decoder(cfg, **kw)
+        self.patch = cfg.patch
+        for path, m in nnx.iter_modules(self):  # each conv's cache entry is named by its module path
+            if isinstance(m, CausalConv3d):
+                m.cache_name = ".".join(map(str, path))
+
+    @property
+    def dtype(self):
+        """The compute dtype: the parameters'."""
+        return self.decoder.conv_in.kernel[...].dtype
+
+    def encode(self, x, ctx: _Ctx):
+        """Video frames [B, t, H, W, C] -> moments [B, f, h, w, 2 z_dim] (mean, then logvar)."""
+        x = patchify(x.astype(self.dtype), self.patch)
+        return self.quant_conv(self.encoder(x, ctx), ctx)
+
+    def decode(self, z, ctx: _Ctx):
+        """One latent frame [B, 1, h, w, z_dim] -> pixels [B, t, H, W, C] clamped to [-1, 1]."""
+        x = self.post_quant_conv(z.astype(self.dtype), ctx)  # 1x1x1: per chunk = on the whole latent
+        return jnp.clip(unpatchify(self.decoder(x, ctx), self.patch), -1.0, 1.0)
+
+
+# ----------------------------------------------------------------------------------- key maps
+class _P(NamedTuple):
+    dst: str  # NNX state path (dotted; what nnx.to_pure_dict nests)
+    diff: str  # diffusers name
+    orig: str | None  # original-release name (None: not representable)
+    kind: str  # key-map layout kind
+
+
+def _conv(dst, diff, orig, kind):
+    return [_P(f"{dst}.kernel", f"{diff}.weight", orig and f"{orig}.weight", kind),
+            _P(f"{dst}.bias", f"{diff}.bias", orig and f"{orig}.bias", "none")]
+
+
+def _gamma(dst, diff, orig):
+    return [_P(f"{dst}.gamma", f"{diff}.gamma", orig and f"{orig}.gamma", "flat")]
+
+
+def _res_spec(dst, diff, orig, shortcut: bool):
+    r = orig and f"{orig}.residual"
+    s = (
+        _gamma(f"{dst}.norm1", f"{diff}.norm1", r and f"{r}.0")
+        + _conv(f"{dst}.conv1", f"{diff}.conv1", r and f"{r}.2", "conv3d")
+        + _gamma(f"{dst}.norm2", f"{diff}.norm2", r and f"{r}.3")
+        + _conv(f"{dst}.conv2", f"{diff}.conv2", r and f"{r}.6", "conv3d")
+    )
+    if shortcut:  # the width changes
+        s += _conv(f"{dst}.conv_shortcut", f"{diff}.conv_shortcut", orig and f"{orig}.shortcut", "conv3d")
+    return s
+
+
+def _attn_spec(dst, diff, orig):
+    return (
+        _gamma(f"{dst}.norm", f"{diff}.norm", orig and f"{orig}.norm")
+        + _conv(f"{dst}.to_qkv", f"{diff}.to_qkv", orig and f"{orig}.to_qkv", "conv2d")
+        + _conv(f"{dst}.proj", f"{diff}.proj", orig and f"{orig}.proj", "conv2d")
+    )
+
+
+def _resample_spec(dst, diff, orig, mode):
+    s = _conv(f"{dst}.conv", f"{diff}.resample.1", orig and f"{orig}.resample.1", "conv2d")
+    if mode in ("down3d", "up3d"):
+        s += _conv(f"{dst}.time_conv", f"{diff}.time_conv", orig and f"{orig}.time_conv", "conv3d")
+    return s
+
+
+def _mid_spec(side):
+    return (
+        _res_spec(f"{side}.mid_block.resnets.0", f"{side}.mid_block.resnets.0", f"{side}.middle.0", False)
+        + _attn_spec(f"{side}.mid_block.attentions.0", f"{side}.mid_block.attentions.0", f"{side}.middle.1")
+        + _res_spec(f"{side}.mid_block.resnets.1", f"{side}.mid_block.resnets.1", f"{side}.middle.2", False)
+    )
+
+
+def _original_decoder_has_attention(cfg: WanVAEConfig) -> bool:
+    # The original Decoder3d puts attention blocks in its upsamples where scale is in attn_scales
+    # (scale starts at 1 / 2**(n-2) and doubles per level); diffusers' decoder never does.
+    n = len(cfg.dim_mult)
+    scale = 1.0 / 2 ** (n - 2)
+    for _ in range(n):
+        if scale in cfg.attn_scales:
+            return True
+        scale *= 2.0
+    return False
+
+
+def _spec(cfg: WanVAEConfig) -> list[_P]:
+    """Every parameter: NNX state path, diffusers name, original-release name, layout kind."""
+    s: list[_P] = []
+    s += _conv("encoder.conv_in", "encoder.conv_in", "encoder.conv1", "conv3d")
     if cfg.is_residual:
         for i, blk in enumerate(_residual_encoder_plan(cfg)[0]):
-            q, name, x0 = p["down"][str(i)], f"encoder.down.{i}", x
+            cin, name = blk.cin, f"encoder.down_blocks.{i}"
             for r in range(cfg.num_res_blocks):
-                x = _res_block(ctx, f"{name}.res.{r}", q["res"][str(r)], x)
+                s += _res_spec(f"{name}.resnets.{r}", f"{name}.resnets.{r}", None, cin != blk.cout)
+                cin = blk.cout
             if blk.mode:
-                x = _downsample(ctx, f"{name}.resample", q["resample"], x, temporal=blk.mode == "down3d")
-            x = x + _avg_down(x0, blk.cout, 2 if blk.mode == "down3d" else 1, 2 if blk.mode else 1)
-        plan = []
+                s += _resample_spec(f"{name}.downsampler", f"{name}.downsampler", None, blk.mode)
     else:
-        plan = _encoder_plan(cfg)[0]
-    for j, layer in enumerate(plan):
-        q, name = p["down"][str(j)], f"encoder.down.{j}"
-        if layer.kind == "res":
-            x = _res_block(ctx, name, q, x)
-        elif layer.kind == "attn":
-            x = _attn_block(ctx, q, x)
-        else:
-            x = _downsample(ctx, name, q, x, temporal=layer.kind == "down3d")
-    x = _mid(ctx, "encoder.mid", p["mid"], x)
-    return _head(ctx, "encoder", p, x)
+        for j, layer in enumerate(_encoder_plan(cfg)[0]):
+            name, orig = f"encoder.down_blocks.{j}", f"encoder.downsamples.{j}"
+            if layer.kind == "res":
+                s += _res_spec(name, name, orig, layer.cin != layer.cout)
+            elif layer.kind == "attn":
+                s += _attn_spec(name, name, orig)
+            else:
+                s += _resample_spec(name, name, orig, layer.kind)
+    s += _mid_spec("encoder")
+    s += _gamma("encoder.norm_out", "encoder.norm_out", "encoder.head.0")
+    s += _conv("encoder.conv_out", "encoder.conv_out", "encoder.head.2", "conv3d")
+    s += _conv("quant_conv", "quant_conv", "conv1", "conv3d")
+    s += _conv("post_quant_conv", "post_quant_conv", "conv2", "conv3d")
 
-
-def _decoder(cfg: WanVAEConfig, ctx: _Ctx, p, x):
-    x = _causal_conv(ctx, "decoder.conv_in", p["conv_in"], x)
-    x = _mid(ctx, "decoder.mid", p["mid"], x)
-    plan, _ = _decoder_plan(cfg)
-    for i, lv in enumerate(plan):
-        q, x0 = p["up"][str(i)], x
+    s += _conv("decoder.conv_in", "decoder.conv_in", "decoder.conv1", "conv3d")
+    s += _mid_spec("decoder")
+    flat = 0  # the original release numbers the decoder's upsamples flat
+    for i, lv in enumerate(_decoder_plan(cfg)[0]):
+        cin, name = lv.cin, f"decoder.up_blocks.{i}"
         for r in range(cfg.num_res_blocks + 1):
-            x = _res_block(ctx, f"decoder.up.{i}.res.{r}", q["res"][str(r)], x)
+            s += _res_spec(f"{name}.resnets.{r}", f"{name}.resnets.{r}",
+                           None if cfg.is_residual else f"decoder.upsamples.{flat}", cin != lv.cout)
+            cin = lv.cout
+            flat += 1
         if lv.mode:
-            x = _upsample(ctx, f"decoder.up.{i}.resample", q["resample"], x, temporal=lv.mode == "up3d")
-            if cfg.is_residual:
-                x = x + _dup_up(x0, lv.cout, 2 if lv.mode == "up3d" else 1, 2, ctx.first)
-    return _head(ctx, "decoder", p, x)
+            s += _resample_spec(f"{name}.upsampler", f"{name}." + ("upsampler" if cfg.is_residual else "upsamplers.0"),
+                                None if cfg.is_residual else f"decoder.upsamples.{flat}", lv.mode)
+            flat += 1
+    s += _gamma("decoder.norm_out", "decoder.norm_out", "decoder.head.0")
+    s += _conv("decoder.conv_out", "decoder.conv_out", "decoder.head.2", "conv3d")
+    return s
+
+
+def diffusers_keymap(cfg: WanVAEConfig) -> KeyMap:
+    """diffusers ``AutoencoderKLWan`` names -> NNX state paths of :class:`WanVAE`."""
+    return KeyMap([Rule(e.diff, e.dst, e.kind) for e in _spec(cfg)])
+
+
+def original_keymap(cfg: WanVAEConfig) -> KeyMap:
+    """Names of the original release file ``Wan2.1_VAE.pth`` (``WanVAE_`` of the Wan repository) ->
+    NNX state paths of :class:`WanVAE`."""
+    if cfg.is_residual:
+        raise NotImplementedError(
+            "original_keymap: is_residual=True (Wan2.2_VAE.pth naming) is not mapped; use a diffusers folder"
+        )
+    if _original_decoder_has_attention(cfg):
+        raise NotImplementedError(
+            f"attn_scales={cfg.attn_scales}: the original Wan decoder would have attention blocks in its "
+            "upsamples, which diffusers' AutoencoderKLWan (the reference ported here) does not model"
+        )
+    return KeyMap([Rule(e.orig, e.dst, e.kind) for e in _spec(cfg)])
+
+
+# ----------------------------------------------------------------------------------- state
+@lru_cache(maxsize=16)
+def _abstract(cfg: WanVAEConfig):
+    """``(graphdef, abstract state)`` of :class:`WanVAE` for ``cfg``: traced once per config."""
+    return nn.abstract_state(lambda: WanVAE(cfg, rngs=nnx.Rngs(0)))
+
+
+def _abstract_state(cfg: WanVAEConfig):
+    return jax.tree.map(lambda s: s, _abstract(cfg)[1])  # a fresh copy: nn.fill fills in place
+
+
+def graphdef(cfg: WanVAEConfig) -> nnx.GraphDef:
+    """The :class:`WanVAE` graph for ``cfg`` (one object per config, traced once). It merges with a
+    state of any parameter dtype."""
+    return _abstract(cfg)[0]
+
+
+def init_params(cfg: WanVAEConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """The state of a :class:`WanVAE` with seeded random weights (host numpy), for presets and tests.
+
+    The modules' own initialisers (lecun-normal kernels, zero biases, unit gains) are reproduced on
+    the host with numpy rather than run: run eagerly, each distinct parameter shape compiles its
+    own small random program (about 60 compiles, tens of seconds on CPU, for a tiny VAE). Then
+    ``nn.perturb`` moves every bias and gain off 0 and 1."""
+    state = _abstract_state(cfg)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = path[-1].key
+        if name == "kernel":  # [*kernel, in, out]
+            a = rng.standard_normal(leaf.shape) / math.sqrt(math.prod(leaf.shape[:-1]))
+        else:
+            a = np.full(leaf.shape, 1.0 if name == "gamma" else 0.0)
+        return a.astype(dtype)
+
+    pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
+    return nnx.state(nn.perturb(nnx.merge(graphdef(cfg), nn.fill(state, pure)), seed))
+
+
+def param_shapes(cfg: WanVAEConfig, dtype=np.float32) -> dict:
+    """Every parameter's shape and dtype as a pure nested dict (the key maps' target; NNX state
+    paths); nothing is allocated."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(dtype)), nnx.to_pure_dict(_abstract(cfg)[1]))
+
+
+def state_from_pure(cfg: WanVAEConfig, pure: dict) -> nnx.State:
+    """A :class:`WanVAE` state holding the arrays of the pure nested dict ``pure`` (what the key maps
+    produce: host numpy stays host numpy until the caller places it); no random initialisation."""
+    return nn.fill(_abstract_state(cfg), pure)
+
+
+def _state_dtype(state):
+    return np.dtype(state["decoder"]["conv_in"]["kernel"].get_value().dtype)
 
 
 # ----------------------------------------------------------------------------------- chunks
-def _compute_dtype(params):
-    return params["decoder"]["conv_in"]["w"].dtype
+# The programs take the config (cheap to hash) as their static argument and merge the state with its
+# graphdef inside the trace: one program per (config, first, impls) and input shape.
+@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
+def _decode_chunk_jit(state, z, cache, *, cfg, first, attn_impl, conv_impl):
+    ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
+    x = nnx.merge(graphdef(cfg), state).decode(z.transpose(0, 2, 3, 4, 1), ctx)
+    return x.transpose(0, 4, 1, 2, 3), ctx.new
 
 
 @partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
-def _decode_chunk_jit(params, z, cache, *, cfg, first, attn_impl, conv_impl):
+def _encode_chunk_jit(state, x, cache, *, cfg, first, attn_impl, conv_impl):
     ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
-    z = z.transpose(0, 2, 3, 4, 1).astype(_compute_dtype(params))
-    x = _pointwise(params["post_quant_conv"], z)  # 1x1x1: per chunk = on the whole latent
-    x = unpatchify(_decoder(cfg, ctx, params["decoder"], x), cfg.patch)
-    return jnp.clip(x, -1.0, 1.0).transpose(0, 4, 1, 2, 3), ctx.new
-
-
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
-def _encode_chunk_jit(params, x, cache, *, cfg, first, attn_impl, conv_impl):
-    ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
-    x = patchify(x.transpose(0, 2, 3, 4, 1).astype(_compute_dtype(params)), cfg.patch)
-    h = _encoder(cfg, ctx, params["encoder"], x)
-    return _pointwise(params["quant_conv"], h).transpose(0, 4, 1, 2, 3), ctx.new
+    h = nnx.merge(graphdef(cfg), state).encode(x.transpose(0, 2, 3, 4, 1), ctx)
+    return h.transpose(0, 4, 1, 2, 3), ctx.new
 
 
 def _check_chunk(first, cache, frames, want_first, want_later, what):
@@ -753,8 +953,9 @@ def _device(a):
     return jax.device_put(a) if isinstance(a, np.ndarray) else a
 
 
-def decode_chunk(params, cfg: WanVAEConfig, z_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
-    """Decode one latent frame ``z_chunk`` [B, z_dim, 1, h, w] (VAE latents: denormalised).
+def decode_chunk(state, cfg: WanVAEConfig, z_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
+    """Decode one latent frame ``z_chunk`` [B, z_dim, 1, h, w] (VAE latents: denormalised) with the
+    :class:`WanVAE` ``state`` (:func:`init_params`, :func:`load_vae`).
 
     ``first``: whether it is the video's first latent frame (then ``cache`` is ignored and may be
     None). Returns ``(pixels [B, C, t, H, W] clamped to [-1, 1] (device array), cache)``, t = 1 for
@@ -765,17 +966,17 @@ def decode_chunk(params, cfg: WanVAEConfig, z_chunk, cache, first: bool, *, attn
     Both give the same result up to float rounding; the cache is the same either way.
     """
     _check_chunk(first, cache, z_chunk.shape[2], 1, 1, "decode_chunk")
-    return _decode_chunk_jit(params, _device(z_chunk), None if first else cache,
-                             cfg=cfg, first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
+    return _decode_chunk_jit(state, _device(z_chunk), None if first else cache, cfg=cfg,
+                             first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
 
 
-def encode_chunk(params, cfg: WanVAEConfig, x_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
+def encode_chunk(state, cfg: WanVAEConfig, x_chunk, cache, first: bool, *, attn_impl=None, conv_impl=None):
     """Encode one chunk of video frames ``x_chunk`` [B, C, t, H, W] (t = 1 for the first chunk, 4
     after; see :func:`encode_chunk_frames`). Returns ``(moments [B, 2 z_dim, f, h, w] (mean, then
     logvar, unclamped; device array), cache)``. ``conv_impl``: as for :func:`decode_chunk`."""
     _check_chunk(first, cache, x_chunk.shape[2], 1, ENCODE_CHUNK_FRAMES, "encode_chunk")
-    return _encode_chunk_jit(params, _device(x_chunk), None if first else cache,
-                             cfg=cfg, first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
+    return _encode_chunk_jit(state, _device(x_chunk), None if first else cache, cfg=cfg,
+                             first=bool(first), attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl))
 
 
 def num_encode_chunks(num_frames: int) -> int:
@@ -787,11 +988,11 @@ def encode_chunk_frames(i: int) -> slice:
     return slice(0, 1) if i == 0 else slice(1 + ENCODE_CHUNK_FRAMES * (i - 1), 1 + ENCODE_CHUNK_FRAMES * i)
 
 
-def decode(params, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
+def decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
            return_cache: bool = False, attn_impl=None, conv_impl=None):
     """Decode VAE latents ``z`` [B, z_dim, F, h, w] (denormalised: see :func:`denormalize_latents`) to
     pixels [B, C, T, H, W] in [-1, 1] (host numpy), T = 1 + temporal_ratio * (F - 1) for a full
-    decode: ``AutoencoderKLWan.decode(z).sample``.
+    decode: ``AutoencoderKLWan.decode(z).sample``. ``state``: the :class:`WanVAE` state.
 
     Resumable: decodes latent frames ``start .. stop-1`` given the ``cache`` left by frame
     ``start - 1``; with ``return_cache`` the cache after the last decoded chunk is returned too."""
@@ -801,14 +1002,14 @@ def decode(params, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = N
         raise ValueError("decode(start > 0) needs the cache left by the previous chunk")
     outs = []
     for i in range(start, stop):
-        px, cache = decode_chunk(params, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl,
+        px, cache = decode_chunk(state, cfg, z[:, :, i:i + 1], cache, first=i == 0, attn_impl=attn_impl,
                                  conv_impl=conv_impl)
         outs.append(px)
     pixels = np.concatenate([np.asarray(o) for o in outs], axis=2) if outs else None
     return (pixels, cache) if return_cache else pixels
 
 
-def encode(params, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None, conv_impl=None):
+def encode(state, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None, conv_impl=None):
     """Encode a video ``x`` [B, C, F, H, W] (values in [-1, 1]) to the latent distribution's mean
     [B, z_dim, f, h, w] (host numpy; ``AutoencoderKLWan.encode(x).latent_dist.mean``); with
     ``return_logvar`` also its log-variance (clamped to [-30, 20] as the reference does). Frames past
@@ -817,7 +1018,7 @@ def encode(params, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_im
     cache, outs = None, []
     for i in range(num_encode_chunks(x.shape[2])):
         xc = x[:, :, encode_chunk_frames(i)]
-        m, cache = encode_chunk(params, cfg, xc, cache, first=i == 0, attn_impl=attn_impl, conv_impl=conv_impl)
+        m, cache = encode_chunk(state, cfg, xc, cache, first=i == 0, attn_impl=attn_impl, conv_impl=conv_impl)
         outs.append(m)
     moments = np.concatenate([np.asarray(o) for o in outs], axis=2)
     mean, logvar = moments[:, : cfg.z_dim], moments[:, cfg.z_dim:]
@@ -831,12 +1032,11 @@ def cache_to_numpy(cache):
     return {k: np.asarray(v) for k, v in cache.items()}
 
 
-def decode_cache_spec(params, cfg: WanVAEConfig, batch: int, height: int, width: int):
+def decode_cache_spec(state, cfg: WanVAEConfig, batch: int, height: int, width: int):
     """Shapes/dtypes of the decode cache for latents of spatial size (height, width); no compile."""
-    dt = _compute_dtype(params)
-    z = jax.ShapeDtypeStruct((batch, cfg.z_dim, 1, height, width), dt)
+    z = jax.ShapeDtypeStruct((batch, cfg.z_dim, 1, height, width), _state_dtype(state))
     fn = partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl=_conv_impl(None))
-    return jax.eval_shape(fn, params, z, None)[1]
+    return jax.eval_shape(fn, state, z, None)[1]
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -883,15 +1083,17 @@ def config_from_original(ckpt) -> WanVAEConfig:
 def load_vae(path, cfg: WanVAEConfig | None = None, dtype=np.float32):
     """Load VAE weights from a diffusers folder (config.json + safetensors) or an original-release
     checkpoint (``Wan2.1_VAE.pth``, or a safetensors file with the same names). Returns
-    ``(params, cfg)`` with host numpy params; raises ``CheckpointMismatchError`` naming any missing,
-    unexpected or mis-shaped tensor."""
+    ``(state, cfg)``: the :class:`WanVAE` state with host numpy leaves (read tensor by tensor, cast on
+    the host; nothing is randomly initialised), for ``jax.device_put``. Raises
+    ``CheckpointMismatchError`` naming any missing, unexpected or mis-shaped tensor."""
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = WanVAEConfig.from_diffusers(compat.read_config(path))
-    return load_checkpoint_params(
+    pure, cfg = load_checkpoint_params(
         open_checkpoint(path), cfg, is_original=_is_original, config_from_original=config_from_original,
         keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c), shapes=param_shapes, dtype=dtype,
         what=lambda c: f"AutoencoderKLWan {c}", source=path)
+    return state_from_pure(cfg, pure), cfg
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -899,8 +1101,8 @@ class _WanVAECompat(compat.CompatModel):
     """``encode(x)`` = ``vae.encode(x).latent_dist.mean``; ``decode(z)`` = ``vae.decode(z).sample``;
     both in the reference layout [B, C, F, H, W]."""
 
-    def __init__(self, config, params, cfg):
-        super().__init__("AutoencoderKLWan", config, params, cfg)
+    def __init__(self, config, state, cfg):
+        super().__init__("AutoencoderKLWan", config, state, cfg)
 
     def encode(self, x) -> np.ndarray:
         return encode(self.params, self.model_config, np.asarray(x, np.float32))
@@ -911,5 +1113,5 @@ class _WanVAECompat(compat.CompatModel):
 
 @compat.register("AutoencoderKLWan")
 def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
-    params, cfg = load_vae(folder, WanVAEConfig.from_diffusers(config), dtype=dtype)
-    return _WanVAECompat(config, jax.tree.map(jnp.asarray, params), cfg)
+    state, cfg = load_vae(folder, WanVAEConfig.from_diffusers(config), dtype=dtype)
+    return _WanVAECompat(config, jax.device_put(state), cfg)

@@ -1,0 +1,87 @@
+"""Paired, interleaved timing: how vidax and a reference compare on a noisy machine.
+
+The machine this project is developed on swings between ~100 and ~220 GFLOP/s from one minute to
+the next, so separate runs (best-of, medians of blocks) compare different machines. Here every
+comparison is a sequence of *pairs* timed back to back, alternating which side goes first
+(A B, B A, A B, ...); each pair gives one ratio, and the result is the median of the per-pair
+ratios with its spread (quartiles). The fp32 matmul roof is measured the same way, between the
+pairs, so "% of roof" uses the roof of the same minutes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+@dataclass
+class Paired:
+    """Result of :func:`paired`: per-pair times and ratios (``a / b``)."""
+
+    a: list[float] = field(default_factory=list)
+    b: list[float] = field(default_factory=list)
+    roof: list[float] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [x / y for x, y in zip(self.a, self.b)]
+
+    def summary(self) -> dict:
+        lo, med, hi = quartiles(self.ratios)
+        return {"pairs": len(self.a), "a_s": statistics.median(self.a), "b_s": statistics.median(self.b),
+                "ratio": med, "ratio_q1": lo, "ratio_q3": hi,
+                "roof_gflops": statistics.median(self.roof) if self.roof else None}
+
+
+def matmul_roof(n: int = 1024):
+    """A callable timing one fp32 n^3 matmul; returns GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a, b: a @ b)
+    f(x, x).block_until_ready()
+
+    def measure() -> float:
+        return 2 * n**3 / _once(lambda: f(x, x).block_until_ready()) / 1e9
+
+    return measure
+
+
+def paired(a: Callable[[], object], b: Callable[[], object], pairs: int = 7, warmup: int = 1,
+           roof: Callable[[], float] | None = None, budget_s: float | None = None) -> Paired:
+    """Time ``a`` and ``b`` as ``pairs`` interleaved pairs (alternating order); both callables
+    must block until their work is done. ``roof`` (e.g. :func:`matmul_roof`) is sampled once per
+    pair. ``budget_s`` stops early (after at least 3 pairs) when the time is spent."""
+    for _ in range(warmup):
+        a()
+        b()
+    out = Paired()
+    t_start = time.perf_counter()
+    for i in range(pairs):
+        if i % 2 == 0:
+            ta, tb = _once(a), _once(b)
+        else:
+            tb, ta = _once(b), _once(a)
+        out.a.append(ta)
+        out.b.append(tb)
+        if roof is not None:
+            out.roof.append(roof())
+        if budget_s is not None and i >= 2 and time.perf_counter() - t_start > budget_s:
+            break
+    return out
