@@ -280,7 +280,7 @@ class Cosmos3Embed(nnx.Module):
         d = cfg.hidden_size
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.cfg = cfg
-        self.tokens = nn.Embed(cfg.vocab_size, d, rngs=rngs, axes=(None, "embed"), std=0.02, param_dtype=param_dtype)
+        self.tokens = nn.Embed(cfg.vocab_size, d, rngs=rngs, axes=("vocab", "embed"), std=0.02, param_dtype=param_dtype)
         self.proj_in = nn.Linear(cfg.patch_latent_dim, d, axes=(None, "embed"), **kw)
         self.t1 = nn.Linear(256, d, rngs=rngs, param_dtype=F32)
         self.t2 = nn.Linear(d, d, rngs=rngs, param_dtype=F32)
@@ -564,10 +564,11 @@ _vision_jit = jax.jit(vision_forward, static_argnums=(1,))
 
 # ----------------------------------------------------------------------------------- sharding
 #: Tensor parallelism: attention heads and key/value heads of both pathways split over tp (q/k/v
-#: column-parallel, o row-parallel), the MLP width too; the head norms are per head. Sequence
+#: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
+#: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
 #: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
 #: every device (they are short and computed once per prompt).
-AXIS_RULES = {"tp": {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}, "sp": {}}
+AXIS_RULES = {"tp": {"heads": "tp", "kv_heads": "tp", "ffn": "tp", "vocab": "tp"}, "sp": {}}
 
 
 def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
@@ -575,7 +576,8 @@ def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch
                          "query heads are split over tp (weights) and sp (Ulysses): tp*sp must divide them"),
          vmesh.Divisible("num_key_value_heads", cfg.num_key_value_heads, ("tp",),
                          "key/value heads are split over tp"),
-         vmesh.Divisible("intermediate_size", cfg.intermediate_size, ("tp",), "the MLPs are split over tp")]
+         vmesh.Divisible("intermediate_size", cfg.intermediate_size, ("tp",), "the MLPs are split over tp"),
+         vmesh.Divisible("vocab_size", cfg.vocab_size, ("tp",), "the token-embedding table is split over tp")]
     if tokens is not None:
         r.append(vmesh.Divisible("vision tokens", tokens, ("sp",), "sequence parallel splits the vision tokens"))
     if batch is not None:
