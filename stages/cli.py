@@ -103,7 +103,8 @@ def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
     g.add_argument("--checkpoint-every", type=int, default=5, help="write a sampling checkpoint every K steps")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
-    g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all)")
+    g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all; "
+                                                        "per block stack: double=4,single=8)")
     g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
     recipe = registry.MODELS.get(model or registry.default_model())
     if recipe is not None and recipe.options:

@@ -221,9 +221,12 @@ def validate(req: Request, pipeline=None) -> Request:
         raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
     if r.offload_chunk_size is not None:
         v = r.offload_chunk_size
-        if not (v == "all" or (str(v).isdigit() and int(v) >= 1)):
-            raise RequestError("offload_chunk_size", f"{v!r}: a number of blocks >= 1, or all")
-        if v != "all":
+        # per block stack (models with several stacks of different shapes): "double=4,single=all"
+        per_stack = isinstance(v, str) and re.fullmatch(r"[A-Za-z_]\w*=([1-9]\d*|all)(,[A-Za-z_]\w*=([1-9]\d*|all))*", v)
+        if not (v == "all" or (str(v).isdigit() and int(v) >= 1) or per_stack):
+            raise RequestError("offload_chunk_size", f"{v!r}: a number of blocks >= 1, or all "
+                                                     f"(or per block stack, e.g. double=4,single=8)")
+        if v != "all" and not per_stack:
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
 

@@ -584,10 +584,11 @@ def _wait_for_other(run: Run, stage: str, key: str, log: Log, req: Request, pipe
 
 
 def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str, str], log: Log,
-              progress: Progress | None = None, records: Records | None = None) -> StageResult:
-    """Run one stage unconditionally (inputs must be committed) and commit it. One worker at a
-    time: the stage's lease is taken first; if another live worker holds it, this waits for its
-    commit (and reports the stage as skipped) or for the lease to expire."""
+              progress: Progress | None = None, records: Records | None = None, force: bool = True) -> StageResult:
+    """Run one stage (inputs must be committed) and commit it. One worker at a time: the stage's
+    lease is taken first; if another live worker holds it, this waits for its commit (and reports
+    the stage as skipped) or for the lease to expire. ``force=False``: a stage another worker
+    committed while this one waited for the lease is not recomputed."""
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
     records = records or Records(run)
@@ -605,6 +606,13 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
             log(f"[{stage}] committed by another worker")
             return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0, rec.get("hardware", ""))
     try:
+        # another worker may have committed it between our check and our lease
+        records.forget(stage)
+        if stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records) == "done" and not force:
+            rec = records.get(stage)
+            log(f"[{stage}] committed by another worker")
+            return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
+                               rec.get("hardware", "") if isinstance(rec, dict) else "")
         with _Heartbeat(run, stage, owner, LEASE_SECONDS):
             return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
     finally:
@@ -681,7 +689,7 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
                     continue
                 if status in ("stale", "corrupt"):
                     log(f"[{stage}] {status}: recomputing")
-                results[stage] = run_stage(run, req, pipe, stage, keys, log, progress, records)
+                results[stage] = run_stage(run, req, pipe, stage, keys, log, progress, records, force=False)
             break
         except CorruptInput as e:
             log(f"[{e.stage}] damaged ({e}); recomputing it")

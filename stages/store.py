@@ -531,6 +531,9 @@ class Run:
         """Take the stage's lease if nobody holds a live one (an expired lease is taken over)."""
         name = f"leases/{record_name(stage)}.json"
         doc = json.dumps({"owner": owner, "expires": time.time() + seconds, "host": _host(), "pid": os.getpid()}).encode()
+        cur = self.lease(stage)  # (stores without preconditions would let the create below overwrite it)
+        if cur is not None and cur.live() and cur.owner != owner:
+            return False
         if self.create_exclusive(name, doc):
             return self._confirm_lease(stage, owner)
         cur = self.lease(stage)

@@ -38,7 +38,7 @@ def test_every_family_is_registered():
 def test_recipe_conformance(tmp_path, cond_image, model, with_image):
     recipe = registry.get(model)
     geo = recipe.build("tiny", None, with_image).geometry()
-    frames = geo.temporal + 1
+    frames = geo.frames_multiple + 1
     args = ["generate", "--model", model, "--prompt", "a fox in snow", "--frames", str(frames), "--steps", "4",
             "--checkpoint-every", "1", "--run-id", "x"]
     if with_image:

@@ -286,7 +286,7 @@ def test_killed_worker_fails_the_parent_within_its_timeout(deployed, tmp_path):
         from prefect.deployments import run_deployment
 
         parent = run_deployment("vidax-generate/generate",
-                                {"request": req, "store": store, "run_id": "doomed", "mode": "distributed"},
+                                parameters={"request": req, "store": store, "run_id": "doomed", "mode": "distributed"},
                                 job_variables={"env": {"VIDAX_CRASH_GRACE": "8"}}, timeout=0)
         lease = tmp_path / "store/runs/doomed/leases/sample.json"
         deadline = time.time() + 300
@@ -315,7 +315,6 @@ def test_killed_worker_fails_the_parent_within_its_timeout(deployed, tmp_path):
             time.sleep(1)
         assert st is not None and st.is_failed(), st
         assert time.time() - killed < 120, "the parent took too long to notice the dead worker"
-        assert "sample" in (st.message or "") or True
     finally:
         srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", "sample", "--pool", POOL, "--no-prompt")
 

@@ -284,13 +284,16 @@ def test_persistent_transient_errors_fail_clearly(proxy, reference):
     assert {r.status for r in res} == {"skipped"}
 
 
-def test_network_cut_at_every_request_of_a_commit_is_repaired(proxy, reference, monkeypatch):
+def test_network_cut_at_every_request_of_a_commit_is_repaired(proxy, monkeypatch):
     """Cut the network after the N-th request, for every N across the sample stage (its
     checkpoint writes, its commit and the checkpoint clean-up); a fault-free generate then
     repairs the run bitwise."""
     import stages.store as S
 
-    req, want = reference
+    req = _req(num_frames=5, decode_stages=1)  # the smallest run: each repair is short
+    ref = RunStore(_gs("cutref")).run("r")
+    _gen(ref, req)
+    want = _results(ref, req)
     monkeypatch.setattr(S, "RETRY_ATTEMPTS", 3)  # a cut network fails fast, so every N is affordable
     # where the sample stage's requests are in a run: count them once
     probe = RunStore(_gs("probe")).run("r")

@@ -145,6 +145,7 @@ class Geometry:
     patch: tuple[int, int, int] = (1, 2, 2)  # DiT patch (frames, height, width) over the latents
     num_heads: int = 1  # attention heads (tp x sp must divide them)
     max_grid: int | None = None  # the most tokens along any axis (positional tables), None: no limit
+    frame_step: int | None = None  # num_frames = frame_step * k + 1 (None: the temporal compression)
 
     @property
     def size_multiple(self) -> int:
@@ -152,8 +153,13 @@ class Geometry:
         return self.spatial * max(int(self.patch[1]), int(self.patch[2]))
 
     @property
+    def frames_multiple(self) -> int:
+        """num_frames must be this times k, plus 1."""
+        return self.frame_step or self.temporal
+
+    @property
     def frame_rule(self) -> str:
-        return f"{self.temporal}k+1"
+        return f"{self.frames_multiple}k+1"
 
     def latent_frames(self, num_frames: int) -> int:
         return (num_frames - 1) // self.temporal + 1
@@ -171,14 +177,14 @@ class Geometry:
                 near = max(m, round(v / m) * m) if isinstance(v, int) and not isinstance(v, bool) else m
                 raise OptionError(name, f"{v!r} is not a positive multiple of {m} (the model's spatial factor); "
                                         f"nearest: {near}")
-        n, tf = num_frames, self.temporal
+        n, tf = num_frames, self.frames_multiple
         if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (n - 1) % tf:
             near = max(1, round((n - 1) / tf) * tf + 1) if isinstance(n, int) and not isinstance(n, bool) else 1 + tf
             raise OptionError("num_frames", f"{n!r} frames cannot be decoded by this VAE: use {tf}k+1 (e.g. {near})")
         if self.max_grid is not None:
             pt, ph, pw = self.patch
             for name, v, cells, limit_px in (
-                    ("num_frames", n, self.latent_frames(n) // pt, (self.max_grid * pt - 1) * tf + 1),
+                    ("num_frames", n, self.latent_frames(n) // pt, (self.max_grid * pt - 1) * self.temporal + 1),
                     ("height", height, height // self.spatial // ph, self.max_grid * self.spatial * ph),
                     ("width", width, width // self.spatial // pw, self.max_grid * self.spatial * pw)):
                 if cells > self.max_grid:

@@ -53,7 +53,11 @@ from typing import Callable  # noqa: E402
 from flax import nnx  # noqa: E402
 
 # Parameters carry *logical* axis names as metadata; vidax places them itself (vidax.core.sharding
-# maps logical names to mesh axes per parallelism), so variables are never sharded on creation.
+# maps logical names to mesh axes per parallelism), so variables are never sharded on creation:
+# globally (the flag every thread reads: Prefect runs tasks in worker threads) and for this thread.
+import flax  # noqa: E402
+
+flax.config.update("flax_always_shard_variable", False)
 nnx.use_eager_sharding(False)
 
 #: the leading axis of stacked (scanned / offloaded) blocks

@@ -27,6 +27,11 @@ _CLASS_NAMES = {
     "UniPCMultistepScheduler": "unipc",
 }
 
+#: schedulers a model family adds in its own file: name -> (class, diffusers class name); one line each.
+#: They are built by make_scheduler / from_diffusers_config like the ones above, but are not offered
+#: as choices to other families (``SCHEDULERS``).
+REGISTERED: dict = {}
+
 
 def make_scheduler(
     name: str,
@@ -56,7 +61,9 @@ def make_scheduler(
         if config.get("use_karras_sigmas") and config.get("use_flow_sigmas", True):  # Cosmos-Predict2.5
             return UniPCKarrasFlow(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
         return UniPCMultistep(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
-    raise ValueError(f"unknown scheduler {name!r}; expected one of {SCHEDULERS}")
+    if name in REGISTERED:
+        return REGISTERED[name][0](num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
+    raise ValueError(f"unknown scheduler {name!r}; expected one of {SCHEDULERS + tuple(REGISTERED)}")
 
 
 def from_diffusers_config(config, num_inference_steps: int, **kwargs) -> Scheduler:
@@ -69,11 +76,12 @@ def from_diffusers_config(config, num_inference_steps: int, **kwargs) -> Schedul
             p = p / "scheduler_config.json"
         config = json.loads(p.read_text())
     cls = config.get("_class_name")
-    if cls not in _CLASS_NAMES:
-        raise ValueError(f"unsupported scheduler _class_name={cls!r}; expected one of {sorted(_CLASS_NAMES)}")
+    names = {**_CLASS_NAMES, **{c: n for n, (_, c) in REGISTERED.items()}}
+    if cls not in names:
+        raise ValueError(f"unsupported scheduler _class_name={cls!r}; expected one of {sorted(names)}")
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     cfg.update(kwargs)
-    return make_scheduler(_CLASS_NAMES[cls], num_inference_steps, **cfg)
+    return make_scheduler(names[cls], num_inference_steps, **cfg)
 
 
 def load_scheduler(num_inference_steps: int, name: str | None = None, *, folder=None, shift: float | None = None,
@@ -94,6 +102,11 @@ def load_scheduler(num_inference_steps: int, name: str | None = None, *, folder=
                               num_train_timesteps=1000, flow_shift=shift)
     return make_scheduler(name, num_inference_steps, shift=shift)
 
+
+from .cogvideox import CogVideoXDDIM, CogVideoXDPM  # noqa: E402
+
+REGISTERED["cogvideox_ddim"] = (CogVideoXDDIM, "CogVideoXDDIMScheduler")
+REGISTERED["cogvideox_dpm"] = (CogVideoXDPM, "CogVideoXDPMScheduler")
 
 __all__ = [
     "load_scheduler",

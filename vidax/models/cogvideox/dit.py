@@ -1,0 +1,1058 @@
+"""CogVideoX diffusion transformer (diffusers ``CogVideoXTransformer3DModel``) as Flax NNX modules.
+
+One sequence of ``[text; video]`` tokens runs through full self-attention (no cross-attention):
+every block modulates the text and the video part separately (LayerNorm-Zero, a shared norm with
+two sets of shift / scale / gate from the timestep embedding), normalises q and k per head
+(LayerNorm over the head dim), and runs one feed-forward on both parts.
+
+Variants, all configuration of one module (:class:`CogVideoXConfig`, the diffusers config):
+
+- **CogVideoX-2B**: a fixed 3D sin-cos positional embedding added to the joint sequence (zeros on
+  the text part, so the text length must be ``max_text_seq_length``), recomputed for the actual
+  latent size (:func:`sincos_table`);
+- **CogVideoX-5B / 1.5**: 3D rotary embedding on the video tokens only, taken precomputed
+  (``image_rotary_emb``: ``(cos, sin)`` each ``[L_video, head_dim]``, as the reference takes it);
+  the pipelines build it with :func:`rope_tables` ('linspace' grid for 1.0, 'slice' grid with
+  ``max_size`` for 1.5);
+- **CogVideoX-5B-I2V**: a learned positional embedding (the checkpoint's ``pos_embedding`` over
+  the joint sequence) at the native size; another frame count falls back to sin-cos, as the
+  reference does;
+- **CogVideoX 1.5**: temporal patch size 2 (a Linear patch embedding over ``(c, pt, ph, pw)``) and,
+  for I2V, the ``ofs`` embedding added to the timestep embedding.
+
+Layout: the model takes latents channels-last ``[B, F, H, W, C]``; the ``compat`` adapter takes the
+reference's ``[B, F, C, H, W]``. Timesteps are the scheduler's integers (any float works).
+
+The blocks are stacked (``nn.stack``) and run with ``lax.scan``; :class:`CogVideoXRunner` places or
+streams the same state on a ``(dp, tp, sp)`` mesh: Megatron TP over heads / FFN width, and joint
+sequence parallelism (:func:`joint_attention`): Ulysses all-to-all over the **video** tokens only,
+the replicated text tokens' q/k/v sliced to the local heads.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax import compat
+from vidax.core import mesh as vmesh
+from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+from vidax.core.attention import attention
+from vidax.core.embeddings import sinusoidal_embedding
+from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights.io import Checkpoint, LazyTensor
+
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class CogVideoXConfig:
+    """Mirrors diffusers' ``CogVideoXTransformer3DModel`` config (defaults = CogVideoX-2B)."""
+
+    num_heads: int = 30
+    head_dim: int = 64
+    in_channels: int = 16
+    out_channels: int = 16
+    flip_sin_to_cos: bool = True
+    freq_shift: float = 0
+    time_embed_dim: int = 512
+    ofs_embed_dim: int | None = None
+    text_embed_dim: int = 4096
+    num_layers: int = 30
+    attention_bias: bool = True
+    sample_width: int = 90
+    sample_height: int = 60
+    sample_frames: int = 49
+    patch_size: int = 2
+    patch_size_t: int | None = None
+    temporal_compression_ratio: int = 4
+    max_text_seq_length: int = 226
+    activation_fn: str = "gelu-approximate"
+    timestep_activation_fn: str = "silu"
+    norm_elementwise_affine: bool = True
+    norm_eps: float = 1e-5
+    spatial_interpolation_scale: float = 1.875
+    temporal_interpolation_scale: float = 1.0
+    use_rotary_positional_embeddings: bool = False
+    use_learned_positional_embeddings: bool = False
+    patch_bias: bool = True
+
+    def __post_init__(self):
+        if self.use_learned_positional_embeddings and not self.use_rotary_positional_embeddings:
+            raise ValueError("CogVideoX config: learned positional embeddings without rotary embeddings are not "
+                             "supported (no such checkpoint; the reference refuses it too)")
+        if self.ofs_embed_dim and self.ofs_embed_dim != self.time_embed_dim:
+            raise ValueError(f"CogVideoX config: ofs_embed_dim={self.ofs_embed_dim} must equal time_embed_dim="
+                             f"{self.time_embed_dim} (the ofs embedding is added to the timestep embedding)")
+        if self.uses_sincos and self.dim % 16:
+            raise ValueError(f"CogVideoX config: the 3D sin-cos positional embedding needs a width divisible by 16, "
+                             f"got {self.dim}")
+        nn.activation(self.activation_fn)
+        nn.activation(self.timestep_activation_fn)
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def pt(self) -> int:
+        return self.patch_size_t or 1
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return (self.pt, self.patch_size, self.patch_size)
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.dim
+
+    @property
+    def patch_has_bias(self) -> bool:
+        """1.0's Conv2d honours ``patch_bias``; 1.5's Linear patch embedding always has a bias."""
+        return self.patch_bias or self.patch_size_t is not None
+
+    @property
+    def uses_sincos(self) -> bool:
+        return not self.use_rotary_positional_embeddings
+
+    @property
+    def sample_grid(self) -> tuple[int, int, int]:
+        """The token grid of the config's sample size (what a learned embedding covers)."""
+        f = (self.sample_frames - 1) // self.temporal_compression_ratio + 1
+        return (f // self.pt, self.sample_height // self.patch_size, self.sample_width // self.patch_size)
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "CogVideoXConfig":
+        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for k, v in cfg.items():
+            k = ren.get(k, k)
+            if k in names:
+                kw[k] = v
+        if kw.get("out_channels") is None:
+            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        if not kw.get("ofs_embed_dim"):
+            kw["ofs_embed_dim"] = None
+        return cls(**kw)
+
+
+PRESETS = {
+    "tiny": CogVideoXConfig(num_heads=2, head_dim=16, in_channels=4, out_channels=4, time_embed_dim=24,
+                            text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8, sample_frames=9,
+                            max_text_seq_length=16),
+    "2b": CogVideoXConfig(),
+    "5b": CogVideoXConfig(num_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
+    "5b-i2v": CogVideoXConfig(num_heads=48, num_layers=42, in_channels=32, out_channels=16,
+                              use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True),
+    "1.5-5b": CogVideoXConfig(num_heads=48, num_layers=42, patch_size_t=2, patch_bias=False, sample_height=300,
+                              sample_width=300, sample_frames=81, use_rotary_positional_embeddings=True),
+    "1.5-5b-i2v": CogVideoXConfig(num_heads=48, num_layers=42, in_channels=32, out_channels=16, ofs_embed_dim=512,
+                                  patch_size_t=2, patch_bias=False, sample_height=300, sample_width=300,
+                                  sample_frames=81, use_rotary_positional_embeddings=True),
+}
+
+
+# ----------------------------------------------------------------------------------- positions (host)
+def sincos_1d(dim: int, pos: np.ndarray) -> np.ndarray:
+    """``[sin, cos]`` of ``pos`` at ``dim // 2`` frequencies (float64), diffusers' 1D sin-cos table."""
+    omega = np.arange(dim // 2, dtype=np.float64) / (dim / 2.0)
+    omega = 1.0 / 10000**omega
+    out = np.outer(np.asarray(pos, np.float64).reshape(-1), omega)
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+
+def sincos_table(cfg: CogVideoXConfig, grid: tuple[int, int, int]) -> np.ndarray:
+    """The 2B's 3D sin-cos positional embedding of the video tokens ``[f*h*w, D]`` (float32): a
+    quarter of the width for time, three quarters for space (half on the column, half on the row
+    coordinate), positions divided by the interpolation scales."""
+    f, h, w = grid
+    d = cfg.dim
+    ds, dt = 3 * d // 4, d // 4
+    gh = np.arange(h, dtype=np.float32) / np.float32(cfg.spatial_interpolation_scale)
+    gw = np.arange(w, dtype=np.float32) / np.float32(cfg.spatial_interpolation_scale)
+    cols, rows = np.meshgrid(gw, gh, indexing="xy")  # [h, w] each
+    spatial = np.concatenate([sincos_1d(ds // 2, cols), sincos_1d(ds // 2, rows)], axis=1)  # [h*w, ds]
+    gt = np.arange(f, dtype=np.float32) / np.float32(cfg.temporal_interpolation_scale)
+    temporal = sincos_1d(dt, gt)  # [f, dt]
+    table = np.concatenate([np.broadcast_to(temporal[:, None, :], (f, h * w, dt)),
+                            np.broadcast_to(spatial[None], (f, h * w, ds))], axis=-1)
+    return table.reshape(f * h * w, d).astype(np.float32)
+
+
+def _torch_linspace(start: float, end: float, steps: int) -> np.ndarray:
+    """``torch.linspace`` in float32 (its two-sided formula), on the host."""
+    s, e = np.float32(start), np.float32(end)
+    if steps == 1:
+        return np.array([s], np.float32)
+    step = (e - s) / np.float32(steps - 1)
+    i = np.arange(steps)
+    half = steps // 2
+    lo = s + step * i.astype(np.float32)
+    hi = e - step * (steps - 1 - i).astype(np.float32)
+    return np.where(i < half, lo, hi).astype(np.float32)
+
+
+def _rope_1d(dim: int, pos: np.ndarray, theta: float = 10000.0):
+    freqs = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    ang = np.outer(pos.astype(np.float32), freqs.astype(np.float32)).astype(np.float32)
+    return np.repeat(np.cos(ang), 2, axis=1), np.repeat(np.sin(ang), 2, axis=1)
+
+
+def resize_crop_region(src: tuple[int, int], tgt_width: int, tgt_height: int):
+    """diffusers' ``get_resize_crop_region_for_grid``."""
+    th, tw = tgt_height, tgt_width
+    h, w = src
+    if h / w > th / tw:
+        rh, rw = th, int(round(th / h * w))
+    else:
+        rw, rh = tw, int(round(tw / w * h))
+    top, left = int(round((th - rh) / 2.0)), int(round((tw - rw) / 2.0))
+    return (top, left), (top + rh, left + rw)
+
+
+def rope_3d(head_dim: int, grid: tuple[int, int, int], *, grid_type: str = "linspace", crops_coords=None,
+            max_size=None, theta: float = 10000.0):
+    """diffusers' ``get_3d_rotary_pos_embed(use_real=True)``: ``(cos, sin)`` each
+    ``[f*h*w, head_dim]`` float32 (head dim split t : h : w = 1/4 : 3/8 : 3/8, pairs interleaved)."""
+    f, gh_n, gw_n = grid
+    if grid_type == "linspace":
+        (start, stop) = crops_coords
+        gh = _torch_linspace(start[0], stop[0] * (gh_n - 1) / gh_n, gh_n)
+        gw = _torch_linspace(start[1], stop[1] * (gw_n - 1) / gw_n, gw_n)
+        gt = _torch_linspace(0, f * (f - 1) / f, f)
+    elif grid_type == "slice":
+        max_h, max_w = max_size
+        if gh_n > max_h or gw_n > max_w:
+            raise ValueError(f"token grid {gh_n}x{gw_n} exceeds the rotary table's max_size {max_h}x{max_w}")
+        gh, gw, gt = (np.arange(n, dtype=np.float32) for n in (max_h, max_w, f))
+    else:
+        raise ValueError(f"grid_type must be 'linspace' or 'slice', got {grid_type!r}")
+    dim_t, dim_h, dim_w = head_dim // 4, head_dim // 8 * 3, head_dim // 8 * 3
+    tc, ts = _rope_1d(dim_t, gt, theta)
+    hc, hs = _rope_1d(dim_h, gh, theta)
+    wc, ws = _rope_1d(dim_w, gw, theta)
+    hc, hs, wc, ws = hc[:gh_n], hs[:gh_n], wc[:gw_n], ws[:gw_n]
+
+    def combine(a, b, c):
+        return np.concatenate([np.broadcast_to(a[:, None, None], (f, gh_n, gw_n, a.shape[-1])),
+                               np.broadcast_to(b[None, :, None], (f, gh_n, gw_n, b.shape[-1])),
+                               np.broadcast_to(c[None, None, :], (f, gh_n, gw_n, c.shape[-1]))],
+                              axis=-1).reshape(f * gh_n * gw_n, -1).astype(np.float32)
+
+    return combine(tc, hc, wc), combine(ts, hs, ws)
+
+
+def rope_tables(cfg: CogVideoXConfig, grid: tuple[int, int, int]):
+    """The rotary tables the CogVideoX pipelines build for a token grid ``(f, h, w)`` (``f`` counts
+    temporal patches): 1.0 crops a 'linspace' grid to the config's sample size, 1.5 slices a grid of
+    ``max_size`` = the sample size in tokens. None when the model has no rotary embedding."""
+    if not cfg.use_rotary_positional_embeddings:
+        return None
+    f, h, w = grid
+    base_w, base_h = cfg.sample_width // cfg.patch_size, cfg.sample_height // cfg.patch_size
+    if cfg.patch_size_t is None:
+        return rope_3d(cfg.head_dim, grid, crops_coords=resize_crop_region((h, w), base_w, base_h))
+    return rope_3d(cfg.head_dim, grid, grid_type="slice", max_size=(base_h, base_w))
+
+
+def pos_mode(cfg: CogVideoXConfig, grid: tuple[int, int, int]) -> str:
+    """``"none"`` (rotary only), ``"learned"`` (the checkpoint's table at its native size) or
+    ``"sincos"`` (computed for this grid), as the reference's patch embedding decides."""
+    if cfg.use_learned_positional_embeddings:
+        _, h, w = grid
+        _, sh, sw = cfg.sample_grid
+        if (h, w) != (sh, sw):
+            raise ValueError(f"this CogVideoX model has learned positional embeddings for {sh}x{sw} tokens "
+                             f"({cfg.sample_height * 8}x{cfg.sample_width * 8} pixels) and cannot run at {h}x{w}")
+        return "learned" if tuple(grid) == cfg.sample_grid else "sincos"
+    return "sincos" if cfg.uses_sincos else "none"
+
+
+# ----------------------------------------------------------------------------------- modules
+def _heads(x, head_dim):
+    return x.reshape(*x.shape[:-1], -1, head_dim)
+
+
+def apply_rope(x, cos, sin):
+    """The reference's ``apply_rotary_emb`` (pairs interleaved): ``x`` [B, L, H, D], ``cos``/``sin``
+    [L, D] (each angle repeated twice)."""
+    dt = x.dtype
+    xf = x.astype(F32)
+    pairs = xf.reshape(*x.shape[:-1], -1, 2)
+    rot = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    return (xf * cos[None, :, None, :] + rot * sin[None, :, None, :]).astype(dt)
+
+
+class PatchEmbed(nnx.Module):
+    """1.0: the reference's per-frame Conv2d (stride = kernel = p) as one matmul over patch tokens,
+    kernel ``[p, p, C, D]`` (token features ``(ph, pw, c)``); 1.5: its Linear over ``(c, pt, ph,
+    pw)`` features, kernel ``[C*pt*p*p, D]``."""
+
+    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        p, c, d = cfg.patch_size, cfg.in_channels, cfg.dim
+        init = nnx.initializers.lecun_normal()
+        if cfg.patch_size_t is None:
+            self.kernel = nn.param(rngs, init, (p, p, c, d), None, None, None, "embed", dtype=param_dtype)
+        else:
+            self.kernel = nn.param(rngs, init, (c * cfg.patch_size_t * p * p, d), None, "embed", dtype=param_dtype)
+        self.bias = nn.param(rngs, nnx.initializers.zeros_init(), (d,), "embed", dtype=param_dtype) \
+            if cfg.patch_has_bias else None
+
+    def __call__(self, tokens):
+        k = self.kernel[...]
+        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class TimeMLP(nnx.Module):
+    """diffusers' ``TimestepEmbedding``: ``l2(act(l1(x)))``."""
+
+    def __init__(self, din: int, dout: int, act: str, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.l1 = nn.Linear(din, dout, rngs=rngs, param_dtype=param_dtype)
+        self.l2 = nn.Linear(dout, dout, rngs=rngs, param_dtype=param_dtype)
+        self.act = act
+
+    def __call__(self, x):
+        return self.l2(nn.activation(self.act)(self.l1(x)))
+
+
+class CogEmbed(nnx.Module):
+    """Patch + text projections, positional embeddings, timestep (+ ofs) embedding."""
+
+    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        d = cfg.dim
+        self.cfg = cfg
+        self.patch = PatchEmbed(cfg, **kw)
+        self.text = nn.Linear(cfg.text_embed_dim, d, axes=(None, "embed"), **kw)
+        self.time = TimeMLP(d, cfg.time_embed_dim, cfg.timestep_activation_fn, **kw)
+        self.ofs = TimeMLP(cfg.ofs_embed_dim, cfg.ofs_embed_dim, cfg.timestep_activation_fn, **kw) \
+            if cfg.ofs_embed_dim else None
+        if cfg.use_learned_positional_embeddings:
+            f, h, w = cfg.sample_grid
+            self.pos = nn.param(rngs, nnx.initializers.normal(0.02), (1, cfg.max_text_seq_length + f * h * w, d),
+                                None, None, "embed", dtype=param_dtype)
+        else:
+            self.pos = None
+
+    def temb(self, t, ofs=None):
+        """Timestep (+ ofs) embedding [B, time_embed_dim], float32."""
+        cfg = self.cfg
+        e = sinusoidal_embedding(jnp.asarray(t, F32), cfg.dim, flip_sin_to_cos=cfg.flip_sin_to_cos,
+                                 downscale_freq_shift=cfg.freq_shift)
+        dt = self.text.kernel[...].dtype
+        emb = self.time(e.astype(dt)).astype(F32)
+        if self.ofs is not None:
+            if ofs is None:
+                raise ValueError("this CogVideoX model has an ofs embedding (1.5 I2V): pass ofs (the pipelines use 2.0)")
+            o = sinusoidal_embedding(jnp.reshape(jnp.asarray(ofs, F32), (-1,)), cfg.ofs_embed_dim,
+                                     flip_sin_to_cos=cfg.flip_sin_to_cos, downscale_freq_shift=cfg.freq_shift)
+            emb = emb + self.ofs(o.astype(dt)).astype(F32)
+        return emb
+
+    def learned_positions(self):
+        """(text part [Lt, D], video part [Lv, D]) of the learned table."""
+        lt = self.cfg.max_text_seq_length
+        p = self.pos[...][0]
+        return p[:lt], p[lt:]
+
+    def __call__(self, tokens, ctx, pos_txt=None, pos_vid=None):
+        """``tokens``: patch tokens [B, Lv, feat]; ``ctx``: [B, Lt, text_dim]. Returns (video, text)."""
+        vid = self.patch(tokens)
+        txt = self.text(ctx)
+        if pos_vid is not None:
+            vid = vid + pos_vid[None].astype(vid.dtype)
+        if pos_txt is not None:
+            txt = txt + pos_txt[None].astype(txt.dtype)
+        return vid, txt
+
+
+def joint_attention(par: vsh.ParallelContext, txt, vid):
+    """Full attention over ``[text; video]`` tokens. ``txt``, ``vid``: ``(q, k, v)`` each
+    ``[B, L, H_local, d]``; returns ``(text out, video out)`` in the same layout.
+
+    Inside ``shard_map`` with ``sp > 1`` the video tokens are split over ``sp`` and the text tokens
+    replicated: the video q/k/v go through the Ulysses all-to-all (every video token, a slice of
+    the heads), the text q/k/v are sliced to the same heads (no all-to-all: they are already
+    whole on every device), one attention call runs over the joint sequence, the video output goes
+    back through the all-to-all and the text output is gathered over the heads (a psum of disjoint
+    head slices, so it is typed replicated over sp, as the text carry is)."""
+    qt, kt, vt = txt
+    qv, kv, vv = vid
+    s = par.size("sp")
+    bound = "sp" in dict(par.sizes)  # inside shard_map over a (dp, tp, sp) mesh
+    if s > 1:
+        if qv.shape[2] % s:
+            raise vmesh.ShardingConfigError(f"joint attention: {qv.shape[2]} local heads are not divisible by sp={s}")
+        to_heads = partial(jax.lax.all_to_all, axis_name="sp", split_axis=2, concat_axis=1, tiled=True)
+        qv, kv, vv = to_heads(qv), to_heads(kv), to_heads(vv)
+        hl = qt.shape[2] // s
+        i = jax.lax.axis_index("sp")
+        local = partial(jax.lax.dynamic_slice_in_dim, start_index=i * hl, slice_size=hl, axis=2)
+        qt, kt, vt = local(qt), local(kt), local(vt)
+    lt = qt.shape[1]
+    o = attention(jnp.concatenate([qt, qv], 1), jnp.concatenate([kt, kv], 1), jnp.concatenate([vt, vv], 1),
+                  impl=par.attn_impl)
+    ot, ov = o[:, :lt], o[:, lt:]
+    if s > 1:
+        ov = jax.lax.all_to_all(ov, "sp", split_axis=1, concat_axis=2, tiled=True)
+        # every device holds the text output of its heads: place it among zeros and sum over sp (the
+        # same bytes as an all-gather; the result is the same on every sp device, and typed so)
+        full = jnp.zeros((*ot.shape[:2], hl * s, ot.shape[3]), ot.dtype)
+        ot = jax.lax.dynamic_update_slice_in_dim(full, ot, i * hl, axis=2)
+    if bound:
+        # the text attended to sp-split video tokens; its result is whole on every sp device
+        ot = jax.lax.psum(ot, "sp")
+    return ot, ov
+
+
+class CogBlock(nnx.Module):
+    """One block: LayerNorm-Zero (text and video modulated separately), joint self-attention with
+    per-head q/k LayerNorm (RoPE on the video part), LayerNorm-Zero, one feed-forward for both."""
+
+    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d, hd = cfg.dim, cfg.head_dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        aff = cfg.norm_elementwise_affine
+        self.head_dim = hd
+        self.mod1 = nn.Linear(cfg.time_embed_dim, 6 * d, **kw)
+        self.norm1 = nn.LayerNorm(d, eps=cfg.norm_eps, affine=aff, axis="embed", **kw)
+        self.q = nn.Linear(d, d, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
+        self.k = nn.Linear(d, d, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
+        self.v = nn.Linear(d, d, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
+        self.norm_q = nn.LayerNorm(hd, eps=1e-6, **kw)
+        self.norm_k = nn.LayerNorm(hd, eps=1e-6, **kw)
+        self.o = nn.Linear(d, d, axes=("heads", "embed"), **kw)
+        self.mod2 = nn.Linear(cfg.time_embed_dim, 6 * d, **kw)
+        self.norm2 = nn.LayerNorm(d, eps=cfg.norm_eps, affine=aff, axis="embed", **kw)
+        self.up = nn.Linear(d, cfg.ffn_dim, axes=("embed", "ffn"), **kw)
+        self.down = nn.Linear(cfg.ffn_dim, d, axes=("ffn", "embed"), **kw)
+        self.act = cfg.activation_fn
+
+    def _qkv(self, h, par):
+        hd, dt = self.head_dim, h.dtype
+        q = self.norm_q(_heads(par.linear(self.q, h), hd)).astype(dt)
+        k = self.norm_k(_heads(par.linear(self.k, h), hd)).astype(dt)
+        return q, k, _heads(par.linear(self.v, h), hd)
+
+    def attention(self, hv, ht, cos, sin, par):
+        qv, kv, vv = self._qkv(hv, par)
+        qt, kt, vt = self._qkv(ht, par)
+        if cos is not None:
+            qv, kv = apply_rope(qv, cos, sin), apply_rope(kv, cos, sin)
+        ot, ov = joint_attention(par, (qt, kt, vt), (qv, kv, vv))
+        return par.linear(self.o, ov.reshape(*ov.shape[:2], -1)), par.linear(self.o, ot.reshape(*ot.shape[:2], -1))
+
+    def _ff(self, h, par):
+        return par.linear(self.down, nn.activation(self.act)(par.linear(self.up, h)))
+
+    @staticmethod
+    def _modulate(norm, x, shift, scale):
+        return (norm(x.astype(F32)) * (1 + scale[:, None]) + shift[:, None]).astype(x.dtype)
+
+    def __call__(self, vid, txt, temb, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
+        """``vid`` [B, Lv, D], ``txt`` [B, Lt, D] (compute dtype), ``temb`` [B, Dt] float32."""
+        dt = vid.dtype
+        e = jax.nn.silu(temb).astype(dt)
+        m = self.mod1(e).astype(F32)
+        shift, scale, gate, tshift, tscale, tgate = jnp.split(m, 6, axis=-1)
+        av, at = self.attention(self._modulate(self.norm1, vid, shift, scale),
+                                self._modulate(self.norm1, txt, tshift, tscale), cos, sin, par)
+        vid = (vid.astype(F32) + gate[:, None] * av.astype(F32)).astype(dt)
+        txt = (txt.astype(F32) + tgate[:, None] * at.astype(F32)).astype(dt)
+        m = self.mod2(e).astype(F32)
+        shift, scale, gate, tshift, tscale, tgate = jnp.split(m, 6, axis=-1)
+        fv = self._ff(self._modulate(self.norm2, vid, shift, scale), par)
+        ft = self._ff(self._modulate(self.norm2, txt, tshift, tscale), par)
+        vid = (vid.astype(F32) + gate[:, None] * fv.astype(F32)).astype(dt)
+        txt = (txt.astype(F32) + tgate[:, None] * ft.astype(F32)).astype(dt)
+        return vid, txt
+
+
+class CogHead(nnx.Module):
+    """``norm_final``, the AdaLayerNorm output modulation (shift, then scale), projection."""
+
+    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm_final = nn.LayerNorm(d, eps=cfg.norm_eps, affine=cfg.norm_elementwise_affine, axis="embed", **kw)
+        self.mod = nn.Linear(cfg.time_embed_dim, 2 * d, **kw)
+        self.norm_out = nn.LayerNorm(d, eps=cfg.norm_eps, affine=cfg.norm_elementwise_affine, axis="embed", **kw)
+        self.proj = nn.Linear(d, cfg.out_channels * cfg.pt * cfg.patch_size**2, axes=("embed", None), **kw)
+
+    def __call__(self, vid, temb):
+        dt = vid.dtype
+        h = self.norm_final(vid.astype(F32)).astype(dt)
+        m = self.mod(jax.nn.silu(temb).astype(dt)).astype(F32)
+        shift, scale = jnp.split(m, 2, axis=-1)
+        h = (self.norm_out(h.astype(F32)) * (1 + scale[:, None]) + shift[:, None]).astype(dt)
+        return self.proj(h)
+
+
+def run_blocks(blocks, vid, txt, temb, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
+    """``lax.scan`` of :class:`CogBlock` over stacked blocks (the module, or ``(graphdef, state)``
+    of it or of an offload chunk)."""
+    return nn.scan(blocks, (vid, txt), lambda blk, c: blk(c[0], c[1], temb, cos, sin, par))
+
+
+class CogVideoXTransformer(nnx.Module):
+    """The CogVideoX DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+
+    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = CogEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.blocks = nn.stack(lambda r: CogBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = CogHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def positions(self, grid, pos=None):
+        """(text, video) positional tables for a token grid: the learned table, a sin-cos table
+        (``pos`` if given, else computed on the host at trace time) or nothing."""
+        mode = pos_mode(self.cfg, grid)
+        if mode == "learned":
+            return self.embed.learned_positions()
+        if mode == "sincos":
+            return None, (jnp.asarray(sincos_table(self.cfg, grid)) if pos is None else pos)
+        return None, None
+
+    def __call__(self, x, t, ctx, ofs=None, cos=None, sin=None, pos=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+        """Velocity (v-prediction). ``x``: [B, F, H, W, C] latents; ``t``: [B]; ``ctx``: [B, Lt,
+        text_dim]; ``ofs``: [B] / [1] (1.5 I2V); ``cos``/``sin``: [Lv, head_dim] rotary tables;
+        ``pos``: the sin-cos table [Lv, D] (optional: computed when needed). Returns [B, F, H, W, Cout]."""
+        cfg = self.cfg
+        dt = self.embed.text.kernel[...].dtype
+        tokens, grid = patchify(cfg, x.astype(dt))
+        check_text(cfg, ctx.shape[1], grid)
+        pos_txt, pos_vid = self.positions(grid, pos)
+        temb = self.embed.temb(t, ofs)
+        vid, txt = self.embed(tokens, ctx.astype(dt), pos_txt, pos_vid)
+        vid, txt = run_blocks(self.blocks, vid, txt, temb, cos, sin, par)
+        return unpatchify(cfg, self.head(vid, temb), grid)
+
+
+def check_text(cfg: CogVideoXConfig, lt: int, grid) -> None:
+    if pos_mode(cfg, grid) != "none" and lt != cfg.max_text_seq_length:
+        raise ValueError(f"this CogVideoX model adds a positional embedding over the joint sequence: the text must "
+                         f"have max_text_seq_length={cfg.max_text_seq_length} tokens, got {lt}")
+
+
+# ----------------------------------------------------------------------------------- patchify
+def patchify(cfg: CogVideoXConfig, x):
+    """[B, F, H, W, C] -> tokens [B, f*h*w, feat] (1.0: features (ph, pw, c); 1.5: (c, pt, ph, pw))
+    and the token grid (f, h, w)."""
+    b, f, h, w, c = x.shape
+    pt, p = cfg.pt, cfg.patch_size
+    if f % pt or h % p or w % p:
+        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch}")
+    grid = (f // pt, h // p, w // p)
+    if cfg.patch_size_t is None:
+        x = x.reshape(b, f, h // p, p, w // p, p, c).transpose(0, 1, 2, 4, 3, 5, 6)
+    else:
+        x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
+    return x.reshape(b, grid[0] * grid[1] * grid[2], -1), grid
+
+
+def unpatchify(cfg: CogVideoXConfig, y, grid):
+    """[B, f*h*w, Cout*pt*p*p] (features (c, pt, ph, pw)) -> [B, F, H, W, Cout]."""
+    b = y.shape[0]
+    pt, p = cfg.pt, cfg.patch_size
+    f, h, w = grid
+    y = y.reshape(b, f, h, w, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
+    return y.reshape(b, f * pt, h * p, w * p, -1)
+
+
+# ----------------------------------------------------------------------------------- state
+def _build(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> CogVideoXTransformer:
+    return CogVideoXTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+
+def init_model(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> CogVideoXTransformer:
+    """A seeded random DiT (presets, tests): every weight perturbed (no zero biases, no unit norms)."""
+    return nn.perturb(_build(cfg, seed, dtype), seed)
+
+
+def init_state(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """:func:`init_model`'s state in host memory (numpy leaves)."""
+    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
+
+
+def abstract_state(cfg: CogVideoXConfig, dtype=np.float32) -> nnx.State:
+    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
+
+
+def param_shapes(cfg: CogVideoXConfig, dtype=np.float32) -> dict:
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def graphdefs(cfg: CogVideoXConfig, dtype: str = "float32") -> dict:
+    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
+    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
+            "head": nnx.graphdef(m.head)}
+
+
+def state_dtype(state) -> np.dtype:
+    return np.dtype(jax.tree.leaves(state["embed"]["text"]["kernel"])[0].dtype)
+
+
+def merge(state, cfg: CogVideoXConfig) -> CogVideoXTransformer:
+    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+
+
+def forward(state, cfg: CogVideoXConfig, x, t, ctx, ofs=None, rope=None, pos=None, *, attn_impl=None):
+    """Velocity from a state (pure: ``jax.jit(forward, static_argnums=1)``). ``x`` [B, F, H, W, C];
+    ``t`` [B]; ``ctx`` [B, Lt, text_dim]; ``ofs``: 1.5 I2V; ``rope``: ``(cos, sin)`` from
+    :func:`rope_tables` (models with rotary embeddings); ``pos``: sin-cos table (optional)."""
+    cos, sin = (None, None) if rope is None else rope
+    return merge(state, cfg)(x, t, ctx, ofs, cos, sin, pos, par=vsh.ParallelContext(attn_impl=attn_impl))
+
+
+# ----------------------------------------------------------------------------------- sharding
+#: Logical axis -> mesh axis per parallelism: TP splits the heads (q/k/v by output, the attention
+#: output by input: row-parallel, bias once) and the FFN width; the per-head q/k norms need no
+#: reduction (they span one head). SP keeps every weight whole.
+AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
+
+
+def video_tokens(cfg: CogVideoXConfig, latent_frames: int, h: int, w: int) -> int:
+    return (latent_frames // cfg.pt) * (h // cfg.patch_size) * (w // cfg.patch_size)
+
+
+def parallel_constraints(cfg: CogVideoXConfig, *, tokens: int | None = None, batch: int | None = None):
+    """Divisibility rules on a (dp, tp, sp) mesh. The text length has none: its tokens stay whole
+    on every device (sliced by heads inside the joint attention)."""
+    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
+                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+         vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
+    if tokens is not None:
+        r.append(vmesh.Divisible("video tokens", tokens, ("sp",), "joint sequence parallelism splits the f*h*w video "
+                                                                  "patch tokens (the text tokens stay whole)"))
+    if batch is not None:
+        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+    return r
+
+
+def _rest(state) -> nnx.State:
+    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
+
+
+class CogVideoXRunner:
+    """The CogVideoX DiT on a ``(dp, tp, sp)`` mesh, blocks resident or offloaded.
+
+    ``state``: host numpy preferred (``load_dit``); ``mesh``: Mesh, spec (``"tp=2,sp=2"``) or None;
+    ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh implies);
+    ``offload_chunk_size``: None (resident), an int dividing num_layers, or "all". The video tokens
+    are split over sp (joint attention, :func:`joint_attention`), the text tokens and the timestep
+    embedding stay whole; the batch (CFG's 2B) is split over dp."""
+
+    def __init__(self, state, cfg: CogVideoXConfig, mesh=None, parallelism: str | None = None, *,
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 track_memory: bool = False):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        self.cfg, self.attn_impl = cfg, attn_impl
+        self.mesh = vmesh.make_mesh(mesh)
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = state_dtype(state)
+        self.graphs = graphdefs(cfg, self.dtype.name)
+        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
+        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
+        self._tables: dict = {}
+        self.offload = None
+        if offload_chunk_size is None:
+            self.blocks = vsh.place(state["blocks"], block_shardings)
+            self._fwd = jax.jit(self._resident)
+        else:
+            self.blocks = None
+            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
+            self._pre = jax.jit(self._prologue)
+            self._post = jax.jit(self._epilogue, static_argnums=(3,))
+
+    # ------------------------------------------------------------------ checks, tables
+    def grid(self, x_shape):
+        _, f, h, w, _ = x_shape
+        pt, p = self.cfg.pt, self.cfg.patch_size
+        if f % pt or h % p or w % p:
+            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch}")
+        return (f // pt, h // p, w // p)
+
+    def check_inputs(self, x_shape, lt: int | None = None) -> None:
+        g = self.grid(x_shape)
+        if lt is not None:
+            check_text(self.cfg, lt, g)
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=g[0] * g[1] * g[2], batch=x_shape[0]), self.mesh)
+
+    def tables(self, grid, rope=None):
+        """Video positional tables for a grid, placed token-sharded over sp (cached): ``{"cos",
+        "sin"}`` (rotary, from ``rope`` or :func:`rope_tables`), ``{"pos"}`` (sin-cos or the learned
+        table's video part) and ``{"pos_txt"}`` (the learned table's text part, replicated)."""
+        key = (grid, None if rope is None else id(rope[0]))
+        if key in self._tables:
+            return self._tables[key]
+        cfg, out = self.cfg, {}
+        tok = NamedSharding(self.mesh, P("sp", None))
+        rep = NamedSharding(self.mesh, P())
+        if cfg.use_rotary_positional_embeddings:
+            cos, sin = rope if rope is not None else rope_tables(cfg, grid)
+            out["cos"], out["sin"] = vsh.place([np.asarray(cos, np.float32), np.asarray(sin, np.float32)], [tok, tok])
+        mode = pos_mode(cfg, grid)
+        if mode == "sincos":
+            out["pos"] = vsh.place(sincos_table(cfg, grid), tok)
+        elif mode == "learned":
+            table = np.asarray(self.rest["embed"]["pos"][...])[0]
+            lt = cfg.max_text_seq_length
+            out["pos_txt"], out["pos"] = vsh.place(table[:lt], rep), vsh.place(table[lt:], tok)
+        if rope is None:
+            self._tables[key] = out
+        return out
+
+    @staticmethod
+    def _act_specs(acts):
+        specs = {}
+        for k, a in acts.items():
+            if k in ("tokens", "vid", "y"):
+                specs[k] = P("dp", "sp", None)
+            elif k in ("cos", "sin", "pos"):
+                specs[k] = P("sp", None)
+            elif k == "pos_txt":
+                specs[k] = P()
+            elif k == "ofs":
+                specs[k] = P()
+            else:  # t, temb, ctx, txt: replicated over tp and sp
+                specs[k] = P("dp", *([None] * (a.ndim - 1)))
+        return specs
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _inputs(self, x, t, ctx, ofs, tables):
+        dt = self.dtype
+        tokens, grid = patchify(self.cfg, x.astype(dt))
+        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": ctx.astype(dt), **tables}
+        if ofs is not None:
+            a["ofs"] = jnp.reshape(jnp.asarray(ofs, F32), (-1,))
+        return a, grid
+
+    # ------------------------------------------------------------------ units (inside shard_map)
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        temb = embed.temb(a["t"], a.get("ofs"))
+        vid, txt = embed(a["tokens"], a["ctx"], a.get("pos_txt"), a.get("pos"))
+        return vid, txt, temb
+
+    def _blocks(self, blocks, carry, c):
+        return run_blocks((self.graphs["blocks"], blocks), carry[0], carry[1], c["temb"], c.get("cos"), c.get("sin"),
+                          self.par)
+
+    def _head(self, rest, vid, temb):
+        return nnx.merge(self.graphs["head"], rest["head"])(vid, temb)
+
+    # ------------------------------------------------------------------ resident
+    def _resident(self, rest, blocks, x, t, ctx, ofs, tables):
+        acts, grid = self._inputs(x, t, ctx, ofs, tables)
+
+        def inner(rest, blocks, a):
+            vid, txt, temb = self._embed(rest, a)
+            vid, _ = self._blocks(blocks, (vid, txt), {"temb": temb, "cos": a.get("cos"), "sin": a.get("sin")})
+            return self._head(rest, vid, temb)
+
+        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(
+            rest, blocks, acts)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(self.cfg, y, grid)
+
+    # ------------------------------------------------------------------ offloaded
+    def _prologue(self, rest, x, t, ctx, ofs, tables):
+        acts, _ = self._inputs(x, t, ctx, ofs, tables)
+        shapes = jax.eval_shape(lambda r, a: self._embed(r, a), rest, acts)
+        specs = self._act_specs({"vid": shapes[0], "txt": shapes[1], "temb": shapes[2]})
+        return self._smap(lambda r, a: dict(zip(("vid", "txt", "temb"), self._embed(r, a))),
+                          (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
+
+    def _chunk(self, blocks, carry, consts):
+        cs = self._act_specs(consts)
+        carry_specs = (P("dp", "sp", None), P("dp", None, None))
+        return self._smap(self._blocks, (self.block_specs, carry_specs, cs), carry_specs)(blocks, carry, consts)
+
+    def _epilogue(self, rest, vid, temb, grid):
+        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), P("dp", None)), P("dp", "sp", None))(
+            rest, vid, temb)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(self.cfg, y, grid)
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, x, t, ctx, ofs=None, rope=None):
+        """Same contract as :func:`forward` (channels-last latents)."""
+        x = jnp.asarray(x)
+        t = jnp.asarray(t, F32)
+        self.check_inputs(x.shape, ctx.shape[1])
+        grid = self.grid(x.shape)
+        tables = self.tables(grid, rope)
+        if self.offload is None:
+            return self._fwd(self.rest, self.blocks, x, t, ctx, ofs, tables)
+        a = self._pre(self.rest, x, t, ctx, ofs, tables)
+        consts = {"temb": a["temb"], **{k: v for k, v in tables.items() if k in ("cos", "sin")}}
+        vid, _ = self.offload.run("blocks", (a["vid"], a["txt"]), consts)
+        return self._post(self.rest, vid, a["temb"], grid)
+
+    @property
+    def params(self):
+        if self.offload is not None:
+            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
+        return {"rest": self.rest, "blocks": self.blocks}
+
+    def apply(self, params, x, t, ctx, tables, ofs=None):
+        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`, ``tables`` =
+        :meth:`tables` of the grid)."""
+        return self._resident(params["rest"], params["blocks"], x, t, ctx, ofs, tables)
+
+    def lower(self, x, t, ctx, ofs=None):
+        x, t = jnp.asarray(x), jnp.asarray(t, F32)
+        self.check_inputs(x.shape, ctx.shape[1])
+        return self._fwd.lower(self.rest, self.blocks, x, t, ctx, ofs, self.tables(self.grid(x.shape)))
+
+
+# ----------------------------------------------------------------------------------- key maps
+def _linear(ref: str, dst: str, bias: bool = True) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+
+def _norm(ref: str, dst: str, affine: bool = True) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.scale", "none"), (f"{ref}.bias", f"{dst}.bias", "none")] if affine else []
+
+
+def diffusers_keymap(cfg: CogVideoXConfig) -> KeyMap:
+    aff = cfg.norm_elementwise_affine
+    top = [(f"patch_embed.proj.weight", "embed.patch.kernel", "conv2d" if cfg.patch_size_t is None else "linear"),
+           *([("patch_embed.proj.bias", "embed.patch.bias", "none")] if cfg.patch_has_bias else []),
+           *_linear("patch_embed.text_proj", "embed.text"),
+           *_linear("time_embedding.linear_1", "embed.time.l1"), *_linear("time_embedding.linear_2", "embed.time.l2"),
+           *_norm("norm_final", "head.norm_final", aff), *_linear("norm_out.linear", "head.mod"),
+           *_norm("norm_out.norm", "head.norm_out", aff), *_linear("proj_out", "head.proj")]
+    if cfg.ofs_embed_dim:
+        top += _linear("ofs_embedding.linear_1", "embed.ofs.l1") + _linear("ofs_embedding.linear_2", "embed.ofs.l2")
+    if cfg.use_learned_positional_embeddings:
+        top.append(("patch_embed.pos_embedding", "embed.pos", "none"))
+    b = cfg.attention_bias
+    block = [*_linear("norm1.linear", "mod1"), *_norm("norm1.norm", "norm1", aff),
+             *_linear("attn1.to_q", "q", b), *_linear("attn1.to_k", "k", b), *_linear("attn1.to_v", "v", b),
+             *_norm("attn1.norm_q", "norm_q"), *_norm("attn1.norm_k", "norm_k"), *_linear("attn1.to_out.0", "o"),
+             *_linear("norm2.linear", "mod2"), *_norm("norm2.norm", "norm2", aff),
+             *_linear("ff.net.0.proj", "up"), *_linear("ff.net.2", "down")]
+    rules = [Rule(s, d, k) for s, d, k in top]
+    rules += [Rule(f"transformer_blocks.{{i}}.{s}", f"blocks.{d}", k) for s, d, k in block]
+    return KeyMap(rules)
+
+
+# The original (SAT) release: ``model.diffusion_model.`` prefix, fused q/k/v, per-layer q/k norms in
+# lists, and the two LayerNorm-Zero modulations of every layer in one 12-way adaLN table (see
+# ``scripts/convert_cogvideox_to_diffusers.py`` of diffusers). Converted on the host, tensor by tensor.
+SAT_PREFIX = "model.diffusion_model."
+
+
+def _sat_names(cfg: CogVideoXConfig) -> dict[str, str]:
+    """Plain renames original -> diffusers (everything but the fused / regrouped tensors)."""
+    out = {"mixins.patch_embed.proj.weight": "patch_embed.proj.weight",
+           "mixins.patch_embed.proj.bias": "patch_embed.proj.bias",
+           "mixins.patch_embed.text_proj.weight": "patch_embed.text_proj.weight",
+           "mixins.patch_embed.text_proj.bias": "patch_embed.text_proj.bias",
+           "mixins.pos_embed.pos_embedding": "patch_embed.pos_embedding",
+           "time_embed.0.weight": "time_embedding.linear_1.weight", "time_embed.0.bias": "time_embedding.linear_1.bias",
+           "time_embed.2.weight": "time_embedding.linear_2.weight", "time_embed.2.bias": "time_embedding.linear_2.bias",
+           "ofs_embed.0.weight": "ofs_embedding.linear_1.weight", "ofs_embed.0.bias": "ofs_embedding.linear_1.bias",
+           "ofs_embed.2.weight": "ofs_embedding.linear_2.weight", "ofs_embed.2.bias": "ofs_embedding.linear_2.bias",
+           "transformer.final_layernorm.weight": "norm_final.weight",
+           "transformer.final_layernorm.bias": "norm_final.bias",
+           "mixins.final_layer.norm_final.weight": "norm_out.norm.weight",
+           "mixins.final_layer.norm_final.bias": "norm_out.norm.bias",
+           "mixins.final_layer.adaLN_modulation.1.weight": "norm_out.linear.weight",
+           "mixins.final_layer.adaLN_modulation.1.bias": "norm_out.linear.bias",
+           "mixins.final_layer.linear.weight": "proj_out.weight", "mixins.final_layer.linear.bias": "proj_out.bias"}
+    for i in range(cfg.num_layers):
+        s, d = f"transformer.layers.{i}.", f"transformer_blocks.{i}."
+        for wb in ("weight", "bias"):
+            out[f"{s}input_layernorm.{wb}"] = f"{d}norm1.norm.{wb}"
+            out[f"{s}post_attention_layernorm.{wb}"] = f"{d}norm2.norm.{wb}"
+            out[f"{s}attention.dense.{wb}"] = f"{d}attn1.to_out.0.{wb}"
+            out[f"{s}mlp.dense_h_to_4h.{wb}"] = f"{d}ff.net.0.proj.{wb}"
+            out[f"{s}mlp.dense_4h_to_h.{wb}"] = f"{d}ff.net.2.{wb}"
+            out[f"mixins.adaln_layer.query_layernorm_list.{i}.{wb}"] = f"{d}attn1.norm_q.{wb}"
+            out[f"mixins.adaln_layer.key_layernorm_list.{i}.{wb}"] = f"{d}attn1.norm_k.{wb}"
+    return out
+
+
+_SAT_IGNORED = ("freqs_sin", "freqs_cos", "position_embedding", "embed_tokens")
+
+
+def is_original(names) -> bool:
+    return any(n.startswith(SAT_PREFIX) or n.startswith(("transformer.layers.", "mixins.")) for n in names)
+
+
+def sat_view(ckpt, cfg: CogVideoXConfig) -> Checkpoint:
+    """An original (SAT) checkpoint under diffusers names: renames, the fused q/k/v split in three
+    and the 12-way adaLN table regrouped into ``norm1`` / ``norm2`` on read (lazy, per tensor).
+    Tensors it does not know keep their names, so the loader reports them."""
+    names = list(ckpt)
+    pre = SAT_PREFIX if any(n.startswith(SAT_PREFIX) for n in names) else ""
+    ren = _sat_names(cfg)
+    out: dict = {}
+
+    def derived(name, t, kind, j):
+        parts = 3 if kind == "qkv" else 2
+        shape = (t.shape[0] // parts, *t.shape[1:])
+
+        def read():
+            a = t.read() if hasattr(t, "read") else np.asarray(t)
+            if kind == "qkv":
+                return np.split(a, 3, axis=0)[j]
+            c = np.split(a, 12, axis=0)
+            return np.concatenate(c[0:3] + c[6:9] if j == 1 else c[3:6] + c[9:12], axis=0)
+
+        return LazyTensor(name, shape, getattr(t, "dtype", np.float32), read)
+
+    for n in names:
+        k = n[len(pre):] if pre and n.startswith(pre) else n
+        t = ckpt[n]
+        if any(s in k for s in _SAT_IGNORED):
+            continue
+        if k in ren:
+            out[ren[k]] = t
+        elif ".attention.query_key_value." in k:
+            i, wb = k.split(".")[2], k.rsplit(".", 1)[1]
+            for j, qkv in enumerate(("to_q", "to_k", "to_v")):
+                out[f"transformer_blocks.{i}.attn1.{qkv}.{wb}"] = derived(n, t, "qkv", j)
+        elif k.startswith("mixins.adaln_layer.adaLN_modulations."):
+            i, wb = k.split(".")[3], k.rsplit(".", 1)[1]
+            for j in (1, 2):
+                out[f"transformer_blocks.{i}.norm{j}.linear.{wb}"] = derived(n, t, "adaln", j)
+        else:
+            out[n] = t
+    return Checkpoint(out, getattr(ckpt, "source", "checkpoint"))
+
+
+def config_from_original(ckpt) -> CogVideoXConfig:
+    """Infer the config from an original (SAT) checkpoint's tensor shapes."""
+    names = list(ckpt)
+    pre = SAT_PREFIX if any(n.startswith(SAT_PREFIX) for n in names) else ""
+    sh = {n[len(pre):]: tuple(ckpt[n].shape) for n in names}
+    d, _ = sh["mixins.patch_embed.text_proj.weight"]
+    text_dim = sh["mixins.patch_embed.text_proj.weight"][1]
+    layers = 1 + max(int(k.split(".")[2]) for k in sh if k.startswith("transformer.layers."))
+    proj = sh["mixins.patch_embed.proj.weight"]
+    hd = sh["mixins.adaln_layer.query_layernorm_list.0.weight"][0]
+    tdim = sh["time_embed.2.weight"][0]
+    out = sh["mixins.final_layer.linear.weight"][0]
+    rope = any("freqs_" in k for k in sh) or "mixins.pos_embed.pos_embedding" in sh
+    kw = dict(num_heads=d // hd, head_dim=hd, text_embed_dim=text_dim, num_layers=layers, time_embed_dim=tdim,
+              attention_bias="transformer.layers.0.attention.query_key_value.bias" in sh,
+              patch_bias="mixins.patch_embed.proj.bias" in sh)
+    if len(proj) == 4:  # 1.0: Conv2d
+        p = proj[2]
+        kw.update(patch_size=p, in_channels=proj[1], out_channels=out // (p * p))
+    else:  # 1.5: Linear over (c, pt, p, p), patch 2 x 2 x 2
+        kw.update(patch_size=2, patch_size_t=2, in_channels=proj[1] // 8, out_channels=out // 8, patch_bias=False,
+                  sample_height=300, sample_width=300, sample_frames=81)
+    if "ofs_embed.0.weight" in sh:
+        kw["ofs_embed_dim"] = sh["ofs_embed.0.weight"][0]
+    learned = "mixins.pos_embed.pos_embedding" in sh
+    kw.update(use_learned_positional_embeddings=learned,
+              use_rotary_positional_embeddings=rope or learned or kw.get("patch_size_t") is not None)
+    return CogVideoXConfig(**kw)
+
+
+def load_dit(path, cfg: CogVideoXConfig | None = None, dtype=np.float32):
+    """DiT weights from a diffusers folder (config.json + safetensors) or an original (SAT) release
+    checkpoint. Returns ``(state, cfg)``: the abstract state filled tensor by tensor with host
+    numpy, cast on the host; no random init is ever materialised."""
+    path = Path(path)
+    if cfg is None and path.is_dir() and (path / "config.json").exists():
+        cfg = CogVideoXConfig.from_diffusers(compat.read_config(path))
+    ckpt = open_checkpoint(path)
+    if is_original(list(ckpt)):
+        if cfg is None:
+            cfg = config_from_original(ckpt)
+        src = sat_view(ckpt, cfg)
+    else:
+        if cfg is None:
+            raise ValueError(f"{path}: no config.json; pass the model config")
+        src = ckpt
+    pure = load_params(src, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
+                       what=f"CogVideoXTransformer3DModel (dim {cfg.dim}, {cfg.num_layers} layers)")
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+
+
+# ----------------------------------------------------------------------------------- compat
+def _rope_arg(image_rotary_emb):
+    if image_rotary_emb is None:
+        return None
+    cos, sin = image_rotary_emb
+    return jnp.asarray(np.asarray(cos, np.float32)), jnp.asarray(np.asarray(sin, np.float32))
+
+
+class _CogCompat(compat.CompatModel):
+    """``forward(hidden_states [B, F, C, H, W], encoder_hidden_states, timestep, ofs=None,
+    image_rotary_emb=None)`` -> ``[B, F, Cout, H, W]``, the reference's calling convention."""
+
+    def __init__(self, config, state, cfg, runner: CogVideoXRunner | None = None):
+        super().__init__("CogVideoXTransformer3DModel", config, state, cfg)
+        self.runner = runner
+        if runner is None:
+            self._fwd = jax.jit(partial(forward, cfg=cfg))
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, timestep_cond=None, ofs=None,
+                image_rotary_emb=None, **_):
+        if timestep_cond is not None:
+            raise ValueError("CogVideoXTransformer3DModel: timestep_cond is not used by any CogVideoX checkpoint")
+        x = jnp.asarray(np.asarray(hidden_states, np.float32)).transpose(0, 1, 3, 4, 2)
+        t = jnp.asarray(np.asarray(timestep), F32)
+        if t.ndim == 0:
+            t = jnp.broadcast_to(t, (x.shape[0],))
+        ctx = jnp.asarray(encoder_hidden_states, F32)
+        o = None if ofs is None else jnp.reshape(jnp.asarray(np.asarray(ofs), F32), (-1,))
+        rope = _rope_arg(image_rotary_emb)
+        if self.runner is not None:
+            y = self.runner(x, t, ctx, o, rope)
+        else:
+            y = self._fwd(self.params, x=x, t=t, ctx=ctx, ofs=o, rope=rope)
+        return np.asarray(y).transpose(0, 1, 4, 2, 3)
+
+
+@compat.register("CogVideoXTransformer3DModel", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
+    cfg = CogVideoXConfig.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+        return _CogCompat(config, jax.device_put(state), cfg)
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
+    state, cfg = load_dit(folder, cfg, dtype=dtype)
+    runner = CogVideoXRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                             attn_impl=attn_impl)
+    return _CogCompat(config, None, cfg, runner)
+
+
+__all__ = ["AXIS_RULES", "CogVideoXConfig", "CogVideoXRunner", "CogVideoXTransformer", "PRESETS", "abstract_state",
+           "diffusers_keymap", "forward", "init_model", "init_state", "joint_attention", "load_dit", "patchify",
+           "pos_mode", "rope_3d", "rope_tables", "sincos_table", "unpatchify"]

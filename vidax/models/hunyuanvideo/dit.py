@@ -1,0 +1,1186 @@
+"""HunyuanVideo 1.0 diffusion transformer (diffusers ``HunyuanVideoTransformer3DModel``) as Flax NNX modules.
+
+:class:`HunyuanVideoTransformer` = ``embed`` (patch embedding, timestep / pooled-CLIP / embedded-
+guidance conditioning, the token refiner over the text with its mask) -> ``double`` (dual-stream
+blocks: video and text keep their own weights and meet in one joint attention) -> ``single``
+(single-stream blocks: one sequence [video; text], parallel attention + MLP) -> ``head``. The two
+block stacks have different shapes, so each is stacked on its own leading ``"layers"`` axis and
+runs with its own ``lax.scan`` -- and streams from host memory through its own offload pool with
+its own chunk size (:class:`HunyuanVideoRunner`).
+
+Particulars of this family, each with its place in the code:
+
+- joint attention over ``[video; text]`` with the text mask: every video key is valid, a text key
+  only while its index is below the row's mask count (the reference's rule:
+  ``effective length = video tokens + mask.sum()``); queries are never masked
+  (:func:`joint_attention`). Under sequence parallelism only the video q/k/v go through the
+  Ulysses all_to_all; the text q/k/v (replicated over ``sp``) are cut to the device's head range,
+  and the text output is gathered back over the heads;
+- 3D RoPE on the video tokens only, the head dim split by ``rope_axes_dim`` over (t, h, w)
+  (:func:`rope_tables`); the text tokens get none;
+- modulation (``temb``) from the timestep + the pooled CLIP-L text vector + the **embedded
+  guidance** (``guidance * 1000`` -- the caller multiplies -- through its own timestep embedder),
+  no CFG batch;
+- image-to-video as configuration (``image_condition_type``): ``latent_concat`` is only more input
+  channels; ``token_replace`` modulates the first latent frame's tokens with a second embedding
+  (timestep 0, no guidance) in every block (:func:`pick`).
+
+Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``. Every parameter
+carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes per parallelism. The
+single-stream block's output projection reads ``[attention; MLP]``: it is kept as two kernels
+(``out_attn`` split by heads, ``out_mlp`` split by the MLP width) so that under tensor
+parallelism both halves are row-parallel with one reduction and the bias added once.
+
+The blocks (:class:`DoubleBlock`, :class:`SingleBlock`, :class:`TokenRefiner`,
+:func:`joint_attention`, :func:`modulation`) import nothing of the pipeline, for other Hunyuan
+families to reuse.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax import compat
+from vidax.core import mesh as vmesh
+from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+from vidax.core.attention import attention
+from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
+from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights.io import LazyTensor
+
+F32 = jnp.float32
+IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
+
+
+# ----------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class HunyuanVideoConfig:
+    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release)."""
+
+    in_channels: int = 16
+    out_channels: int = 16
+    num_heads: int = 24
+    head_dim: int = 128
+    num_layers: int = 20  # dual-stream blocks
+    num_single_layers: int = 40  # single-stream blocks
+    num_refiner_layers: int = 2
+    mlp_ratio: float = 4.0
+    patch_size: int = 2
+    patch_size_t: int = 1
+    qk_norm: str = "rms_norm"
+    guidance_embeds: bool = True
+    text_embed_dim: int = 4096
+    pooled_projection_dim: int = 768
+    rope_theta: float = 256.0
+    rope_axes_dim: tuple = (16, 56, 56)
+    image_condition_type: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
+        if self.image_condition_type not in IMAGE_CONDITION_TYPES:
+            raise ValueError(f"image_condition_type={self.image_condition_type!r}; supported: {IMAGE_CONDITION_TYPES}")
+        if self.qk_norm != "rms_norm":
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo uses 'rms_norm')")
+        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
+            raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return (self.patch_size_t, self.patch_size, self.patch_size)
+
+    @property
+    def token_replace(self) -> bool:
+        return self.image_condition_type == "token_replace"
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "HunyuanVideoConfig":
+        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for k, v in cfg.items():
+            k = ren.get(k, k)
+            if k in names:
+                kw[k] = tuple(v) if isinstance(v, list) else v
+        if kw.get("out_channels") is None:
+            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        return cls(**kw)
+
+
+PRESETS = {
+    "tiny": HunyuanVideoConfig(num_heads=4, head_dim=8, in_channels=16, out_channels=16, num_layers=2,
+                               num_single_layers=4, num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=24,
+                               rope_axes_dim=(2, 2, 4)),
+    "13b": HunyuanVideoConfig(),
+    "13b-i2v": HunyuanVideoConfig(image_condition_type="token_replace"),
+    "13b-i2v-33ch": HunyuanVideoConfig(in_channels=33, guidance_embeds=False, image_condition_type="latent_concat"),
+}
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _heads(x, head_dim):
+    """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
+    return x.reshape(*x.shape[:-1], -1, head_dim)
+
+
+def modulation(layer: nnx.Linear, temb, n: int, par: vsh.ParallelContext):
+    """``layer(silu(temb))`` as ``[B, n, D]`` (float32). The kernel's output may be split over tp
+    (logical ``"mod"``: these projections are a quarter of the model's weights): each device
+    computes its columns and one all_gather joins them."""
+    y = layer(jax.nn.silu(temb.astype(layer.kernel[...].dtype))).astype(F32)
+    ax = par.mesh_axis(layer.kernel, -1)
+    if ax is not None:
+        y = jax.lax.all_gather(y, ax, axis=y.ndim - 1, tiled=True, to="invarying")
+    return y.reshape(*y.shape[:-1], n, -1)
+
+
+def pick(first, normal, replaced):
+    """Per-token modulation: ``replaced`` ([B, D]) on the first latent frame's tokens (``first``:
+    bool [L] over this device's tokens), ``normal`` ([B, D]) elsewhere -> [B, L, D]; without
+    ``first`` just ``normal[:, None]`` (token_replace off)."""
+    if first is None or replaced is None:
+        return normal[:, None]
+    return jnp.where(first[None, :, None], replaced[:, None], normal[:, None])
+
+
+def _modulate(norm, x, shift, scale):
+    return norm(x.astype(F32)) * (1 + scale) + shift
+
+
+def _rows(layer: nnx.Linear, x):
+    """``x @ kernel`` without the bias (a row-parallel partial sum)."""
+    kernel = layer.kernel[...]
+    x, kernel = layer.promote_dtype((x, kernel), dtype=layer.dtype)
+    return layer.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+
+
+def masked_attention(q, k, v, kv_len, impl: str | None = None):
+    """Attention where key ``j`` of row ``b`` is valid iff ``j < kv_len[b]`` (queries are never
+    masked). ``q``: [B, Lq, H, D], ``k``/``v``: [B, Lk, H, D], ``kv_len``: int [B]. On GPU in
+    half precision this is cuDNN's fused kernel with ``key_value_seq_lengths``; elsewhere the dense
+    reference with a key mask (query blocks scanned, the score matrix never whole)."""
+    which = impl
+    if which in (None, "auto"):
+        from vidax.core import attention as vatt
+
+        which = vatt._default if vatt._default != "auto" else "auto"
+    if which == "auto":
+        which = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    if which == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len.astype(jnp.int32),
+                                            implementation="cudnn")
+    mask = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < kv_len[:, None])[:, None, None, :]
+    return attention(q, k, v, mask=mask, impl="xla")
+
+
+def joint_attention(qv, kv, vv, qt, kt, vt, text_len, par: vsh.ParallelContext):
+    """Joint attention over ``[video; text]``. ``qv``/``kv``/``vv``: [B, Lv_local, Hl, D] (this
+    device's video tokens, its tp heads); ``qt``/``kt``/``vt``: [B, Lt, Hl, D] (every text token,
+    replicated over sp); ``text_len``: int [B], the valid text tokens (the mask's count).
+    Returns ``(video out [B, Lv_local, Hl, D], text out [B, Lt, Hl, D])``.
+
+    Under sequence parallelism (``sp`` > 1, inside ``shard_map``) the video q/k/v go through the
+    Ulysses all_to_all (every video token, Hl/sp heads), the text q/k/v are cut to the same head
+    range (they are already whole on every device), one attention runs, then the video output
+    goes back to token shards and the text output is gathered over the heads."""
+    sp = par.size("sp")
+    lt = qt.shape[1]
+    if sp > 1:
+        hl = qv.shape[2]
+        if hl % sp:
+            raise vmesh.ShardingConfigError(f"joint attention: {hl} local heads are not divisible by sp={sp}")
+        h = hl // sp
+
+        def to_heads(x):
+            return jax.lax.all_to_all(x, "sp", split_axis=2, concat_axis=1, tiled=True)
+
+        i = jax.lax.axis_index("sp")
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, i * h, h, axis=2)  # noqa: E731
+        qv, kv, vv = to_heads(qv), to_heads(kv), to_heads(vv)
+        qt, kt, vt = cut(qt), cut(kt), cut(vt)
+    lv = qv.shape[1]
+    q = jnp.concatenate([qv, qt], axis=1)
+    k = jnp.concatenate([kv, kt], axis=1)
+    v = jnp.concatenate([vv, vt], axis=1)
+    o = masked_attention(q, k, v, lv + text_len.astype(jnp.int32), par.attn_impl)
+    ov, ot = o[:, :lv], o[:, lv:lv + lt]
+    if sp > 1:
+        ov = jax.lax.all_to_all(ov, "sp", split_axis=1, concat_axis=2, tiled=True)
+    if "sp" in dict(par.sizes):
+        # the text output: whole on every device (inside shard_map it also depends on the video
+        # shard, so even with sp=1 it is gathered to be typed replicated over sp)
+        ot = jax.lax.all_gather(ot, "sp", axis=2, tiled=True, to="invarying")
+    return ov, ot
+
+
+def _qkv(q_lin, k_lin, v_lin, norm_q, norm_k, x, head_dim, par):
+    q = norm_q(_heads(par.linear(q_lin, x), head_dim))
+    k = norm_k(_heads(par.linear(k_lin, x), head_dim))
+    return q, k, _heads(par.linear(v_lin, x), head_dim)
+
+
+# ----------------------------------------------------------------------------------- modules
+class PatchEmbed(nnx.Module):
+    """The reference's Conv3d with stride = kernel = patch, applied to patchified tokens as one
+    matmul (per token: runs unchanged on a token shard). ``kernel``: ``[pt, ph, pw, Cin, D]``."""
+
+    def __init__(self, patch, cin: int, dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.kernel = nn.param(rngs, nnx.initializers.lecun_normal(), (*patch, cin, dim), None, None, None, None, None,
+                               dtype=param_dtype)
+        self.bias = nn.param(rngs, nnx.initializers.zeros_init(), (dim,), None, dtype=param_dtype)
+
+    def __call__(self, tokens):
+        k = self.kernel[...]
+        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
+        return y + self.bias[...].astype(y.dtype)
+
+
+class MLP(nnx.Module):
+    """``l2(act(l1(x)))``: diffusers' ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``."""
+
+    def __init__(self, din: int, dhidden: int, dout: int, act: str = "silu", *, rngs: nnx.Rngs, param_dtype=F32):
+        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
+        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, param_dtype=param_dtype)
+        self.act = act
+
+    def __call__(self, x):
+        return self.l2(nn.activation(self.act)(self.l1(x)))
+
+
+def timestep_features(t):
+    """diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``: [B] -> [B, 256] f32."""
+    return sinusoidal_embedding(jnp.asarray(t, F32), 256, flip_sin_to_cos=True)
+
+
+class RefinerBlock(nnx.Module):
+    """One token-refiner block: LayerNorm -> masked self-attention (no q/k norm) gated by the
+    refiner's own conditioning, LayerNorm -> SiLU MLP gated likewise."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **kw)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, **kw) for _ in range(4))
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **kw)
+        self.up = nn.Linear(dim, int(dim * mlp_ratio), **kw)
+        self.down = nn.Linear(int(dim * mlp_ratio), dim, **kw)
+        self.ada = nn.Linear(dim, 2 * dim, **kw)
+
+    def __call__(self, x, temb, mask):
+        dt = x.dtype
+        hd = x.shape[-1] // self.heads
+        h = self.norm1(x.astype(F32)).astype(dt)
+        q, k, v = (_heads(lin(h), hd) for lin in (self.q, self.k, self.v))
+        o = attention(q, k, v, mask=mask, impl="xla")
+        o = self.o(o.reshape(*o.shape[:2], -1))
+        gates = self.ada(jax.nn.silu(temb.astype(dt))).astype(F32)
+        g_attn, g_mlp = gates[:, None, : x.shape[-1]], gates[:, None, x.shape[-1]:]
+        x = (x.astype(F32) + o.astype(F32) * g_attn).astype(dt)
+        f = self.down(jax.nn.silu(self.up(self.norm2(x.astype(F32)).astype(dt))))
+        return (x.astype(F32) + f.astype(F32) * g_mlp).astype(dt)
+
+
+class TokenRefiner(nnx.Module):
+    """diffusers ``HunyuanVideoTokenRefiner``: the text's masked mean + the timestep condition the
+    refiner blocks over ``proj_in(text)``. Attention mask: token ``i`` sees token ``j`` when both
+    are valid, and every token sees token 0 (the reference's rule). Replicated over the mesh (it
+    runs once per step on a few hundred text tokens)."""
+
+    def __init__(self, text_dim: int, dim: int, heads: int, num_layers: int, mlp_ratio: float = 4.0, *,
+                 rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.time_in = MLP(256, dim, dim, "silu", **kw)
+        self.text_in = MLP(text_dim, dim, dim, "silu", **kw)
+        self.proj_in = nn.Linear(text_dim, dim, **kw)
+        self.blocks = nn.stack(lambda r: RefinerBlock(dim, heads, mlp_ratio, rngs=r, param_dtype=param_dtype),
+                               num_layers, rngs)
+
+    def __call__(self, x, t, mask):
+        """``x``: [B, L, text_dim]; ``t``: [B]; ``mask``: [B, L] (nonzero = valid)."""
+        dt = x.dtype
+        m = (jnp.asarray(mask) != 0)
+        mf = m.astype(F32)[..., None]
+        pooled = (jnp.sum(x.astype(F32) * mf, axis=1) / jnp.sum(mf, axis=1)).astype(dt)
+        temb = self.time_in(timestep_features(t).astype(dt)) + self.text_in(pooled)
+        h = self.proj_in(x)
+        am = m[:, None, :, None] & m[:, None, None, :]  # [B, 1, L, L]
+        am = am.at[..., 0].set(True)
+        return nn.scan(self.blocks, h, lambda blk, h: blk(h, temb, am))
+
+
+class Embed(nnx.Module):
+    """Everything before the blocks: patch embedding (per token: runs on a token shard), the
+    modulation vector ``temb`` (timestep + pooled CLIP text + embedded guidance), token_replace's
+    second vector, and the token refiner over the text."""
+
+    def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
+        self.time_in = MLP(256, d, d, "silu", **kw)
+        self.vec_in = MLP(cfg.pooled_projection_dim, d, d, "silu", **kw)
+        self.guidance_in = MLP(256, d, d, "silu", **kw) if cfg.guidance_embeds else None
+        # the reference builds the refiner with its own default MLP ratio (4), whatever mlp_ratio says
+        self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
+
+    def conditioning(self, t, pooled, guidance=None):
+        """``(temb [B, D], token-replace temb [B, D] or None)``, float32."""
+        dt = self.patch.kernel[...].dtype
+        vec = self.vec_in(pooled.astype(dt))
+        temb = self.time_in(timestep_features(t).astype(dt))
+        tr = None
+        if self.cfg.token_replace:
+            tr = (self.time_in(timestep_features(jnp.zeros_like(jnp.asarray(t, F32))).astype(dt)) + vec).astype(F32)
+        if self.guidance_in is not None:
+            if guidance is None:
+                raise ValueError("this DiT embeds the guidance scale (guidance_embeds=True): pass guidance (scale * 1000)")
+            temb = temb + self.guidance_in(timestep_features(guidance).astype(dt)) + vec
+        else:
+            temb = temb + vec
+        return temb.astype(F32), tr
+
+    def __call__(self, tokens, t, ctx, mask, pooled, guidance=None):
+        h = self.patch(tokens)
+        temb, tr = self.conditioning(t, pooled, guidance)
+        return h, temb, tr, self.refiner(ctx, t, mask)
+
+
+class DoubleBlock(nnx.Module):
+    """Dual-stream block (``HunyuanVideoTransformerBlock`` / ``...TokenReplaceTransformerBlock``):
+    video and text each have their modulation, q/k/v (+ per-head RMS q/k norms), output projection
+    and MLP; they meet in one joint attention. Under TP: q/k/v column-parallel by heads, outputs and
+    MLP-down row-parallel (bias once), modulation split by columns and gathered."""
+
+    def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d, hd, m = cfg.dim, cfg.head_dim, cfg.mlp_dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.head_dim = hd
+        self.token_replace = cfg.token_replace
+        self.mod = nn.Linear(d, 6 * d, axes=("embed", "mod"), **kw)
+        self.mod_ctx = nn.Linear(d, 6 * d, axes=("embed", "mod"), **kw)
+        col, row = ("embed", "heads"), ("heads", "embed")
+        self.q, self.k, self.v = (nn.Linear(d, d, axes=col, **kw) for _ in range(3))
+        self.o = nn.Linear(d, d, axes=row, **kw)
+        self.add_q, self.add_k, self.add_v = (nn.Linear(d, d, axes=col, **kw) for _ in range(3))
+        self.add_o = nn.Linear(d, d, axes=row, **kw)
+        self.norm_q, self.norm_k, self.norm_added_q, self.norm_added_k = (nn.RMSNorm(hd, eps=1e-6, **kw) for _ in range(4))
+        self.ff_up = nn.Linear(d, m, axes=("embed", "ffn"), **kw)
+        self.ff_down = nn.Linear(m, d, axes=("ffn", "embed"), **kw)
+        self.ffc_up = nn.Linear(d, m, axes=("embed", "ffn"), **kw)
+        self.ffc_down = nn.Linear(m, d, axes=("ffn", "embed"), **kw)
+        self.norm = nn.LayerNorm(d, eps=1e-6, affine=False, rngs=rngs)
+
+    def __call__(self, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+        """``carry``: ``(video [B, Lv, D], text [B, Lt, D])`` (compute dtype); ``c``: ``temb``
+        [B, D], ``tr`` (token_replace) [B, D], ``first`` bool [Lv], ``cos``/``sin`` [Lv, hd/2],
+        ``text_len`` int [B]."""
+        x, y = carry
+        dt = x.dtype
+        hd = self.head_dim
+        first = c.get("first") if self.token_replace else None
+        mv = modulation(self.mod, c["temb"], 6, par)
+        mt = modulation(self.mod_ctx, c["temb"], 6, par)
+        mr = modulation(self.mod, c["tr"], 6, par) if first is not None else None
+        sel = lambda j: pick(first, mv[:, j], None if mr is None else mr[:, j])  # noqa: E731
+        hx = _modulate(self.norm, x, sel(0), sel(1)).astype(dt)
+        hy = _modulate(self.norm, y, mt[:, None, 0], mt[:, None, 1]).astype(dt)
+        qv, kv, vv = _qkv(self.q, self.k, self.v, self.norm_q, self.norm_k, hx, hd, par)
+        qv, kv = apply_rope_interleaved(qv, c["cos"], c["sin"]), apply_rope_interleaved(kv, c["cos"], c["sin"])
+        qt, kt, vt = _qkv(self.add_q, self.add_k, self.add_v, self.norm_added_q, self.norm_added_k, hy, hd, par)
+        ov, ot = joint_attention(qv, kv, vv, qt, kt, vt, c["text_len"], par)
+        ov = par.linear(self.o, ov.reshape(*ov.shape[:2], -1))
+        ot = par.linear(self.add_o, ot.reshape(*ot.shape[:2], -1))
+        x = x.astype(F32) + ov.astype(F32) * sel(2)
+        y = y.astype(F32) + ot.astype(F32) * mt[:, None, 2]
+        hx = _modulate(self.norm, x, sel(3), sel(4)).astype(dt)
+        hy = _modulate(self.norm, y, mt[:, None, 3], mt[:, None, 4]).astype(dt)
+        fx = par.linear(self.ff_down, nn.gelu_tanh(par.linear(self.ff_up, hx)))
+        fy = par.linear(self.ffc_down, nn.gelu_tanh(par.linear(self.ffc_up, hy)))
+        x = (x + fx.astype(F32) * sel(5)).astype(dt)
+        y = (y + fy.astype(F32) * mt[:, None, 5]).astype(dt)
+        return x, y
+
+
+class SingleBlock(nnx.Module):
+    """Single-stream block (``HunyuanVideoSingleTransformerBlock`` / ``...TokenReplaceSingle...``):
+    one modulated LayerNorm over ``[video; text]``, then attention (q/k/v by heads, RoPE on the
+    video part) and an MLP side by side, one output projection over ``[attention; MLP]`` (kept as
+    two row-parallel kernels, one reduction, one bias), gated. Video and text stay two arrays (the
+    video sharded over sp, the text replicated); every op but the joint attention is per token."""
+
+    def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d, hd, m = cfg.dim, cfg.head_dim, cfg.mlp_dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.head_dim = hd
+        self.token_replace = cfg.token_replace
+        self.mod = nn.Linear(d, 3 * d, axes=("embed", "mod"), **kw)
+        self.q, self.k, self.v = (nn.Linear(d, d, axes=("embed", "heads"), **kw) for _ in range(3))
+        self.norm_q, self.norm_k = (nn.RMSNorm(hd, eps=1e-6, **kw) for _ in range(2))
+        self.mlp = nn.Linear(d, m, axes=("embed", "ffn"), **kw)
+        self.out_attn = nn.Linear(d, d, axes=("heads", "embed"), **kw)  # carries proj_out's bias
+        self.out_mlp = nn.Linear(m, d, axes=("ffn", "embed"), bias=False, **kw)
+        self.norm = nn.LayerNorm(d, eps=1e-6, affine=False, rngs=rngs)
+
+    def _out(self, a, f, par: vsh.ParallelContext):
+        """``proj_out([a; f])``: both halves are partial sums under TP -> one psum, bias once."""
+        y = _rows(self.out_attn, a) + _rows(self.out_mlp, f)
+        ax = par.mesh_axis(self.out_attn.kernel, -2)
+        if ax is not None:
+            y = jax.lax.psum(y, ax)
+        return y + self.out_attn.bias[...].astype(y.dtype)
+
+    def __call__(self, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+        x, y = carry
+        dt = x.dtype
+        hd = self.head_dim
+        first = c.get("first") if self.token_replace else None
+        m = modulation(self.mod, c["temb"], 3, par)
+        mr = modulation(self.mod, c["tr"], 3, par) if first is not None else None
+        sel = lambda j: pick(first, m[:, j], None if mr is None else mr[:, j])  # noqa: E731
+        hx = _modulate(self.norm, x, sel(0), sel(1)).astype(dt)
+        hy = _modulate(self.norm, y, m[:, None, 0], m[:, None, 1]).astype(dt)
+        qv, kv, vv = _qkv(self.q, self.k, self.v, self.norm_q, self.norm_k, hx, hd, par)
+        qv, kv = apply_rope_interleaved(qv, c["cos"], c["sin"]), apply_rope_interleaved(kv, c["cos"], c["sin"])
+        qt, kt, vt = _qkv(self.q, self.k, self.v, self.norm_q, self.norm_k, hy, hd, par)
+        ov, ot = joint_attention(qv, kv, vv, qt, kt, vt, c["text_len"], par)
+        outx = self._out(ov.reshape(*ov.shape[:2], -1), nn.gelu_tanh(par.linear(self.mlp, hx)), par)
+        outy = self._out(ot.reshape(*ot.shape[:2], -1), nn.gelu_tanh(par.linear(self.mlp, hy)), par)
+        x = (x.astype(F32) + outx.astype(F32) * sel(2)).astype(dt)
+        y = (y.astype(F32) + outy.astype(F32) * m[:, None, 2]).astype(dt)
+        return x, y
+
+
+class Head(nnx.Module):
+    """``AdaLayerNormContinuous`` (scale, then shift) + the output projection, per video token."""
+
+    def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        self.norm = nn.LayerNorm(d, eps=1e-6, affine=False, rngs=rngs)
+        self.mod = nn.Linear(d, 2 * d, rngs=rngs, param_dtype=param_dtype)
+        self.proj = nn.Linear(d, cfg.out_channels * math.prod(cfg.patch), rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, h, temb):
+        dt = h.dtype
+        m = self.mod(jax.nn.silu(temb.astype(dt))).astype(F32)
+        d = h.shape[-1]
+        scale, shift = m[:, None, :d], m[:, None, d:]
+        return self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))
+
+
+def run_double(blocks, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+    """``lax.scan`` of :class:`DoubleBlock` over a stack (the module, or ``(graphdef, state)`` of it
+    or of an offload chunk)."""
+    return nn.scan(blocks, carry, lambda blk, cy: blk(cy, c, par))
+
+
+def run_single(blocks, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+    return nn.scan(blocks, carry, lambda blk, cy: blk(cy, c, par))
+
+
+class HunyuanVideoTransformer(nnx.Module):
+    """The HunyuanVideo DiT: ``embed`` -> stacked ``double`` -> stacked ``single`` -> ``head``."""
+
+    def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.double = nn.stack(lambda r: DoubleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.single = nn.stack(lambda r: SingleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_single_layers, rngs)
+        self.head = Head(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, t, ctx, mask, pooled, guidance=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+        """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B]; ``ctx``: [B, Lt,
+        text_embed_dim]; ``mask``: [B, Lt]; ``pooled``: [B, pooled_projection_dim]; ``guidance``:
+        [B] (already ``scale * 1000``) for guidance-embedding models. Returns [B, F, H, W, Cout]."""
+        cfg = self.cfg
+        dt = self.embed.patch.kernel[...].dtype
+        tokens, grid = patchify(cfg, x.astype(dt))
+        h, temb, tr, y = self.embed(tokens, t, ctx.astype(dt), mask, pooled, guidance)
+        cos, sin = rope_tables(cfg, grid)
+        c = dict(temb=temb, cos=cos, sin=sin, text_len=text_lengths(mask))
+        if tr is not None:
+            c.update(tr=tr, first=first_frame_tokens(grid))
+        carry = run_double(self.double, (h, y), c, par)
+        h, _ = run_single(self.single, carry, c, par)
+        return unpatchify(cfg, self.head(h, temb), grid)
+
+
+# ----------------------------------------------------------------------------------- state
+def _build(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
+    return HunyuanVideoTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+
+def seeded_state(build, seed: int = 0):
+    """``(graphdef, state)`` of ``build()`` with seeded random host-numpy weights, drawn without
+    running a single JAX initializer (each would compile once per shape: tens of seconds for a
+    tiny model on a CPU): kernels ``N(0, 1/fan_in)`` (the stacked ``layers`` axis excluded from
+    the fan-in), norm scales ``1 +- 0.05``, everything else ``N(0, 0.02)`` -- nothing zero, nothing
+    one, as :func:`vidax.core.nn.perturb` requires."""
+    graphdef, state = nn.abstract_state(build)
+    specs = nnx.get_partition_spec(state)
+    leaves, treedef = jax.tree.flatten(state)
+    names = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf, spec in zip(vsh.tree_paths(state), leaves, names):
+        shape, dt = tuple(leaf.shape), np.dtype(leaf.dtype)
+        last = path.rsplit(".", 1)[-1]
+        if last == "kernel":
+            fan = int(np.prod([d for d, n in zip(shape[:-1], tuple(spec)[:-1] + (None,) * len(shape)) if n != nn.LAYERS]))
+            a = rng.standard_normal(shape) / np.sqrt(max(fan, 1))
+        elif last == "scale":
+            a = 1.0 + 0.05 * rng.standard_normal(shape)
+        else:
+            a = 0.02 * rng.standard_normal(shape)
+        out.append(a.astype(dt))
+    return graphdef, jax.tree.unflatten(treedef, out)
+
+
+def init_state(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """A seeded random DiT's state in host memory (numpy leaves; presets, tests), see :func:`seeded_state`."""
+    return seeded_state(lambda: _build(cfg, 0, dtype), seed)[1]
+
+
+def init_model(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
+    return nnx.merge(graphdefs(cfg, np.dtype(dtype).name)["model"], jax.tree.map(jnp.asarray, init_state(cfg, seed, dtype)))
+
+
+def abstract_state(cfg: HunyuanVideoConfig, dtype=np.float32) -> nnx.State:
+    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
+
+
+def param_shapes(cfg: HunyuanVideoConfig, dtype=np.float32) -> dict:
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def graphdefs(cfg: HunyuanVideoConfig, dtype: str = "float32") -> dict:
+    """Graph definitions of the model and of its units (``embed``, ``double``, ``single``, ``head``)."""
+    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
+    return {"model": nnx.graphdef(m), **{k: nnx.graphdef(getattr(m, k)) for k in UNITS}}
+
+
+UNITS = ("embed", "double", "single", "head")
+POOLS = ("double", "single")
+
+
+def state_dtype(state) -> np.dtype:
+    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
+
+
+def merge(state, cfg: HunyuanVideoConfig) -> HunyuanVideoTransformer:
+    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+
+
+# ----------------------------------------------------------------------------------- geometry
+def patchify(cfg: HunyuanVideoConfig, x):
+    """[B, F, H, W, C] -> tokens [B, f*h*w, pt*ph*pw*C] and the token grid (f, h, w)."""
+    b, f, h, w, c = x.shape
+    pt, ph, pw = cfg.patch
+    if f % pt or h % ph or w % pw:
+        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch}")
+    x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 5, 2, 4, 6, 7)
+    grid = (f // pt, h // ph, w // pw)
+    return x.reshape(b, grid[0] * grid[1] * grid[2], pt * ph * pw * c), grid
+
+
+def unpatchify(cfg: HunyuanVideoConfig, y, grid):
+    """[B, L, Cout*pt*ph*pw] (the reference's per-token order: channel, then t, h, w) -> [B, F, H, W, Cout]."""
+    b = y.shape[0]
+    pt, ph, pw = cfg.patch
+    f, h, w = grid
+    y = y.reshape(b, f, h, w, -1, pt, ph, pw).transpose(0, 1, 5, 2, 6, 3, 7, 4)
+    return y.reshape(b, f * pt, h * ph, w * pw, -1)
+
+
+def grid_of(cfg: HunyuanVideoConfig, x_shape) -> tuple[int, int, int]:
+    pt, ph, pw = cfg.patch
+    return (x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw)
+
+
+def rope_angles(axes_dim, grid, theta: float) -> np.ndarray:
+    """Angles [f*h*w, head_dim/2]: each axis' positions times its ``1 / theta^(2i/d)`` frequencies,
+    concatenated over (t, h, w) (diffusers ``HunyuanVideoRotaryPosEmbed``; positions t-major)."""
+    parts = []
+    pos = np.meshgrid(*[np.arange(g, dtype=np.float64) for g in grid], indexing="ij")
+    for d, p in zip(axes_dim, pos):
+        inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64)[: d // 2] / d)
+        parts.append(np.outer(p.reshape(-1), inv))
+    return np.concatenate(parts, axis=1)
+
+
+def rope_tables(cfg: HunyuanVideoConfig, grid):
+    ang = rope_angles(cfg.rope_axes_dim, grid, cfg.rope_theta)
+    return jnp.asarray(np.cos(ang), F32), jnp.asarray(np.sin(ang), F32)
+
+
+def first_frame_tokens(grid) -> jnp.ndarray:
+    """bool [f*h*w]: the tokens of the first latent frame (token_replace)."""
+    f, h, w = grid
+    return jnp.arange(f * h * w) < h * w
+
+
+def text_lengths(mask) -> jnp.ndarray:
+    """The valid text tokens per row: the mask's count (the reference keeps the first ``count``
+    text keys)."""
+    return jnp.sum(jnp.asarray(mask) != 0, axis=1).astype(jnp.int32)
+
+
+def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=None, *, attn_impl=None):
+    """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``); single
+    device or compiler-partitioned. For meshes and offloading see :class:`HunyuanVideoRunner`."""
+    return merge(state, cfg)(x, t, ctx, mask, pooled, guidance, par=vsh.ParallelContext(attn_impl=attn_impl))
+
+
+# ----------------------------------------------------------------------------------- sharding
+#: Logical axis -> mesh axis per parallelism (names not listed stay replicated). TP splits the
+#: heads (q/k/v and their text twins by output, attention outputs by input), the MLP width (up
+#: by output, down and the single block's MLP half of proj_out by input) and the modulation
+#: projections' columns (gathered after; they hold a quarter of the weights). The token refiner,
+#: embedders and head stay whole. SP keeps every weight whole and splits the video tokens.
+AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp", "mod": "tp"}, "sp": {}}
+
+
+def parallel_constraints(cfg: HunyuanVideoConfig, *, tokens: int | None = None, batch: int | None = None):
+    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
+                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+         vmesh.Divisible("mlp_dim", cfg.mlp_dim, ("tp",), "the MLP width is split over tp")]
+    if tokens is not None:
+        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w video tokens "
+                                                            "(the text tokens stay whole on every device)"))
+    if batch is not None:
+        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
+    return r
+
+
+def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, int]:
+    """Chunk size per pool from ``offload_chunk_size``: one value for both stacks (an int dividing
+    both block counts, or "all"), a mapping, or a spec ``"double=4,single=8"`` (a pool not named
+    streams whole). Each must divide its stack (one compiled chunk program per pool)."""
+    counts = {"double": cfg.num_layers, "single": cfg.num_single_layers}
+    v = offload_chunk_size
+    if isinstance(v, str) and "=" in v:
+        items = {}
+        for part in v.replace(" ", "").split(","):
+            k, _, n = part.partition("=")
+            if k not in counts or not (n == "all" or n.isdigit()):
+                raise voff.OffloadConfigError(f"offload_chunk_size={v!r}: expected pools double=N,single=M "
+                                              f"(N, M block counts or all)")
+            items[k] = n if n == "all" else int(n)
+        v = items
+    if isinstance(v, dict):
+        bad = sorted(set(v) - set(counts))
+        if bad:
+            raise voff.OffloadConfigError(f"offload_chunk_size: unknown pools {bad}; pools are double, single")
+        out = {}
+        for k, n in counts.items():
+            try:
+                out[k] = voff.resolve_chunk_size(v.get(k, "all"), n)
+            except voff.OffloadConfigError as e:
+                raise voff.OffloadConfigError(f"{k} blocks: {e}") from None
+        return out
+    out = {}
+    for k, n in counts.items():
+        try:
+            out[k] = voff.resolve_chunk_size(v, n)
+        except voff.OffloadConfigError as e:
+            raise voff.OffloadConfigError(f"{k} blocks: {e}; or give each pool its own: "
+                                          f"offload_chunk_size='double=N,single=M'") from None
+    return out
+
+
+def _rest(state) -> nnx.State:
+    return nnx.State({k: v for k, v in state.items() if k not in POOLS})
+
+
+class HunyuanVideoRunner:
+    """The HunyuanVideo DiT on a ``(dp, tp, sp)`` mesh, with both block stacks resident or streamed.
+
+    ``state``: the DiT's ``nnx.State`` (host numpy preferred) or the module; ``mesh``: a Mesh, a
+    spec like ``"tp=2,sp=2"`` or None (one device); ``parallelism``: "tp" | "sp" | "tp+sp" |
+    "none" (None: what the mesh implies). ``offload_chunk_size``: None keeps the blocks resident;
+    otherwise each stack (``double``, ``single``) streams from host memory through its own
+    :class:`~vidax.core.offload.OffloadRunner` pool and compiled chunk program, chunk sizes per
+    :func:`parse_chunk_sizes` (e.g. ``"double=5,single=8"``)."""
+
+    def __init__(self, state, cfg: HunyuanVideoConfig, mesh=None, parallelism: str | None = None, *,
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 track_memory: bool = False):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        self.cfg, self.attn_impl = cfg, attn_impl
+        self.mesh = vmesh.make_mesh(mesh)
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = state_dtype(state)
+        self.graphs = graphdefs(cfg, self.dtype.name)
+        self.rest_specs = _rest(self.specs)
+        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        pool_shardings = {k: vsh.named_shardings(self.mesh, self.specs[k]) for k in POOLS}
+        self._tables: dict = {}
+        self.offload = None
+        if offload_chunk_size is None:
+            self.pools = {k: vsh.place(state[k], pool_shardings[k]) for k in POOLS}
+            self._fwd = jax.jit(self._resident)
+        else:
+            sizes = parse_chunk_sizes(offload_chunk_size, cfg)
+            self.pools = None
+            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            for k in POOLS:
+                self.offload.add_stack(k, state[k], partial(self._chunk, k), sizes[k], pool_shardings[k])
+            self._pre = jax.jit(self._prologue)
+            self._post = jax.jit(self._epilogue, static_argnums=(3,))
+
+    # ------------------------------------------------------------------ specs and checks
+    def check_inputs(self, x_shape) -> None:
+        b, f, h, w, _ = x_shape
+        pt, ph, pw = self.cfg.patch
+        if f % pt or h % ph or w % pw:
+            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch}")
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
+
+    @staticmethod
+    def _spec(k, a):
+        if k in ("tokens", "h"):
+            return P("dp", "sp", None)
+        if k in ("cos", "sin"):
+            return P("sp", None)
+        if k == "first":
+            return P("sp")
+        return P("dp", *([None] * (a.ndim - 1)))  # ctx/y, mask, pooled, t, guidance, temb, tr, text_len
+
+    def _act_specs(self, acts):
+        return {k: self._spec(k, a) for k, a in acts.items()}
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def tables(self, grid):
+        """RoPE tables (and token_replace's first-frame flags) for a grid, token-sharded over sp (cached)."""
+        if grid not in self._tables:
+            cos, sin = rope_tables(self.cfg, grid)
+            s2, s1 = NamedSharding(self.mesh, P("sp", None)), NamedSharding(self.mesh, P("sp"))
+            t = dict(zip(("cos", "sin"), vsh.place([np.asarray(cos), np.asarray(sin)], [s2, s2])))
+            if self.cfg.token_replace:
+                t["first"] = vsh.place(np.asarray(first_frame_tokens(grid)), s1)
+            self._tables[grid] = t
+        return self._tables[grid]
+
+    def _inputs(self, x, t, ctx, mask, pooled, guidance):
+        dt = self.dtype
+        tokens, grid = patchify(self.cfg, x.astype(dt))
+        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": jnp.asarray(ctx).astype(dt),
+             "mask": jnp.asarray(mask, F32), "pooled": jnp.asarray(pooled).astype(dt)}
+        if guidance is not None:
+            a["guidance"] = jnp.asarray(guidance, F32)
+        return a, grid
+
+    # ------------------------------------------------------------------ units, merged inside shard_map
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        h, temb, tr, y = embed(a["tokens"], a["t"], a["ctx"], a["mask"], a["pooled"], a.get("guidance"))
+        out = {"h": h, "y": y, "temb": temb, "text_len": text_lengths(a["mask"])}
+        if tr is not None:
+            out["tr"] = tr
+        return out
+
+    def _consts(self, e, tables):
+        c = {k: e[k] for k in ("temb", "tr", "text_len") if k in e}
+        c.update(tables)
+        return c
+
+    def _stack(self, name, blocks, carry, c):
+        run = run_double if name == "double" else run_single
+        return run((self.graphs[name], blocks), carry, c, self.par)
+
+    def _head(self, rest, h, temb):
+        return nnx.merge(self.graphs["head"], rest["head"])(h, temb)
+
+    # ------------------------------------------------------------------ resident
+    def _resident(self, rest, pools, x, t, ctx, mask, pooled, guidance, tables):
+        acts, grid = self._inputs(x, t, ctx, mask, pooled, guidance)
+        acts.update(tables)
+
+        def inner(rest, pools, a):
+            e = self._embed(rest, a)
+            c = self._consts(e, {k: a[k] for k in tables})
+            carry = self._stack("double", pools["double"], (e["h"], e["y"]), c)
+            h, _ = self._stack("single", pools["single"], carry, c)
+            return self._head(rest, h, e["temb"])
+
+        pool_specs = {k: self.specs[k] for k in POOLS}
+        y = self._smap(inner, (self.rest_specs, pool_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, pools, acts)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
+        return unpatchify(self.cfg, y, grid)
+
+    # ------------------------------------------------------------------ offloaded
+    def _prologue(self, rest, x, t, ctx, mask, pooled, guidance):
+        acts, _ = self._inputs(x, t, ctx, mask, pooled, guidance)
+        shapes = jax.eval_shape(self._embed, rest, acts)
+        return self._smap(self._embed, (self.rest_specs, self._act_specs(acts)), self._act_specs(shapes))(rest, acts)
+
+    def _chunk(self, name, blocks, carry, c):
+        carry_specs = (P("dp", "sp", None), P("dp", None, None))
+        return self._smap(partial(self._stack, name), (self.specs[name], carry_specs, self._act_specs(c)),
+                          carry_specs)(blocks, carry, c)
+
+    def _epilogue(self, rest, h, temb, grid):
+        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), P("dp", None)), P("dp", "sp", None))(rest, h, temb)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(self.cfg, y, grid)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, x, t, ctx, mask, pooled, guidance=None):
+        """Same contract as :func:`forward` (channels-last latents)."""
+        x = jnp.asarray(x)
+        self.check_inputs(x.shape)
+        grid = grid_of(self.cfg, x.shape)
+        tables = self.tables(grid)
+        if self.offload is None:
+            return self._fwd(self.rest, self.pools, x, t, ctx, mask, pooled, guidance, tables)
+        e = self._pre(self.rest, x, t, ctx, mask, pooled, guidance)
+        c = self._consts(e, tables)
+        carry = self.offload.run("double", (e["h"], e["y"]), c)
+        h, _ = self.offload.run("single", carry, c)
+        return self._post(self.rest, h, e["temb"], grid)
+
+    @property
+    def params(self):
+        """The placed state of a resident runner: pass it to :meth:`apply`."""
+        if self.offload is not None:
+            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
+        return {"rest": self.rest, "pools": self.pools}
+
+    def apply(self, params, x, t, ctx, mask, pooled, guidance=None):
+        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`)."""
+        self.check_inputs(x.shape)
+        grid = grid_of(self.cfg, x.shape)
+        cos, sin = rope_tables(self.cfg, grid)
+        tables = {"cos": cos, "sin": sin}
+        if self.cfg.token_replace:
+            tables["first"] = first_frame_tokens(grid)
+        return self._resident(params["rest"], params["pools"], x, t, ctx, mask, pooled, guidance, tables)
+
+    def lower(self, x, t, ctx, mask, pooled, guidance=None):
+        """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
+        x = jnp.asarray(x)
+        self.check_inputs(x.shape)
+        tables = self.tables(grid_of(self.cfg, x.shape))
+        return self._fwd.lower(self.rest, self.pools, x, t, ctx, mask, pooled, guidance, tables)
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+class _Derived:
+    """A tensor computed on the host from other checkpoint tensors when it is read (a split of a
+    fused projection, a reordered modulation): ``shape`` known up front, data on ``__array__``."""
+
+    def __init__(self, name: str, shape, fn, *sources):
+        self.name, self.shape, self.fn, self.sources = name, tuple(shape), fn, sources
+
+    def __array__(self, dtype=None, copy=None):
+        arrs = [s.read() if isinstance(s, LazyTensor) else np.asarray(s) for s in self.sources]
+        a = np.asarray(self.fn(*arrs))
+        if tuple(a.shape) != self.shape:
+            raise ValueError(f"{self.name}: derived shape {a.shape}, expected {self.shape}")
+        return a if dtype is None else a.astype(dtype)
+
+
+class _View(dict):
+    """A checkpoint (name -> tensor) view; ``source`` names it in errors."""
+
+    def __init__(self, items, source):
+        super().__init__(items)
+        self.source = source
+
+
+def _split_proj_out(ckpt, dim: int):
+    """diffusers names -> the names :func:`diffusers_keymap` reads: each single block's
+    ``proj_out.weight`` [D, D + mlp] becomes ``proj_out.weight:attn`` [D, D] and ``:mlp``."""
+    out = {}
+    for name in ckpt:
+        t = ckpt[name]
+        m = re.fullmatch(r"single_transformer_blocks\.(\d+)\.proj_out\.weight", name)
+        if m and len(t.shape) == 2 and t.shape[1] > dim:
+            o, i = t.shape
+            out[name + ":attn"] = _Derived(name + ":attn", (o, dim), lambda a: a[:, :dim], t)
+            out[name + ":mlp"] = _Derived(name + ":mlp", (o, i - dim), lambda a: a[:, dim:], t)
+        else:
+            out[name] = t
+    return _View(out, getattr(ckpt, "source", "checkpoint"))
+
+
+def _linear(ref: str, dst: str, bias: bool = True):
+    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+
+def diffusers_keymap(cfg: HunyuanVideoConfig) -> KeyMap:
+    """diffusers ``HunyuanVideoTransformer3DModel`` names (after :func:`_split_proj_out`) -> state paths."""
+    tte, ce = "time_text_embed", "context_embedder"
+    top = [("x_embedder.proj.weight", "embed.patch.kernel", "conv3d"), ("x_embedder.proj.bias", "embed.patch.bias", "none"),
+           *_linear(f"{tte}.timestep_embedder.linear_1", "embed.time_in.l1"),
+           *_linear(f"{tte}.timestep_embedder.linear_2", "embed.time_in.l2"),
+           *_linear(f"{tte}.text_embedder.linear_1", "embed.vec_in.l1"),
+           *_linear(f"{tte}.text_embedder.linear_2", "embed.vec_in.l2"),
+           *_linear(f"{tte}.guidance_embedder.linear_1", "embed.guidance_in.l1"),
+           *_linear(f"{tte}.guidance_embedder.linear_2", "embed.guidance_in.l2"),
+           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_1", "embed.refiner.time_in.l1"),
+           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_2", "embed.refiner.time_in.l2"),
+           *_linear(f"{ce}.time_text_embed.text_embedder.linear_1", "embed.refiner.text_in.l1"),
+           *_linear(f"{ce}.time_text_embed.text_embedder.linear_2", "embed.refiner.text_in.l2"),
+           *_linear(f"{ce}.proj_in", "embed.refiner.proj_in"),
+           *_linear("norm_out.linear", "head.mod"), *_linear("proj_out", "head.proj")]
+    rb = f"{ce}.token_refiner.refiner_blocks.{{i}}"
+    refiner = [(f"{rb}.norm1.weight", "embed.refiner.blocks.norm1.scale", "none"),
+               (f"{rb}.norm1.bias", "embed.refiner.blocks.norm1.bias", "none"),
+               (f"{rb}.norm2.weight", "embed.refiner.blocks.norm2.scale", "none"),
+               (f"{rb}.norm2.bias", "embed.refiner.blocks.norm2.bias", "none")]
+    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):
+        refiner += _linear(f"{rb}.attn.{ref}", f"embed.refiner.blocks.{n}")
+    refiner += _linear(f"{rb}.ff.net.0.proj", "embed.refiner.blocks.up") + _linear(f"{rb}.ff.net.2", "embed.refiner.blocks.down")
+    refiner += _linear(f"{rb}.norm_out.linear", "embed.refiner.blocks.ada")
+    db = "transformer_blocks.{i}"
+    double = [*_linear(f"{db}.norm1.linear", "double.mod"), *_linear(f"{db}.norm1_context.linear", "double.mod_ctx")]
+    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("add_q", "add_q_proj"),
+                   ("add_k", "add_k_proj"), ("add_v", "add_v_proj"), ("add_o", "to_add_out")):
+        double += _linear(f"{db}.attn.{ref}", f"double.{n}")
+    for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        double.append((f"{db}.attn.{n}.weight", f"double.{n}.scale", "none"))
+    double += [*_linear(f"{db}.ff.net.0.proj", "double.ff_up"), *_linear(f"{db}.ff.net.2", "double.ff_down"),
+               *_linear(f"{db}.ff_context.net.0.proj", "double.ffc_up"), *_linear(f"{db}.ff_context.net.2", "double.ffc_down")]
+    sb = "single_transformer_blocks.{i}"
+    single = [*_linear(f"{sb}.norm.linear", "single.mod"), *_linear(f"{sb}.proj_mlp", "single.mlp"),
+              (f"{sb}.attn.norm_q.weight", "single.norm_q.scale", "none"),
+              (f"{sb}.attn.norm_k.weight", "single.norm_k.scale", "none"),
+              (f"{sb}.proj_out.weight:attn", "single.out_attn.kernel", "linear"),
+              (f"{sb}.proj_out.bias", "single.out_attn.bias", "none"),
+              (f"{sb}.proj_out.weight:mlp", "single.out_mlp.kernel", "linear")]
+    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v")):
+        single += _linear(f"{sb}.attn.{ref}", f"single.{n}")
+    return KeyMap([Rule(s, d, k) for s, d, k in top + refiner + double + single])
+
+
+# The original release (tencent/HunyuanVideo ``mp_rank_00_model_states.pt``) names, as plain
+# renames (applied in order to a name's pieces) plus fused tensors split on the host.
+_ORIGINAL_RENAMES = (
+    ("img_in.proj", "x_embedder.proj"),
+    ("time_in.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
+    ("time_in.mlp.2", "time_text_embed.timestep_embedder.linear_2"),
+    ("guidance_in.mlp.0", "time_text_embed.guidance_embedder.linear_1"),
+    ("guidance_in.mlp.2", "time_text_embed.guidance_embedder.linear_2"),
+    ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+    ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+    ("txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    ("txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    ("txt_in.c_embedder.linear_1", "context_embedder.time_text_embed.text_embedder.linear_1"),
+    ("txt_in.c_embedder.linear_2", "context_embedder.time_text_embed.text_embedder.linear_2"),
+    ("txt_in.input_embedder", "context_embedder.proj_in"),
+    ("final_layer.linear", "proj_out"),
+)
+_ORIGINAL_BLOCK_RENAMES = {  # per block kind: original piece -> diffusers piece
+    "double_blocks": {
+        "img_mod.linear": "norm1.linear", "txt_mod.linear": "norm1_context.linear",
+        "img_attn_q_norm": "attn.norm_q", "img_attn_k_norm": "attn.norm_k", "img_attn_proj": "attn.to_out.0",
+        "txt_attn_q_norm": "attn.norm_added_q", "txt_attn_k_norm": "attn.norm_added_k", "txt_attn_proj": "attn.to_add_out",
+        "img_mlp.fc1": "ff.net.0.proj", "img_mlp.fc2": "ff.net.2", "txt_mlp.fc1": "ff_context.net.0.proj",
+        "txt_mlp.fc2": "ff_context.net.2"},
+    "single_blocks": {"modulation.linear": "norm.linear", "linear2": "proj_out", "q_norm": "attn.norm_q",
+                      "k_norm": "attn.norm_k"},
+    "txt_in.individual_token_refiner.blocks": {
+        "self_attn_proj": "attn.to_out.0", "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2",
+        "adaLN_modulation.1": "norm_out.linear"},
+}
+_BLOCK_PREFIX = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks",
+                 "txt_in.individual_token_refiner.blocks": "context_embedder.token_refiner.refiner_blocks"}
+_QKV = {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        "self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v")}
+_BLOCK_RE = re.compile(r"(double_blocks|single_blocks|txt_in\.individual_token_refiner\.blocks)\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def _is_original(names) -> bool:
+    return any(n.startswith(("double_blocks.", "single_blocks.", "img_in.")) for n in names)
+
+
+def original_to_diffusers(ckpt, cfg: HunyuanVideoConfig) -> _View:
+    """The original release's tensors under diffusers names (lazily: fused q/k/v and q/k/v/MLP
+    projections split, the final modulation's (shift, scale) swapped to (scale, shift), when read)."""
+    d = cfg.dim
+    out = {}
+    for name in ckpt:
+        t = ckpt[name]
+        m = _BLOCK_RE.fullmatch(name)
+        if m:
+            kind, i, mid, wb = m.groups()
+            base = f"{_BLOCK_PREFIX[kind]}.{i}"
+            if mid in _QKV:
+                n3 = t.shape[0] // 3
+                for j, nm in enumerate(_QKV[mid]):
+                    key = f"{base}.{nm}.{wb}"
+                    out[key] = _Derived(key, (n3, *t.shape[1:]), lambda a, j=j, n3=n3: a[j * n3:(j + 1) * n3], t)
+            elif kind == "single_blocks" and mid == "linear1":
+                for nm, a0, a1 in (("attn.to_q", 0, d), ("attn.to_k", d, 2 * d), ("attn.to_v", 2 * d, 3 * d),
+                                   ("proj_mlp", 3 * d, t.shape[0])):
+                    key = f"{base}.{nm}.{wb}"
+                    out[key] = _Derived(key, (a1 - a0, *t.shape[1:]), lambda a, a0=a0, a1=a1: a[a0:a1], t)
+            else:
+                out[f"{base}.{_ORIGINAL_BLOCK_RENAMES[kind].get(mid, mid)}.{wb}"] = t
+            continue
+        if name.startswith("final_layer.adaLN_modulation.1."):
+            key = "norm_out.linear." + name.rsplit(".", 1)[1]
+            half = t.shape[0] // 2
+            out[key] = _Derived(key, t.shape, lambda a, h=half: np.concatenate([a[h:], a[:h]], axis=0), t)
+            continue
+        new = name
+        for a, b in _ORIGINAL_RENAMES:
+            if new.startswith(a + "."):
+                new = b + new[len(a):]
+                break
+        out[new] = t
+    return _View(out, getattr(ckpt, "source", "checkpoint"))
+
+
+def diffusers_to_original_names(cfg: HunyuanVideoConfig, sd: dict) -> dict:
+    """A diffusers state dict (numpy) re-packed under the original release's names and fusions
+    (the inverse of :func:`original_to_diffusers`; tests build original-format files with it)."""
+    prefix_inv = {v: k for k, v in _BLOCK_PREFIX.items()}
+    block_re = re.compile(r"(transformer_blocks|single_transformer_blocks|context_embedder\.token_refiner\.refiner_blocks)"
+                          r"\.(\d+)\.(.+)\.(weight|bias)")
+    out, done = {}, set()
+    for name, a in sd.items():
+        if name in done:
+            continue
+        m = block_re.fullmatch(name)
+        if m:
+            kind, i, mid, wb = m.groups()
+            okind = prefix_inv[kind]
+            base = f"{kind}.{i}"
+            fused = None
+            if okind == "single_blocks" and mid in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"):
+                fused = ("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
+            elif mid in _QKV["txt_attn_qkv"]:
+                fused = ("txt_attn_qkv", _QKV["txt_attn_qkv"])
+            elif mid in _QKV["img_attn_qkv"]:
+                fused = ("img_attn_qkv" if okind == "double_blocks" else "self_attn_qkv", _QKV["img_attn_qkv"])
+            if fused is not None:
+                srcs = [f"{base}.{p}.{wb}" for p in fused[1]]
+                out[f"{okind}.{i}.{fused[0]}.{wb}"] = np.concatenate([sd[s_] for s_ in srcs], axis=0)
+                done.update(srcs)
+                continue
+            inv = {v: k for k, v in _ORIGINAL_BLOCK_RENAMES[okind].items()}
+            out[f"{okind}.{i}.{inv.get(mid, mid)}.{wb}"] = a
+            continue
+        if name.startswith("norm_out.linear."):
+            h = a.shape[0] // 2
+            out["final_layer.adaLN_modulation.1." + name.rsplit(".", 1)[1]] = np.concatenate([a[h:], a[:h]], axis=0)
+            continue
+        new = name
+        for orig, dif in _ORIGINAL_RENAMES:
+            if new.startswith(dif + "."):
+                new = orig + new[len(dif):]
+                break
+        out[new] = a
+    return out
+
+
+def config_from_original(ckpt) -> HunyuanVideoConfig:
+    """The DiT config from an original-release checkpoint's tensor shapes (head_dim 128, as every
+    HunyuanVideo release)."""
+    sh = {k: tuple(v.shape) for k, v in ckpt.items()}
+    d, cin, pt, ph, _ = sh["img_in.proj.weight"]
+    n_double = 1 + max(int(k.split(".")[1]) for k in sh if k.startswith("double_blocks."))
+    n_single = 1 + max(int(k.split(".")[1]) for k in sh if k.startswith("single_blocks."))
+    n_ref = 1 + max(int(k.split(".")[3]) for k in sh if k.startswith("txt_in.individual_token_refiner.blocks."))
+    out = sh["final_layer.linear.weight"][0] // (pt * ph * ph)
+    mlp = sh["double_blocks.0.img_mlp.fc1.weight"][0]
+    head_dim = sh["double_blocks.0.img_attn_q_norm.weight"][0]
+    if head_dim != 128:
+        raise ValueError(f"original checkpoint with head_dim {head_dim}: its rope_axes_dim cannot be inferred "
+                         f"(the releases use 128 = 16 + 56 + 56); pass the config")
+    return HunyuanVideoConfig(
+        in_channels=cin, out_channels=out, num_heads=d // head_dim, head_dim=head_dim, num_layers=n_double,
+        num_single_layers=n_single, num_refiner_layers=n_ref, mlp_ratio=mlp / d, patch_size=ph, patch_size_t=pt,
+        guidance_embeds="guidance_in.mlp.0.weight" in sh, text_embed_dim=sh["txt_in.input_embedder.weight"][1],
+        pooled_projection_dim=sh["vector_in.in_layer.weight"][1],
+        image_condition_type="latent_concat" if cin == 2 * out + 1 else None)
+
+
+def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
+    """DiT weights from a diffusers folder (config.json + safetensors) or an original-release
+    checkpoint (``mp_rank_00_model_states.pt`` or a safetensors file with its names). Returns
+    ``(state, cfg)``: the abstract state filled tensor by tensor with host numpy (cast on the host)."""
+    path = Path(path)
+    if cfg is None and path.is_dir() and (path / "config.json").exists():
+        cfg = HunyuanVideoConfig.from_diffusers(compat.read_config(path))
+    ckpt = open_checkpoint(path)
+    if _is_original(list(ckpt)):
+        if cfg is None:
+            cfg = config_from_original(ckpt)
+        ckpt = original_to_diffusers(ckpt, cfg)
+    elif cfg is None:
+        raise ValueError(f"{path}: no config.json; pass the model config")
+    view = _split_proj_out(ckpt, cfg.dim)
+    what = f"HunyuanVideoTransformer3DModel (dim {cfg.dim}, {cfg.num_layers}+{cfg.num_single_layers} blocks)"
+    pure = load_params(view, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+
+
+# ----------------------------------------------------------------------------------- compat
+class _Compat(compat.CompatModel):
+    def __init__(self, config, state, cfg, runner: HunyuanVideoRunner | None = None):
+        super().__init__("HunyuanVideoTransformer3DModel", config, state, cfg)
+        self.runner = runner
+        self._fwd = jax.jit(lambda state, *a: forward(state, cfg, *a)) if runner is None else None
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, pooled_projections,
+                guidance=None, **_):
+        x = jnp.asarray(np.asarray(hidden_states, np.float32)).transpose(0, 2, 3, 4, 1)
+        t = jnp.asarray(np.asarray(timestep), F32)
+        if t.ndim == 0:
+            t = jnp.broadcast_to(t, (x.shape[0],))
+        g = None if guidance is None else jnp.broadcast_to(jnp.asarray(np.asarray(guidance), F32), (x.shape[0],))
+        args = (x, t, jnp.asarray(encoder_hidden_states, F32), jnp.asarray(encoder_attention_mask, F32),
+                jnp.asarray(pooled_projections, F32), g)
+        y = self.runner(*args) if self.runner is not None else self._fwd(self.params, *args)
+        return np.asarray(y).transpose(0, 4, 1, 2, 3)
+
+
+@compat.register("HunyuanVideoTransformer3DModel", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
+    cfg = HunyuanVideoConfig.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+        return _Compat(config, jax.device_put(state), cfg)
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        parse_chunk_sizes(offload_chunk_size, cfg)
+    state, cfg = load_dit(folder, cfg, dtype=dtype)
+    runner = HunyuanVideoRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                                attn_impl=attn_impl)
+    return _Compat(config, None, cfg, runner)
