@@ -18,8 +18,18 @@ SIGMAS = (0.05, 0.4, 0.9)
 FAMILY_MODELS = sorted({r.family: m for m, r in sorted(registry.MODELS.items(), reverse=True)}.values())
 
 
+def _has_hooks(model) -> bool:
+    from vidax.pipeline import Pipeline
+
+    cls = registry.get(model).pipeline_class()
+    return all(getattr(cls, h) is not getattr(Pipeline, h) for h in ("vae_encode", "vae_decode", "denoise_once"))
+
+
 @pytest.mark.parametrize("model", FAMILY_MODELS)
-def test_probe_every_family(tmp_path, model):
+def test_probe_every_family(tmp_path, model, request):
+    if not _has_hooks(model):  # a family that has not implemented the probe hooks yet says so clearly
+        request.applymarker(pytest.mark.xfail(raises=NotImplementedError, strict=False,
+                                              reason=f"{registry.get(model).family}: probe hooks not implemented"))
     r = probe(model, sigmas=SIGMAS, out=tmp_path, log=lambda m: None)
     assert [row.sigma for row in r.rows] == pytest.approx(SIGMAS)
     for row in r.rows:
