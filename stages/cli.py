@@ -320,11 +320,21 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list runs in a store")
     store_arg(ls)
     sub.add_parser("models", help="list the models, their families and options")
+    from stages import probe  # the low-noise reconstruction probe (stages/probe.py)
+
+    probe.add_parser(sub, model)
     return ap
 
 
+def cmd_probe(a) -> int:
+    from stages.probe import cmd_probe as run
+
+    return run(a)
+
+
 COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "batch": cmd_batch, "stage": cmd_stage,
-                                 "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models}
+                                 "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models,
+                                 "probe": cmd_probe}
 
 
 def _model_arg(argv: list[str]) -> str | None:

@@ -319,6 +319,33 @@ class Pipeline:
         """Details recorded with the sample stage (mesh, offloading...)."""
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
 
+    # -------------------------------------------------------------- probe hooks (``vidax probe``)
+    # A low-noise reconstruction probe (``stages.probe``) encodes a real image or clip, noises it,
+    # asks the model for one clean estimate and decodes it. Noise levels are flow-matching sigmas
+    # in [0, 1] (``x = (1 - s) x0 + s noise``); a family with another parametrisation converts
+    # inside ``add_noise`` / ``denoise_once``.
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> latents as :meth:`sample` produces them (normalised,
+        the family's stored layout)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the probe hooks "
+                                  "(vae_encode, vae_decode, denoise_once)")
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        """Latents as :meth:`sample` returns them -> pixels [B, F, H, W, 3] in [0, 1] (whole clip)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the probe hooks")
+
+    def add_noise(self, latents: np.ndarray, noise: np.ndarray, sigmas: np.ndarray) -> np.ndarray:
+        """Row ``b`` of ``latents`` at noise level ``sigmas[b]`` (default: flow matching)."""
+        s = np.asarray(sigmas, np.float32).reshape(-1, *([1] * (np.ndim(latents) - 1)))
+        return ((1.0 - s) * np.asarray(latents, np.float32) + s * np.asarray(noise, np.float32)).astype(np.float32)
+
+    def denoise_once(self, latents: np.ndarray, sigmas: np.ndarray, conditioning: Mapping[str, np.ndarray],
+                     request: RequestLike | None = None) -> np.ndarray:
+        """One model evaluation per row of ``latents`` at noise level ``sigmas[b]``, conditioned on
+        the first prompt of ``conditioning`` (the arrays :meth:`encode` returned), without guidance
+        -> the model's estimate of the clean latents (same layout)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the probe hooks")
+
 
 # ------------------------------------------------------------------ recipes
 def _tpu(accelerator: str, topology: str, chips: int) -> dict:

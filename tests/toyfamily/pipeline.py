@@ -110,3 +110,22 @@ class ToyAV(Pipeline):
         v = v.repeat(16, axis=3).repeat(16, axis=4)
         px = np.clip((np.tanh(v) + 1) * 127.5, 0, 255).round().astype(np.uint8).transpose(0, 2, 3, 4, 1)
         return {"frames": Named(px, ("batch", "frame", "height", "width", "rgb"))}, {"last": prev}
+
+    # probe hooks (``vidax probe``): the toy "VAE" is the decode above (8x temporal, 16x spatial);
+    # its encoder pools 16x16 cells of every 8th frame and inverts the tanh
+    def vae_encode(self, video):
+        v = np.asarray(video, np.float32)[:, :, ::8]  # [B, 3, f, H, W], the frames the decoder lands on
+        b, c, f, h, w = v.shape
+        pooled = v.reshape(b, c, f, h // 16, 16, w // 16, 16).mean(axis=(4, 6))
+        z = np.arctanh(np.clip(pooled, -0.999, 0.999))
+        return np.concatenate([z, np.zeros_like(z[:, :1])], axis=1)  # [B, 4, f, h, w]
+
+    def vae_decode(self, latents):
+        z = np.asarray(latents, np.float32)
+        out, _ = self.decode({"latents": z}, DecodeSpan("decode/0", "video", (0, z.shape[2])), None, None)
+        return out["frames"].array.astype(np.float32) / 255.0
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None):
+        c = float(np.asarray(conditioning["text"], np.float32)[0].mean())
+        s = np.asarray(sigmas, np.float32).reshape(-1, 1, 1, 1, 1)
+        return (1.0 - s) * np.asarray(latents, np.float32) + s * np.tanh(c)

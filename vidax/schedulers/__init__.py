@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .flow_match import FlowMatchEuler, Scheduler
 from .unipc import UniPCMultistep
+from .unipc_karras import UniPCKarrasFlow
 
 SCHEDULERS = ("flow_euler", "flow_euler_sde", "unipc")
 
@@ -57,6 +58,8 @@ def make_scheduler(
         config["stochastic_sampling"] = True
         return FlowMatchEuler(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
     if name == "unipc":
+        if config.get("use_karras_sigmas") and config.get("use_flow_sigmas", True):  # Cosmos-Predict2.5
+            return UniPCKarrasFlow(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
         return UniPCMultistep(num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)
     if name in REGISTERED:
         return REGISTERED[name][0](num_inference_steps, mu=mu, sigmas=sigmas, begin_index=begin_index, **config)

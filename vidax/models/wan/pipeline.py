@@ -651,6 +651,42 @@ class WanT2V(Pipeline):
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
 
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        params, cfg = self.load_vae()
+        return wvae.normalize_latents(cfg, wvae.encode(params, cfg, np.asarray(video, np.float32)).astype(np.float32))
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.decode_video(latents)
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row, the DiT at timestep ``sigma * 1000`` (the
+        expert whose range holds it for A14B), with the image conditioning of ``conditioning``."""
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        ctx = jnp.asarray(np.asarray(conditioning["prompt_embeds"], np.float32)[:1])
+        image_cond = {n[len("image_"):]: v for n, v in conditioning.items() if n.startswith("image_")} or None
+        experts, out = {}, []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            t = float(s) * 1000.0
+            e = 1 if self.boundary_ratio is None or t >= self.boundary_ratio * 1000.0 else 2
+            if e not in experts:
+                experts.clear()  # one expert on device at a time
+                experts[e] = self.load_dit(e)
+            params, cfg = experts[e]
+            xi = jnp.asarray(x[i:i + 1])
+            aux, prepare, _ = self._conditioning(image_cond, xi.shape, cfg)
+            xin, tt = (xi, jnp.float32(t)) if prepare is None else prepare(xi, jnp.float32(t), aux)
+            tt = jnp.asarray(tt, jnp.float32)
+            tt = tt.reshape(1) if tt.ndim == 0 else tt  # [1] or per-token [1, L]
+            img = None if aux is None else aux.get("img")
+            dt = params.dtype if isinstance(params, wdit.WanDiTRunner) else wdit.state_dtype(params)
+            args = (xin.astype(dt), tt, ctx.astype(dt),
+                    None if img is None else img.astype(dt))
+            v = params(*args) if isinstance(params, wdit.WanDiTRunner) else _probe_forward(params, cfg, *args)
+            out.append(np.asarray(xi - s * np.asarray(v, np.float32)))
+        experts.clear()
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
     def generate(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *, seed: int = 0,
                  height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50,
                  guidance: float = 5.0, shift: float | None = None, scheduler: str | None = None,
@@ -701,6 +737,11 @@ class WanI2V(WanT2V):
                                   steps=steps, guidance=guidance, guidance_2=guidance_2, scheduler=self.scheduler(steps, scheduler, shift),
                           on_step=on_step, image_cond=image_cond)
         return to_uint8(self.decode_video(lat, vae=vae))
+
+
+@partial(jax.jit, static_argnums=1)
+def _probe_forward(params, cfg, x, t, ctx, img):
+    return wdit.forward(params, cfg, x, t, ctx, img)
 
 
 def _dit_apply(params, x, t, ctx, *, cfg):

@@ -1,0 +1,893 @@
+"""Cosmos-Predict2.5 diffusion transformer (diffusers ``CosmosTransformer3DModel``) as Flax NNX modules.
+
+:class:`CosmosTransformer` = ``embed`` (patch, timestep and text-context embeddings) -> ``blocks``
+(one :class:`CosmosBlock` stacked ``num_layers`` times on a leading ``"layers"`` axis, run with
+``lax.scan``) -> ``head`` (AdaLN output norm + projection). Activations are channels-last inside; the
+model takes latents as ``[B, F, H, W, C]``.
+
+What the reference does, and how it is kept here:
+
+- the input is ``[latents, condition_mask, padding_mask]`` concatenated on channels (the condition
+  mask marks the latent frames given by an image or video, the padding mask is resized to the latent
+  grid with nearest-neighbour sampling);
+- the timestep is ``[B]`` or ``[B, 1, F, 1, 1]`` (one per latent frame, sigma in [0, 1] for
+  Predict2.5); it is embedded per *frame* and every block's AdaLN-LoRA modulation is computed per
+  frame, then broadcast to the frame's tokens (the reference computes the same rows once per token);
+- 3D RoPE (rotate-half layout, NTK-scaled per axis, optional fps scaling of the temporal axis) on
+  the self-attention queries/keys after their per-head RMS norms;
+- the Qwen2.5-VL text features (every layer's hidden states, concatenated: 100352 channels for the
+  7B reasoner) are projected once to ``text_embed_dim`` (``crossattn_proj``: linear + exact GELU);
+- no preconditioning of any kind: the model sees the timestep the caller passes.
+
+:func:`forward` is a pure function of the state; :class:`CosmosDiTRunner` places or streams the same
+state on a ``(dp, tp, sp)`` mesh (Megatron TP over heads and FFN width, Ulysses SP over tokens;
+cross-attention to the text stays local) and offloads the stacked blocks in chunks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax import compat
+from vidax.core import mesh as vmesh
+from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+from vidax.core.attention import attention
+from vidax.core.embeddings import sinusoidal_embedding
+from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class CosmosDiTConfig:
+    in_channels: int = 17  # 16 latent channels + the condition mask (Predict2.5)
+    out_channels: int = 16
+    num_heads: int = 16
+    head_dim: int = 128
+    num_layers: int = 28
+    mlp_ratio: float = 4.0
+    text_embed_dim: int = 1024
+    adaln_lora_dim: int = 256
+    max_size: tuple = (128, 240, 240)
+    patch_size: tuple = (1, 2, 2)
+    rope_scale: tuple = (1.0, 3.0, 3.0)
+    concat_padding_mask: bool = True
+    extra_pos_embed_type: str | None = None  # None | "learnable"
+    use_crossattn_projection: bool = True
+    crossattn_proj_in_channels: int = 100352
+    encoder_hidden_states_channels: int = 1024
+    base_fps: int = 24
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def context_dim(self) -> int:
+        """Width of the ``encoder_hidden_states`` the model takes."""
+        return self.crossattn_proj_in_channels if self.use_crossattn_projection else self.text_embed_dim
+
+    @property
+    def patch_in(self) -> int:
+        return self.in_channels + (1 if self.concat_padding_mask else 0)
+
+    @property
+    def max_grid(self) -> tuple[int, int, int]:
+        return tuple(s // p for s, p in zip(self.max_size, self.patch_size))
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "CosmosDiTConfig":
+        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for k, v in cfg.items():
+            k = ren.get(k, k)
+            if k in names:
+                kw[k] = tuple(v) if isinstance(v, list) else v
+        if cfg.get("img_context_dim_in"):
+            raise ValueError("CosmosTransformer3DModel config: image-context cross-attention (img_context_dim_in) "
+                             "is not ported (it is not part of Cosmos-Predict2.5)")
+        if cfg.get("controlnet_block_every_n"):
+            raise ValueError("CosmosTransformer3DModel config: controlnet residuals (Cosmos-Transfer2.5) are not ported")
+        if kw.get("extra_pos_embed_type") not in (None, "learnable"):
+            raise ValueError(f"CosmosTransformer3DModel config: extra_pos_embed_type={kw['extra_pos_embed_type']!r}")
+        return cls(**kw)
+
+    def to_diffusers(self) -> dict:
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels, num_attention_heads=self.num_heads,
+                    attention_head_dim=self.head_dim, num_layers=self.num_layers, mlp_ratio=self.mlp_ratio,
+                    text_embed_dim=self.text_embed_dim, adaln_lora_dim=self.adaln_lora_dim,
+                    max_size=tuple(self.max_size), patch_size=tuple(self.patch_size),
+                    rope_scale=tuple(self.rope_scale), concat_padding_mask=self.concat_padding_mask,
+                    extra_pos_embed_type=self.extra_pos_embed_type,
+                    use_crossattn_projection=self.use_crossattn_projection,
+                    crossattn_proj_in_channels=self.crossattn_proj_in_channels,
+                    encoder_hidden_states_channels=self.encoder_hidden_states_channels)
+
+
+#: the released sizes (diffusers' conversion configs for Cosmos-2.5-Predict-Base-2B / -14B)
+PRESETS = {
+    "tiny": CosmosDiTConfig(num_heads=2, head_dim=12, num_layers=2, text_embed_dim=16, adaln_lora_dim=8,
+                            max_size=(16, 64, 64), crossattn_proj_in_channels=3 * 24,
+                            encoder_hidden_states_channels=16),
+    "2b": CosmosDiTConfig(num_heads=16, head_dim=128, num_layers=28),
+    "14b": CosmosDiTConfig(num_heads=40, head_dim=128, num_layers=36),
+}
+
+
+# ----------------------------------------------------------------------------------- layers
+def _heads(x, head_dim):
+    return x.reshape(*x.shape[:-1], -1, head_dim)
+
+
+def apply_rope_half(x, cos, sin):
+    """Rotate-half RoPE (``x * cos + [-x2, x1] * sin``) in float32. ``x``: [B, L, H, D];
+    ``cos``/``sin``: [L, D] or [B, L, D]."""
+    dt = x.dtype
+    xf = x.astype(F32)
+    d = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., d:], xf[..., :d]], axis=-1)
+    if cos.ndim == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return (xf * cos + rot * sin).astype(dt)
+
+
+class HeadRMSNorm(nnx.Module):
+    """RMS norm over one head's features (``[..., head_dim]``), float32 statistics, learned scale."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float, param_dtype=F32):
+        self.eps = eps
+        self.scale = nn.param(rngs, nnx.initializers.ones_init(), (dim,), None, dtype=param_dtype)
+
+    def __call__(self, x):
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(F32)).astype(x.dtype)
+
+
+class AdaLNLoRA(nnx.Module):
+    """``linear_2(linear_1(silu(e)))`` (+ the timestep embedding): ``n`` shift/scale(/gate) vectors
+    from the (per-frame) embedded timestep, through a rank-``adaln_lora_dim`` bottleneck."""
+
+    def __init__(self, dim: int, rank: int, n: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.l1 = nn.Linear(dim, rank, rngs=rngs, bias=False, param_dtype=param_dtype)
+        self.l2 = nn.Linear(rank, n * dim, rngs=rngs, bias=False, param_dtype=param_dtype)
+
+    def __call__(self, emb, temb):
+        return self.l2(self.l1(jax.nn.silu(emb))) + temb
+
+
+class CosmosAttention(nnx.Module):
+    """q/k/v (column-parallel, no bias), per-head RMS norms on q and k, output row-parallel."""
+
+    def __init__(self, cfg: CosmosDiTConfig, kv_dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype, bias=False)
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(d, d, axes=("embed", "heads"), **kw)
+        self.k = nn.Linear(kv_dim, d, axes=(None, "heads"), **kw)
+        self.v = nn.Linear(kv_dim, d, axes=(None, "heads"), **kw)
+        self.o = nn.Linear(d, d, axes=("heads", "embed"), **kw)
+        self.norm_q = HeadRMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
+        self.norm_k = HeadRMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
+
+    def self_attention(self, x, cos, sin, par: vsh.ParallelContext):
+        hd = self.head_dim
+        q = apply_rope_half(self.norm_q(_heads(par.linear(self.q, x), hd)), cos, sin)
+        k = apply_rope_half(self.norm_k(_heads(par.linear(self.k, x), hd)), cos, sin)
+        v = _heads(par.linear(self.v, x), hd)
+        o = par.self_attention(q, k, v)
+        return par.linear(self.o, o.reshape(*o.shape[:2], -1))
+
+    def cross_attention(self, x, ctx, ctx_mask, par: vsh.ParallelContext):
+        hd = self.head_dim
+        q = self.norm_q(_heads(par.linear(self.q, x), hd))
+        k = self.norm_k(_heads(par.linear(self.k, ctx), hd))
+        v = _heads(par.linear(self.v, ctx), hd)
+        if ctx_mask is None:
+            o = par.cross_attention(q, k, v)
+        else:
+            o = attention(q, k, v, mask=ctx_mask[:, None, None, :], impl=par.attn_impl)
+        return par.linear(self.o, o.reshape(*o.shape[:2], -1))
+
+
+class FeedForward(nnx.Module):
+    """``down(gelu(up(x)))`` (exact GELU, no biases in Predict2.5)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.up = nn.Linear(dim, hidden, rngs=rngs, bias=False, axes=("embed", "ffn"), param_dtype=param_dtype)
+        self.down = nn.Linear(hidden, dim, rngs=rngs, bias=False, axes=("ffn", "embed"), param_dtype=param_dtype)
+
+    def __call__(self, x, par: vsh.ParallelContext):
+        return par.linear(self.down, nn.gelu_exact(par.linear(self.up, x)))
+
+
+def _layer_norm(x, eps=1e-6):
+    xf = x.astype(F32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    return (xf - mu) * jax.lax.rsqrt(var + eps)
+
+
+def frame_to_tokens(m, frame_of_token):
+    """Per-frame rows ``[B, Fm, ...]`` -> per-token rows ``[B, L, ...]`` (``Fm`` = 1 broadcasts)."""
+    if m.shape[1] == 1:
+        return m
+    return jnp.take(m, frame_of_token, axis=1)
+
+
+class CosmosBlock(nnx.Module):
+    """AdaLN-LoRA-modulated self-attention (RoPE), cross-attention to the text, feed-forward."""
+
+    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d, r = cfg.dim, cfg.adaln_lora_dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.mod1 = AdaLNLoRA(d, r, 3, **kw)
+        self.attn1 = CosmosAttention(cfg, d, **kw)
+        self.mod2 = AdaLNLoRA(d, r, 3, **kw)
+        self.attn2 = CosmosAttention(cfg, cfg.text_embed_dim, **kw)
+        self.mod3 = AdaLNLoRA(d, r, 3, **kw)
+        self.ffn = FeedForward(d, cfg.ffn_dim, **kw)
+
+    def __call__(self, x, c: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``x``: [B, L, D]; ``c``: ``emb`` / ``temb`` [B, Fm, D] / [B, Fm, 3D] (float32, per frame),
+        ``fot`` (the frame of each local token), ``cos`` / ``sin``, ``ctx`` (+ ``ctx_mask``), ``pos``."""
+        dt = x.dtype
+        if c.get("pos") is not None:
+            x = x + c["pos"].astype(dt)
+
+        def modulation(mod):
+            m = frame_to_tokens(mod(c["emb"], c["temb"]), c["fot"])  # [B, L|1, 3D] float32
+            return jnp.split(m, 3, axis=-1)
+
+        shift, scale, gate = modulation(self.mod1)
+        h = (_layer_norm(x) * (1 + scale) + shift).astype(dt)
+        x = (x.astype(F32) + gate * self.attn1.self_attention(h, c["cos"], c["sin"], par).astype(F32)).astype(dt)
+        shift, scale, gate = modulation(self.mod2)
+        h = (_layer_norm(x) * (1 + scale) + shift).astype(dt)
+        o = self.attn2.cross_attention(h, c["ctx"], c.get("ctx_mask"), par)
+        x = (x.astype(F32) + gate * o.astype(F32)).astype(dt)
+        shift, scale, gate = modulation(self.mod3)
+        h = (_layer_norm(x) * (1 + scale) + shift).astype(dt)
+        return (x.astype(F32) + gate * self.ffn(h, par).astype(F32)).astype(dt)
+
+
+class CosmosEmbed(nnx.Module):
+    """Patch embedding (a linear over ``(C, pt, ph, pw)``), timestep embedding and the text projection.
+    Per token / per frame, so it runs unchanged on a token shard."""
+
+    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.patch = nn.Linear(cfg.patch_in * math.prod(cfg.patch_size), d, bias=False, axes=(None, "embed"), **kw)
+        self.t1 = nn.Linear(d, d, bias=False, **kw)
+        self.t2 = nn.Linear(d, 3 * d, bias=False, **kw)
+        self.t_norm = HeadRMSNorm(d, eps=1e-6, **kw)
+        self.ctx_proj = (nn.Linear(cfg.crossattn_proj_in_channels, cfg.encoder_hidden_states_channels, **kw)
+                         if cfg.use_crossattn_projection else None)
+        if cfg.extra_pos_embed_type == "learnable":
+            gt, gh, gw = cfg.max_grid
+            init = nnx.initializers.normal(0.02)
+            self.pos_t = nn.param(rngs, init, (gt, d), None, None, dtype=param_dtype)
+            self.pos_h = nn.param(rngs, init, (gh, d), None, None, dtype=param_dtype)
+            self.pos_w = nn.param(rngs, init, (gw, d), None, None, dtype=param_dtype)
+        else:
+            self.pos_t = self.pos_h = self.pos_w = None
+
+    def time(self, t):
+        """``t`` [B, Fm] -> ``(temb [B, Fm, 3D], emb [B, Fm, D])`` in float32."""
+        proj = sinusoidal_embedding(jnp.asarray(t, F32), self.cfg.dim, flip_sin_to_cos=True)
+        dt = self.t1.kernel[...].dtype
+        p = proj.astype(dt)
+        temb = self.t2(jax.nn.silu(self.t1(p)))
+        return temb.astype(F32), self.t_norm(p).astype(F32)
+
+    def context(self, ctx):
+        if self.ctx_proj is None:
+            return ctx
+        return nn.gelu_exact(self.ctx_proj(ctx))
+
+    def positions(self, grid):
+        """The learnable absolute positions [L, D] for a token grid (normalised as the reference)."""
+        f, h, w = grid
+        e = (self.pos_t[...][:f, None, None] + self.pos_h[...][None, :h, None] + self.pos_w[...][None, None, :w])
+        e = e.reshape(f * h * w, -1).astype(F32)
+        norm = jnp.sqrt(jnp.sum(jnp.square(e), axis=-1, keepdims=True))
+        return e / (1e-6 + norm * math.sqrt(1.0 / e.shape[-1]))
+
+
+class CosmosHead(nnx.Module):
+    """AdaLN output norm (shift/scale from the embedded timestep + the first 2D of the timestep
+    embedding) and the output projection."""
+
+    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.mod = AdaLNLoRA(d, cfg.adaln_lora_dim, 2, **kw)
+        self.proj = nn.Linear(d, math.prod(cfg.patch_size) * cfg.out_channels, bias=False, axes=("embed", None), **kw)
+
+    def __call__(self, h, emb, temb, fot):
+        dt = h.dtype
+        m = frame_to_tokens(self.mod(emb, temb[..., : 2 * emb.shape[-1]]), fot)
+        shift, scale = jnp.split(m, 2, axis=-1)
+        return self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))
+
+
+def run_blocks(blocks, h, c: dict, par: vsh.ParallelContext = vsh.LOCAL):
+    """``lax.scan`` of :class:`CosmosBlock` over the stacked blocks (or an offload chunk of them)."""
+    return nn.scan(blocks, h, lambda blk, h: blk(h, c, par))
+
+
+class CosmosTransformer(nnx.Module):
+    """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+
+    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = CosmosEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.blocks = nn.stack(lambda r: CosmosBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = CosmosHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
+                 par: vsh.ParallelContext = vsh.LOCAL):
+        """Velocity prediction. ``x``: [B, F, H, W, C] latents (C = ``in_channels`` minus one when a
+        ``cond_mask`` [B, F, H, W, 1] is given); ``t``: [B] or [B, F] (per latent frame); ``ctx``:
+        [B, S, context_dim]; ``pad_mask``: [1|B, H, W] at the latent size (zeros if None);
+        ``ctx_mask``: [B, S] bool (True = attend); ``fps``: scales the temporal RoPE (None: images).
+        Returns [B, F, H, W, out_channels]."""
+        cfg = self.cfg
+        dt = self.embed.patch.kernel[...].dtype
+        x = model_input(cfg, x, cond_mask, pad_mask).astype(dt)
+        tokens, grid = patchify(cfg, x)
+        h = self.embed.patch(tokens)
+        tt = time_per_frame(cfg, t, x.shape[0], grid[0])
+        temb, emb = self.embed.time(tt)
+        c = {"emb": emb, "temb": temb, "fot": frame_of_tokens(grid), "ctx": self.embed.context(ctx.astype(dt))}
+        c["cos"], c["sin"] = rope_tables(cfg, grid, fps)
+        if ctx_mask is not None:
+            c["ctx_mask"] = jnp.asarray(ctx_mask, bool)
+        if self.embed.pos_t is not None:
+            c["pos"] = self.embed.positions(grid)
+        h = run_blocks(self.blocks, h, c, par)
+        return unpatchify(cfg, self.head(h, emb, temb, c["fot"]), grid)
+
+
+# ----------------------------------------------------------------------------------- geometry helpers
+def model_input(cfg: CosmosDiTConfig, x, cond_mask=None, pad_mask=None):
+    """``[x, condition mask, padding mask]`` on channels (what the reference concatenates)."""
+    parts = [x]
+    if cond_mask is not None:
+        parts.append(jnp.asarray(cond_mask, x.dtype))
+    if cfg.concat_padding_mask:
+        b, f, hh, ww = x.shape[:4]
+        pm = jnp.zeros((1, hh, ww), x.dtype) if pad_mask is None else jnp.asarray(pad_mask, x.dtype)
+        parts.append(jnp.broadcast_to(pm[:, None, :, :, None], (b, f, hh, ww, 1)))
+    x = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else x
+    if x.shape[-1] != cfg.patch_in:
+        raise ValueError(f"latents give {x.shape[-1]} input channels with the masks; the model takes {cfg.patch_in} "
+                         f"(in_channels={cfg.in_channels}{' + padding mask' if cfg.concat_padding_mask else ''}): "
+                         "pass condition_mask for a Video2World model")
+    return x
+
+
+def time_per_frame(cfg: CosmosDiTConfig, t, b: int, frames: int):
+    """``t`` [B] / [1] / [B, F] -> [B|1, Fm] (Fm = 1 or the token-grid frame count)."""
+    t = jnp.asarray(t, F32)
+    if t.ndim == 1:
+        return t[:, None]
+    if t.ndim != 2 or t.shape[0] != b or t.shape[1] * 1 != frames * cfg.patch_size[0]:
+        raise ValueError(f"per-frame timesteps must be [B={b}, F={frames * cfg.patch_size[0]}], got {t.shape}")
+    if cfg.patch_size[0] != 1:
+        raise ValueError("per-frame timesteps need a temporal patch size of 1 (as the reference)")
+    return t
+
+
+def frame_of_tokens(grid, offset=0, count=None):
+    """The token-grid frame of tokens ``offset .. offset+count-1`` (frame-major token order)."""
+    f, h, w = grid
+    n = f * h * w if count is None else count
+    return (jnp.arange(n, dtype=jnp.int32) + offset) // (h * w)
+
+
+def patchify(cfg: CosmosDiTConfig, x):
+    """[B, F, H, W, C] -> tokens [B, f*h*w, C*pt*ph*pw] (the reference's ``(C, pt, ph, pw)`` order)."""
+    b, f, h, w, c = x.shape
+    pt, ph, pw = cfg.patch_size
+    if f % pt or h % ph or w % pw:
+        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch_size}")
+    x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
+    grid = (f // pt, h // ph, w // pw)
+    return x.reshape(b, grid[0] * grid[1] * grid[2], c * pt * ph * pw), grid
+
+
+def unpatchify(cfg: CosmosDiTConfig, y, grid):
+    """[B, L, ph*pw*pt*C] (the reference's output order: ``(ph, pw, pt, C)``) -> [B, F, H, W, C]."""
+    b = y.shape[0]
+    pt, ph, pw = cfg.patch_size
+    f, h, w = grid
+    y = y.reshape(b, f, h, w, ph, pw, pt, -1).transpose(0, 1, 6, 2, 4, 3, 5, 7)
+    return y.reshape(b, f * pt, h * ph, w * pw, -1)
+
+
+def rope_angles(cfg: CosmosDiTConfig, grid, fps=None) -> np.ndarray:
+    """RoPE angles [L, head_dim] for a token grid: ``[t, h, w, t, h, w]`` halves, each axis with
+    its NTK-scaled base (``rope_scale``); with ``fps`` the temporal positions are ``i / fps * base_fps``."""
+    d = cfg.head_dim
+    dh = dw = d // 6 * 2
+    dtt = d - dh - dw
+    f, h, w = grid
+    limits = cfg.max_grid
+    for name, g, m in zip(("frames", "height", "width"), grid, limits):
+        if g > m:
+            raise ValueError(f"token grid {grid}: {g} {name} exceed the model's max_size ({m} after patching)")
+
+    def freqs(dim, scale):
+        theta = 10000.0 * scale ** (dim / (dim - 2))
+        rng = np.arange(0, dim, 2, dtype=np.float32)[: dim // 2] / np.float32(dim)
+        return (1.0 / np.power(np.float32(theta), rng, dtype=np.float32)).astype(np.float32)
+
+    seq = np.arange(max(limits), dtype=np.float32)
+    ft, fh, fw = freqs(dtt, cfg.rope_scale[0]), freqs(dh, cfg.rope_scale[1]), freqs(dw, cfg.rope_scale[2])
+    pos_t = seq[:f] if fps is None else (seq[:f] / np.float32(fps) * np.float32(cfg.base_fps)).astype(np.float32)
+    et = np.outer(pos_t, ft).astype(np.float32)
+    eh = np.outer(seq[:h], fh).astype(np.float32)
+    ew = np.outer(seq[:w], fw).astype(np.float32)
+    et = np.broadcast_to(et[:, None, None], (f, h, w, et.shape[-1]))
+    eh = np.broadcast_to(eh[None, :, None], (f, h, w, eh.shape[-1]))
+    ew = np.broadcast_to(ew[None, None, :], (f, h, w, ew.shape[-1]))
+    ang = np.concatenate([et, eh, ew] * 2, axis=-1)
+    return ang.reshape(f * h * w, d)
+
+
+def rope_tables(cfg: CosmosDiTConfig, grid, fps=None):
+    ang = rope_angles(cfg, grid, fps)
+    return jnp.asarray(np.cos(ang), F32), jnp.asarray(np.sin(ang), F32)
+
+
+# ----------------------------------------------------------------------------------- state
+def _build(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> CosmosTransformer:
+    return CosmosTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+
+def init_model(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> CosmosTransformer:
+    """A seeded random DiT (presets, tests): every weight perturbed (no zero biases, no unit norms)."""
+    return nn.perturb(_build(cfg, seed, dtype), seed)
+
+
+def init_state(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """:func:`init_model`'s state in host memory (numpy leaves)."""
+    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
+
+
+def abstract_state(cfg: CosmosDiTConfig, dtype=np.float32) -> nnx.State:
+    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
+
+
+def param_shapes(cfg: CosmosDiTConfig, dtype=np.float32) -> dict:
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def graphdefs(cfg: CosmosDiTConfig, dtype: str = "float32") -> dict:
+    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
+    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
+            "head": nnx.graphdef(m.head)}
+
+
+def state_dtype(state) -> np.dtype:
+    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
+
+
+def merge(state, cfg: CosmosDiTConfig) -> CosmosTransformer:
+    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+
+
+def forward(state, cfg: CosmosDiTConfig, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
+            attn_impl=None):
+    """Velocity prediction from a state (pure; ``jax.jit(forward, static_argnums=1,
+    static_argnames="fps")``). See :meth:`CosmosTransformer.__call__`."""
+    return merge(state, cfg)(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps,
+                             par=vsh.ParallelContext(attn_impl=attn_impl))
+
+
+def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
+    """torchvision ``resize(..., NEAREST)`` of ``[..., H, W]`` (source index ``floor(i * in / out)``)."""
+    mask = np.asarray(mask)
+    hi, wi = mask.shape[-2:]
+    # ATen's nearest kernel: src = min(floor(dst * (float) in / out), in - 1), in float32
+    ys = np.minimum(np.floor(np.arange(height, dtype=np.float32) * np.float32(hi / height)), hi - 1).astype(np.int64)
+    xs = np.minimum(np.floor(np.arange(width, dtype=np.float32) * np.float32(wi / width)), wi - 1).astype(np.int64)
+    return mask[..., ys, :][..., :, xs]
+
+
+# ----------------------------------------------------------------------------------- sharding
+#: Tensor parallelism splits the attention heads (q/k/v by output, the output projection by input:
+#: row-parallel) and the FFN width; the per-head q/k RMS norms need no reduction. Sequence
+#: parallelism splits the tokens (Ulysses all_to_all around self-attention); weights stay whole.
+AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
+
+
+def parallel_constraints(cfg: CosmosDiTConfig, *, tokens: int | None = None, batch: int | None = None):
+    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
+                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+         vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
+    if tokens is not None:
+        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w patch tokens"))
+    if batch is not None:
+        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+    return r
+
+
+def _rest(state) -> nnx.State:
+    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
+
+
+class CosmosDiTRunner:
+    """The Cosmos DiT on a ``(dp, tp, sp)`` mesh, blocks resident or offloaded (same contract as
+    :class:`vidax.models.wan.dit.WanDiTRunner`): ``runner(x, t, ctx, cond_mask=, pad_mask=,
+    ctx_mask=, fps=)`` with channels-last latents; :meth:`apply` is the traceable resident form."""
+
+    def __init__(self, state, cfg: CosmosDiTConfig, mesh=None, parallelism: str | None = None, *,
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 track_memory: bool = False):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        self.cfg, self.attn_impl = cfg, attn_impl
+        self.mesh = vmesh.make_mesh(mesh)
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = state_dtype(state)
+        self.graphs = graphdefs(cfg, self.dtype.name)
+        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
+        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
+        self._tables: dict = {}
+        self.offload = None
+        if offload_chunk_size is None:
+            self.blocks = vsh.place(state["blocks"], block_shardings)
+            self._fwd = jax.jit(self._resident, static_argnums=(3,))
+        else:
+            self.blocks = None
+            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
+            self._pre = jax.jit(self._prologue, static_argnums=(2,))
+            self._post = jax.jit(self._epilogue, static_argnums=(4,))
+
+    # ------------------------------------------------------------------ checks and tables
+    def _grid(self, x_shape):
+        pt, ph, pw = self.cfg.patch_size
+        return (x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw)
+
+    def check_inputs(self, x_shape) -> None:
+        b, f, h, w = x_shape[:4]
+        pt, ph, pw = self.cfg.patch_size
+        if f % pt or h % ph or w % pw:
+            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch_size}")
+        g = self._grid(x_shape)
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=g[0] * g[1] * g[2], batch=b), self.mesh)
+
+    def tables(self, grid, fps=None):
+        """RoPE tables (and learned positions' frame index) for a grid, token-sharded over sp (cached)."""
+        key = (grid, fps)
+        if key not in self._tables:
+            ang = rope_angles(self.cfg, grid, fps)
+            s = NamedSharding(self.mesh, P("sp", None))
+            fot = np.asarray(frame_of_tokens(grid))
+            cos, sin, fot = vsh.place([np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), fot],
+                                      [s, s, NamedSharding(self.mesh, P("sp"))])
+            self._tables[key] = {"cos": cos, "sin": sin, "fot": fot}
+        return self._tables[key]
+
+    @staticmethod
+    def _act_specs(acts):
+        specs = {}
+        for k, a in acts.items():
+            if k in ("tokens", "h", "pos"):
+                specs[k] = P("dp", "sp", None) if k != "pos" else P("sp", None)
+            elif k in ("cos", "sin"):
+                specs[k] = P("sp", None)
+            elif k == "fot":
+                specs[k] = P("sp")
+            else:  # t, emb, temb, ctx, ctx_mask: per sample, replicated over tp and sp
+                specs[k] = P("dp", *([None] * (a.ndim - 1)))
+        return specs
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def _inputs(self, x, t, ctx, cond_mask, pad_mask, ctx_mask):
+        dt = self.dtype
+        xin = model_input(self.cfg, jnp.asarray(x).astype(dt), cond_mask, pad_mask)
+        tokens, grid = patchify(self.cfg, xin)
+        a = {"tokens": tokens, "t": jnp.broadcast_to(time_per_frame(self.cfg, t, x.shape[0], grid[0]),
+                                                      (x.shape[0], 1) if jnp.ndim(t) == 1 else jnp.shape(t)),
+             "ctx": jnp.asarray(ctx).astype(dt)}
+        if ctx_mask is not None:
+            a["ctx_mask"] = jnp.asarray(ctx_mask, bool)
+        return a, grid
+
+    # ------------------------------------------------------------------ units (inside shard_map)
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        h = embed.patch(a["tokens"])
+        temb, emb = embed.time(a["t"])
+        out = {"h": h, "emb": emb, "temb": temb, "ctx": embed.context(a["ctx"])}
+        if "ctx_mask" in a:
+            out["ctx_mask"] = a["ctx_mask"]
+        return out
+
+    def _positions(self, rest, grid):
+        return nnx.merge(self.graphs["embed"], rest["embed"]).positions(grid)
+
+    def _blocks(self, blocks, h, c):
+        return run_blocks((self.graphs["blocks"], blocks), h, c, self.par)
+
+    def _head(self, rest, h, c):
+        return nnx.merge(self.graphs["head"], rest["head"])(h, c["emb"], c["temb"], c["fot"])
+
+    # ------------------------------------------------------------------ resident
+    def _with_positions(self, rest, acts, grid):
+        if self.cfg.extra_pos_embed_type != "learnable":
+            return acts
+        pos = vsh.with_constraint(self._positions(rest, grid), self.mesh, P("sp", None))
+        return dict(acts, pos=pos)
+
+    def _resident(self, rest, blocks, acts, grid):
+        acts = self._with_positions(rest, acts, grid)
+
+        def inner(rest, blocks, a):
+            e = self._embed(rest, a)
+            c = {k: v for k, v in e.items() if k != "h"}
+            c.update(cos=a["cos"], sin=a["sin"], fot=a["fot"])
+            if "pos" in a:
+                c["pos"] = a["pos"]
+            h = self._blocks(blocks, e["h"], c)
+            return self._head(rest, h, c)
+
+        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(
+            rest, blocks, acts)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(self.cfg, y, grid)
+
+    def _acts(self, rest, x, t, ctx, cond_mask, pad_mask, ctx_mask, fps):
+        acts, grid = self._inputs(x, t, ctx, cond_mask, pad_mask, ctx_mask)
+        acts.update(self.tables(grid, fps))
+        return acts, grid
+
+    # ------------------------------------------------------------------ offloaded
+    def _prologue(self, rest, acts, grid):
+        def inner(rest, a):
+            return self._embed(rest, a)
+
+        shapes = jax.eval_shape(inner, rest, acts)
+        e = self._smap(inner, (self.rest_specs, self._act_specs(acts)), self._act_specs(shapes))(rest, acts)
+        return self._with_positions(rest, e, grid)
+
+    def _chunk(self, blocks, h, consts):
+        return self._smap(self._blocks, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)),
+                          P("dp", "sp", None))(blocks, h, consts)
+
+    def _epilogue(self, rest, h, c, fot, grid):
+        c = dict(c, fot=fot)
+        specs = self._act_specs(c)
+        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), specs), P("dp", "sp", None))(rest, h, c)
+        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
+        return unpatchify(self.cfg, y, grid)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None):
+        x = jnp.asarray(x)
+        self.check_inputs(x.shape)
+        acts, grid = self._acts(self.rest, x, t, ctx, cond_mask, pad_mask, ctx_mask, fps)
+        if self.offload is None:
+            return self._fwd(self.rest, self.blocks, acts, grid)
+        pre_in = {k: v for k, v in acts.items() if k in ("tokens", "t", "ctx", "ctx_mask")}
+        e = self._pre(self.rest, pre_in, grid)
+        consts = {k: v for k, v in e.items() if k != "h"}
+        consts.update(cos=acts["cos"], sin=acts["sin"], fot=acts["fot"])
+        h = self.offload.run("blocks", e["h"], consts)
+        head_c = {k: consts[k] for k in ("emb", "temb")}
+        return self._post(self.rest, h, head_c, acts["fot"], grid)
+
+    @property
+    def params(self):
+        if self.offload is not None:
+            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
+        return {"rest": self.rest, "blocks": self.blocks}
+
+    def apply(self, params, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None):
+        """Traceable resident forward (params = :attr:`params`, kept as arguments)."""
+        self.check_inputs(jnp.shape(x))
+        acts, grid = self._inputs(x, t, ctx, cond_mask, pad_mask, ctx_mask)
+        ang = rope_angles(self.cfg, grid, fps)
+        acts.update(cos=jnp.asarray(np.cos(ang), F32), sin=jnp.asarray(np.sin(ang), F32), fot=frame_of_tokens(grid))
+        return self._resident(params["rest"], params["blocks"], acts, grid)
+
+
+# ----------------------------------------------------------------------------------- key maps
+def _linear(ref: str, dst: str, bias: bool = False) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+
+def _norm(ref: str, dst: str) -> list[tuple[str, str, str]]:
+    return [(f"{ref}.weight", f"{dst}.scale", "none")]
+
+
+def _keymap(top, block, block_prefix: str, ignore=()) -> KeyMap:
+    rules = [Rule(s, d, k) for s, d, k in top]
+    rules += [Rule(f"{block_prefix}.{{i}}.{s}", f"blocks.{d}", k) for s, d, k in block]
+    return KeyMap(rules, ignore=ignore)
+
+
+def _names(original: bool) -> dict:
+    """Reference module names in the diffusers layout, or the original Cosmos release's."""
+    if not original:
+        return dict(blocks="transformer_blocks", patch="patch_embed.proj", t_emb="time_embed.t_embedder",
+                    t_norm="time_embed.norm", out_mod="norm_out", out="proj_out", mod=("norm1", "norm2", "norm3"),
+                    lin=("linear_1", "linear_2"), attn=("attn1", "attn2"),
+                    qkvo=("to_q", "to_k", "to_v", "to_out.0"), qk_norm=("norm_q", "norm_k"),
+                    ff=("ff.net.0.proj", "ff.net.2"), pos="learnable_pos_embed", ctx="crossattn_proj.0")
+    return dict(blocks="net.blocks", patch="net.x_embedder.proj.1", t_emb="net.t_embedder.1",
+                t_norm="net.t_embedding_norm", out_mod="net.final_layer.adaln_modulation",
+                out="net.final_layer.linear",
+                mod=("adaln_modulation_self_attn", "adaln_modulation_cross_attn", "adaln_modulation_mlp"),
+                lin=("1", "2"), attn=("self_attn", "cross_attn"), qkvo=("q_proj", "k_proj", "v_proj", "output_proj"),
+                qk_norm=("q_norm", "k_norm"), ff=("mlp.layer1", "mlp.layer2"), pos="net.extra_pos_embedder",
+                ctx="net.crossattn_proj.0")
+
+
+def keymap(cfg: CosmosDiTConfig, original: bool = False) -> KeyMap:
+    """Reference tensor names (diffusers, or the original release with ``original``) -> NNX state paths."""
+    n = _names(original)
+    l1, l2 = n["lin"]
+    top = [(f"{n['patch']}.weight", "embed.patch.kernel", "linear"),
+           *_linear(f"{n['t_emb']}.linear_1", "embed.t1"), *_linear(f"{n['t_emb']}.linear_2", "embed.t2"),
+           *_norm(n["t_norm"], "embed.t_norm"),
+           *_linear(f"{n['out_mod']}.{l1}", "head.mod.l1"), *_linear(f"{n['out_mod']}.{l2}", "head.mod.l2"),
+           *_linear(n["out"], "head.proj")]
+    if cfg.use_crossattn_projection:
+        top += _linear(n["ctx"], "embed.ctx_proj", bias=True)
+    if cfg.extra_pos_embed_type == "learnable":
+        top += [(f"{n['pos']}.pos_emb_{a}", f"embed.pos_{a}", "none") for a in "thw"]
+    block = []
+    for ref, dst in zip(n["mod"], ("mod1", "mod2", "mod3")):
+        block += _linear(f"{ref}.{l1}", f"{dst}.l1") + _linear(f"{ref}.{l2}", f"{dst}.l2")
+    for ref_a, dst_a in zip(n["attn"], ("attn1", "attn2")):
+        for ref, dst in zip(n["qkvo"], "qkvo"):
+            block += _linear(f"{ref_a}.{ref}", f"{dst_a}.{dst}")
+        block += _norm(f"{ref_a}.{n['qk_norm'][0]}", f"{dst_a}.norm_q") + _norm(f"{ref_a}.{n['qk_norm'][1]}",
+                                                                                f"{dst_a}.norm_k")
+    block += _linear(n["ff"][0], "ffn.up") + _linear(n["ff"][1], "ffn.down")
+    ignore = ([r"^net\.accum_", r"^net\.pos_embedder\.", r"_extra_state$", r"^net\.logvar\."] if original else [])
+    return _keymap(top, block, n["blocks"], ignore)
+
+
+def diffusers_keymap(cfg: CosmosDiTConfig) -> KeyMap:
+    return keymap(cfg, original=False)
+
+
+def original_keymap(cfg: CosmosDiTConfig) -> KeyMap:
+    return keymap(cfg, original=True)
+
+
+def _is_original(names) -> bool:
+    return any(n.startswith("net.blocks.") or n.startswith("net.x_embedder.") for n in names)
+
+
+def config_from_original(ckpt) -> CosmosDiTConfig:
+    """The DiT config from an original-release checkpoint's tensor shapes (the release's fixed
+    choices: 128-wide heads, (1, 2, 2) patches, max_size (128, 240, 240), rope_scale (1, 3, 3))."""
+    sh = {k: tuple(v.shape) for k, v in ckpt.items()}
+    d = sh["net.x_embedder.proj.1.weight"][0]
+    layers = 1 + max(int(k.split(".")[2]) for k in sh if k.startswith("net.blocks."))
+    proj = sh.get("net.crossattn_proj.0.weight")
+    patch_in = sh["net.x_embedder.proj.1.weight"][1] // 4
+    heads = d // 128 if d % 128 == 0 else 1
+    return CosmosDiTConfig(
+        in_channels=patch_in - 1, out_channels=sh["net.final_layer.linear.weight"][0] // 4, num_heads=heads,
+        head_dim=d // heads, num_layers=layers, mlp_ratio=sh["net.blocks.0.mlp.layer1.weight"][0] / d,
+        text_embed_dim=sh["net.blocks.0.cross_attn.k_proj.weight"][1],
+        adaln_lora_dim=sh["net.blocks.0.adaln_modulation_self_attn.1.weight"][0],
+        extra_pos_embed_type="learnable" if "net.extra_pos_embedder.pos_emb_t" in sh else None,
+        use_crossattn_projection=proj is not None,
+        crossattn_proj_in_channels=proj[1] if proj else 100352,
+        encoder_hidden_states_channels=proj[0] if proj else 1024)
+
+
+def load_dit(path, cfg: CosmosDiTConfig | None = None, dtype=np.float32):
+    """DiT weights from a diffusers folder (config.json + safetensors) or an original-release file
+    (``*_ema_bf16.pt`` / safetensors with ``net.*`` names). Returns ``(state, cfg)``: the abstract state
+    filled tensor by tensor with host numpy; no random init is materialised."""
+    path = Path(path)
+    if cfg is None and path.is_dir() and (path / "config.json").exists():
+        cfg = CosmosDiTConfig.from_diffusers(compat.read_config(path))
+    ckpt = open_checkpoint(path)
+    pure, cfg = load_checkpoint_params(
+        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
+        keymap=lambda c, original: keymap(c, original), shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
+        what=lambda c: f"CosmosTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+
+
+# ----------------------------------------------------------------------------------- compat
+def _ref_inputs(cfg: CosmosDiTConfig, hidden_states, timestep, condition_mask, padding_mask):
+    """Reference-layout numpy inputs -> (channels-last x, t [B] or [B, F], cond mask, pad mask)."""
+    x = np.asarray(hidden_states, np.float32)
+    b, _, f, h, w = x.shape
+    t = np.asarray(timestep, np.float32)
+    if t.ndim == 0:
+        t = t[None]
+    if t.ndim == 5:
+        if t.shape != (b, 1, f, 1, 1):
+            raise ValueError(f"Expected timestep to have shape [B, 1, T, 1, 1] = {(b, 1, f, 1, 1)}, got {t.shape}")
+        t = t.reshape(b, f)
+    elif t.ndim != 1:
+        raise ValueError(f"Expected timestep to have shape [B, 1, T, 1, 1] or [T], got {t.shape}")
+    cm = None if condition_mask is None else np.asarray(condition_mask, np.float32).transpose(0, 2, 3, 4, 1)
+    pm = None
+    if cfg.concat_padding_mask:
+        if padding_mask is None:
+            raise ValueError("this model concatenates a padding mask: pass padding_mask [1, 1, H, W]")
+        p = np.asarray(padding_mask, np.float32)
+        pm = resize_nearest(p.reshape(-1, *p.shape[-2:]), h, w)
+    return jnp.asarray(x.transpose(0, 2, 3, 4, 1)), jnp.asarray(t), cm, pm
+
+
+class _CosmosDiTCompat(compat.CompatModel):
+    def __init__(self, config, state, cfg, runner: CosmosDiTRunner | None = None):
+        super().__init__("CosmosTransformer3DModel", config, state, cfg)
+        self.runner = runner
+        self._fwd = jax.jit(partial(forward, cfg=cfg), static_argnames=("fps",)) if runner is None else None
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, attention_mask=None, fps=None,
+                condition_mask=None, padding_mask=None, block_controlnet_hidden_states=None, **_):
+        if block_controlnet_hidden_states is not None:
+            raise NotImplementedError("controlnet residuals (Cosmos-Transfer2.5) are not ported")
+        if isinstance(encoder_hidden_states, tuple):
+            raise NotImplementedError("image-context cross-attention ((text, image) context) is not ported")
+        cfg = self.model_config
+        x, t, cm, pm = _ref_inputs(cfg, hidden_states, timestep, condition_mask, padding_mask)
+        ctx = jnp.asarray(np.asarray(encoder_hidden_states, np.float32))
+        mask = None if attention_mask is None else jnp.asarray(np.asarray(attention_mask).astype(bool))
+        kw = dict(cond_mask=cm, pad_mask=pm, ctx_mask=mask, fps=None if fps is None else float(fps))
+        y = self.runner(x, t, ctx, **kw) if self.runner is not None else self._fwd(self.params, x=x, t=t, ctx=ctx, **kw)
+        return np.asarray(y).transpose(0, 4, 1, 2, 3)
+
+
+@compat.register("CosmosTransformer3DModel", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
+    cfg = CosmosDiTConfig.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+        return _CosmosDiTCompat(config, jax.device_put(state), cfg)
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
+    state, cfg = load_dit(folder, cfg, dtype=dtype)
+    runner = CosmosDiTRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                             attn_impl=attn_impl)
+    return _CosmosDiTCompat(config, None, cfg, runner)

@@ -1,0 +1,793 @@
+"""Cosmos3 omni model (diffusers ``Cosmos3OmniTransformer``): a Mixture-of-Transformers, as Flax NNX.
+
+One packed sequence ``[text tokens (the "understanding" part, und_len tokens); vision tokens (the
+"generation" part)]`` runs through ``num_hidden_layers`` layers. Every layer holds **two full
+weight sets** -- q/k/v/o projections, q/k norms, pre-attention and pre-MLP RMS norms and the MLP --
+one used by every text token, one (``*_moe_gen``, ``add_*``) by every vision token: no routing, no
+gate, the modality decides (a Mixture-of-Transformers, not a sparse MoE). Attention is
+one-directional:
+
+- text tokens attend **causally** to text tokens only (the Qwen3 / Nemotron reasoner, unchanged);
+- vision tokens attend to **all** text keys and all vision keys (full attention), never the reverse.
+
+There is no AdaLN anywhere: the diffusion timestep (``t * timestep_scale``, a 256-wide sinusoid and
+a two-layer MLP kept in float32) is added once to the noisy frames' tokens after ``proj_in``;
+conditioning frames get nothing. Positions are a 3D multimodal RoPE (temporal / height / width
+frequencies interleaved; text positions on all three axes), the vision positions offset past the
+text by ``unified_3d_mrope_temporal_modality_margin`` and, with fps modulation, their temporal
+index scaled to the base frame rate.
+
+Because text never attends to vision and the timestep never reaches the text pathway, the text
+pathway's keys/values are the same at every denoising step: :meth:`Cosmos3Omni.text_cache`
+computes them once per prompt (every layer), and :meth:`Cosmos3Omni.vision` runs only the vision
+pathway against that cache each step. Together they are exactly the reference's forward, whose
+calling convention (``input_ids``, ``text_indexes``, ``position_ids``, ``und_len``,
+``sequence_length``, lists of ``vision_tokens`` with their shapes and index tensors...) is
+:func:`reference_forward` and the ``load_pretrained`` adapter.
+
+Ported: the vision generation path (text-to-image/video, image- and video-conditioned frames) for
+the Qwen3 (``silu``, q/k norms) and Nemotron (``relu2``, no text q/k norms, a separate text-key norm
+for the vision pathway) variants. Not ported: sound and action generation (their projections are
+left unread).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax import compat
+from vidax.core import mesh as vmesh
+from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+from vidax.core.attention import attention
+from vidax.core.embeddings import sinusoidal_embedding
+from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class Cosmos3Config:
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"  # "silu" (Qwen3: gated MLP) | "relu2" (Nemotron: relu(x)^2 MLP)
+    qk_norm_for_text: bool = True
+    use_und_k_norm_for_gen: bool = False
+    vocab_size: int = 151936
+    latent_channel: int = 48
+    latent_patch_size: int = 2
+    patch_latent_dim: int = 192
+    rope_theta: float = 5000000.0
+    rope_axes_dim: tuple = (24, 20, 20)
+    base_fps: int = 24
+    enable_fps_modulation: bool = True
+    unified_3d_mrope_reset_spatial_ids: bool = True
+    unified_3d_mrope_temporal_modality_margin: int = 15000
+    timestep_scale: float = 0.001
+    sound_gen: bool = False
+    action_gen: bool = False
+
+    def __post_init__(self):
+        if self.hidden_act not in ("silu", "relu2"):
+            raise ValueError(f"Cosmos3 hidden_act must be 'silu' or 'relu2', got {self.hidden_act!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.patch_latent_dim != self.latent_channel * self.latent_patch_size ** 2:
+            raise ValueError(f"patch_latent_dim {self.patch_latent_dim} != latent_channel x patch^2 "
+                             f"({self.latent_channel} x {self.latent_patch_size}^2)")
+        if 3 * max(self.rope_axes_dim[1:]) > self.head_dim // 2 + 2:
+            raise ValueError(f"rope_axes_dim {self.rope_axes_dim} does not fit head_dim {self.head_dim}")
+        object.__setattr__(self, "rope_axes_dim", tuple(int(a) for a in self.rope_axes_dim))
+
+    @property
+    def k_norm_for_gen(self) -> bool:
+        """A separate RMS norm on the text keys the vision pathway reads (Nemotron / Edge)."""
+        return self.use_und_k_norm_for_gen and not self.qk_norm_for_text
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "Cosmos3Config":
+        names = {f.name for f in fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in names}
+        if cfg.get("rope_axes_dim") is None:
+            rs = cfg.get("rope_scaling") or {}
+            kw["rope_axes_dim"] = tuple(rs.get("mrope_section", (24, 20, 20)))
+        return cls(**kw)
+
+    def to_diffusers(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+#: the released Cosmos3 sizes (Nano: Qwen3-VL-8B backbone; Edge: Nemotron-2B-Dense-VL, from the
+#: cosmos-framework release configs; its diffusers checkpoint is not public yet)
+PRESETS = {
+    "tiny": Cosmos3Config(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=12, vocab_size=384, latent_channel=8, patch_latent_dim=32,
+                          rope_axes_dim=(2, 2, 2), rope_theta=10000.0),
+    "tiny-edge": Cosmos3Config(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=12, vocab_size=384, latent_channel=8,
+                               patch_latent_dim=32, rope_axes_dim=(2, 2, 2), rope_theta=10000.0, hidden_act="relu2",
+                               qk_norm_for_text=False, use_und_k_norm_for_gen=True, rms_norm_eps=1e-5),
+    "nano": Cosmos3Config(),
+    "edge": Cosmos3Config(hidden_size=2048, intermediate_size=9216, num_hidden_layers=28, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=128, vocab_size=131072, hidden_act="relu2",
+                          qk_norm_for_text=False, use_und_k_norm_for_gen=True, rope_theta=1e8, rms_norm_eps=1e-5),
+}
+
+
+# ----------------------------------------------------------------------------------- layers
+def _rotate_half(x):
+    d = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., d:], x[..., :d]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` in float32. ``x``: [B, L, H, D]; ``cos``/``sin``: [B, L, D]."""
+    xf = x.astype(F32)
+    return (xf * cos[:, :, None] + _rotate_half(xf) * sin[:, :, None]).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``x * rsqrt(mean(x^2) + eps) * w`` with float32 statistics (both reference variants agree in float32)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float, axis=None, param_dtype=F32):
+        self.eps = eps
+        self.scale = nn.param(rngs, nnx.initializers.ones_init(), (dim,), axis, dtype=param_dtype)
+
+    def __call__(self, x):
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(F32)).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """``down(silu(gate(x)) * up(x))`` (Qwen3) or ``down(relu(up(x))^2)`` (Nemotron)."""
+
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(rngs=rngs, param_dtype=param_dtype, bias=False)
+        self.act = cfg.hidden_act
+        self.gate = nn.Linear(d, f, axes=("embed", "ffn"), **kw) if cfg.hidden_act == "silu" else None
+        self.up = nn.Linear(d, f, axes=("embed", "ffn"), **kw)
+        self.down = nn.Linear(f, d, axes=("ffn", "embed"), **kw)
+
+    def __call__(self, x, par: vsh.ParallelContext):
+        if self.act == "relu2":
+            return par.linear(self.down, jnp.square(jax.nn.relu(par.linear(self.up, x))))
+        return par.linear(self.down, jax.nn.silu(par.linear(self.gate, x)) * par.linear(self.up, x))
+
+
+class Pathway(nnx.Module):
+    """One modality's weight set of a layer: norms, q/k/v/o, q/k head norms, MLP."""
+
+    def __init__(self, cfg: Cosmos3Config, *, qk_norm: bool, k_norm_for_gen: bool = False, rngs: nnx.Rngs,
+                 param_dtype=F32):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype, bias=cfg.attention_bias)
+        nk = dict(rngs=rngs, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.head_dim = hd
+        self.ln1 = RMSNorm(d, **nk)
+        self.q = nn.Linear(d, h * hd, axes=("embed", "heads"), **kw)
+        self.k = nn.Linear(d, kv * hd, axes=("embed", "kv_heads"), **kw)
+        self.v = nn.Linear(d, kv * hd, axes=("embed", "kv_heads"), **kw)
+        self.o = nn.Linear(h * hd, d, axes=("heads", "embed"), **kw)
+        self.norm_q = RMSNorm(hd, **nk) if qk_norm else None
+        self.norm_k = RMSNorm(hd, **nk) if qk_norm else None
+        self.norm_k_gen = RMSNorm(hd, **nk) if k_norm_for_gen else None  # text keys as the vision pathway reads them
+        self.ln2 = RMSNorm(d, **nk)
+        self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def qkv(self, x, cos, sin, par: vsh.ParallelContext):
+        """Normed, roped ``q`` [B, L, Hl, hd], ``k`` and (text pathway with a separate key norm) the
+        vision pathway's view of ``k``, and ``v`` [B, L, KVl, hd]."""
+        hd = self.head_dim
+        h = self.ln1(x)
+        q = par.linear(self.q, h).reshape(*h.shape[:2], -1, hd)
+        k = par.linear(self.k, h).reshape(*h.shape[:2], -1, hd)
+        v = par.linear(self.v, h).reshape(*h.shape[:2], -1, hd)
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        k_gen = self.norm_k_gen(k) if self.norm_k_gen is not None else k
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), apply_rope(k_gen, cos, sin), v
+
+    def finish(self, x, o, par: vsh.ParallelContext):
+        """Output projection, residual, MLP, residual."""
+        x = x + par.linear(self.o, o.reshape(*o.shape[:2], -1)).astype(x.dtype)
+        return x + self.mlp(self.ln2(x), par).astype(x.dtype)
+
+
+def _expand_kv(k, groups: int):
+    """GQA: every group of ``groups`` query heads reads one key/value head."""
+    return k if groups == 1 else jnp.repeat(k, groups, axis=2)
+
+
+class MoTLayer(nnx.Module):
+    """One Mixture-of-Transformers layer: the ``und`` (text) and ``gen`` (vision) weight sets. The
+    stacked layers are run one pathway at a time (:func:`run_text`, :func:`run_vision`), so each
+    pass reads (and offloading streams) only its own weights."""
+
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.und = Pathway(cfg, qk_norm=cfg.qk_norm_for_text, k_norm_for_gen=cfg.k_norm_for_gen, rngs=rngs,
+                           param_dtype=param_dtype)
+        self.gen = Pathway(cfg, qk_norm=True, rngs=rngs, param_dtype=param_dtype)
+
+
+def text_layer(und: Pathway, x, cos, sin, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
+    """Causal text self-attention + MLP. Returns ``(x, k_for_vision, v)`` (the cache entries)."""
+    q, k, k_gen, v = und.qkv(x, cos, sin, par)
+    lq = x.shape[1]
+    causal = jnp.tril(jnp.ones((lq, lq), bool))[None, None]
+    o = attention(q, _expand_kv(k, groups), _expand_kv(v, groups), mask=causal, impl=par.attn_impl)
+    return und.finish(x, o, par), k_gen, v
+
+
+def vision_layer(gen: Pathway, x, cos, sin, k_text, v_text, text_mask, groups: int,
+                 par: vsh.ParallelContext = vsh.LOCAL):
+    """Vision tokens attend to every (real) text key and every vision key; MLP."""
+    q, k, _, v = gen.qkv(x, cos, sin, par)
+    o = joint_attention(q, _expand_kv(k, groups), _expand_kv(v, groups), _expand_kv(k_text, groups),
+                        _expand_kv(v_text, groups), text_mask, par)
+    return gen.finish(x, o, par)
+
+
+def joint_attention(q, k, v, k_text, v_text, text_mask, par: vsh.ParallelContext):
+    """Vision queries over ``[text keys; vision keys]``. ``q``/``k``/``v``: [B, Lg(/sp), Hl, hd]
+    (this device's vision tokens under sequence parallelism); ``k_text``/``v_text``: [B, Lu, Hl, hd]
+    (replicated over sp); ``text_mask``: [B, Lu] (1 = a real text token).
+
+    Under sp (Ulysses) the vision q/k/v go all-to-all to every token and a slice of the heads; the
+    text keys are already whole on every device, so each takes its own head slice: only the vision
+    part is exchanged."""
+    sp = par.size("sp")
+    if sp > 1:
+        def to_heads(t):
+            return jax.lax.all_to_all(t, "sp", split_axis=2, concat_axis=1, tiled=True)
+
+        q, k, v = to_heads(q), to_heads(k), to_heads(v)
+        hs = q.shape[2]
+        start = jax.lax.axis_index("sp") * hs
+        k_text = jax.lax.dynamic_slice_in_dim(k_text, start, hs, axis=2)
+        v_text = jax.lax.dynamic_slice_in_dim(v_text, start, hs, axis=2)
+    keys = jnp.concatenate([k_text.astype(k.dtype), k], axis=1)
+    vals = jnp.concatenate([v_text.astype(v.dtype), v], axis=1)
+    lg = k.shape[1]
+    mask = jnp.concatenate([jnp.asarray(text_mask, bool), jnp.ones((q.shape[0], lg), bool)], axis=1)
+    o = attention(q, keys, vals, mask=mask[:, None, None, :], impl=par.attn_impl)
+    if sp > 1:
+        o = jax.lax.all_to_all(o, "sp", split_axis=1, concat_axis=2, tiled=True)
+    return o
+
+
+class Cosmos3Embed(nnx.Module):
+    """Token embeddings, the latent patch projection and the timestep MLP (float32)."""
+
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.hidden_size
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.tokens = nn.Embed(cfg.vocab_size, d, rngs=rngs, axes=("vocab", "embed"), std=0.02, param_dtype=param_dtype)
+        self.proj_in = nn.Linear(cfg.patch_latent_dim, d, axes=(None, "embed"), **kw)
+        self.t1 = nn.Linear(256, d, rngs=rngs, param_dtype=F32)
+        self.t2 = nn.Linear(d, d, rngs=rngs, param_dtype=F32)
+
+    def text(self, ids):
+        return self.tokens(jnp.asarray(ids, jnp.int32))
+
+    def vision(self, patches, t, noisy):
+        """``patches`` [B, L, p*p*C], ``t`` [B, L] (the scheduler's timestep, e.g. 999), ``noisy``
+        [B, L] (1 where the token's frame is noisy) -> tokens [B, L, D]."""
+        h = self.proj_in(patches)
+        e = sinusoidal_embedding(jnp.asarray(t, F32) * self.cfg.timestep_scale, 256, flip_sin_to_cos=True)
+        temb = self.t2(jax.nn.silu(self.t1(e)))
+        return h + (temb * jnp.asarray(noisy, F32)[..., None]).astype(h.dtype)
+
+
+class Cosmos3Omni(nnx.Module):
+    """The Cosmos3 omni model (vision generation): ``embed`` -> stacked ``layers`` -> ``head``
+    (the vision pathway's final norm + ``proj_out``). The text pathway's final norm only shapes text
+    outputs (none are used here)."""
+
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = Cosmos3Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.layers = nn.stack(lambda r: MoTLayer(cfg, rngs=r, param_dtype=param_dtype), cfg.num_hidden_layers, rngs)
+        self.head = Cosmos3Head(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    @property
+    def groups(self) -> int:
+        return self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+
+    def text_cache(self, ids, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
+        """The text pathway over ``ids`` [B, Lu] (padded at the end: a real token never sees a pad)
+        -> (keys, values) [layers, B, Lu, KVl, hd] as every layer's vision attention reads them."""
+        return run_text(self.layers.und, self.embed.text(ids), cos, sin, self.groups, par)[1]
+
+    def vision(self, patches, t, noisy, cos, sin, cache, text_mask, par: vsh.ParallelContext = vsh.LOCAL):
+        """One denoising evaluation: vision tokens [B, Lg, p*p*C] -> predictions [B, Lg, p*p*C]."""
+        h = self.embed.vision(patches, t, noisy)
+        h = run_vision(self.layers.gen, h, cos, sin, cache, text_mask, self.groups, par)
+        return self.head(h)
+
+
+class Cosmos3Head(nnx.Module):
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.norm = RMSNorm(cfg.hidden_size, rngs=rngs, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.proj_out = nn.Linear(cfg.hidden_size, cfg.patch_latent_dim, axes=("embed", None), rngs=rngs,
+                                  param_dtype=param_dtype)
+
+    def __call__(self, h):
+        return self.proj_out(self.norm(h))
+
+
+def _split(stack):
+    return nnx.split(stack) if isinstance(stack, nnx.Module) else stack
+
+
+def run_text(und_stack, x, cos, sin, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
+    """Scan the text pathway over its stacked weights (the module, or ``(graphdef, state)`` of it or
+    of an offload chunk), collecting each layer's (k, v). Returns ``(x, (k, v))``."""
+    graphdef, state = _split(und_stack)
+
+    def step(h, s):
+        h, k, v = text_layer(nnx.merge(graphdef, s), h, cos, sin, groups, par)
+        return h, (k, v)
+
+    return jax.lax.scan(step, x, state)
+
+
+def run_vision(gen_stack, x, cos, sin, cache, text_mask, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
+    """Scan the vision pathway over its stacked weights with the matching cache slices."""
+    graphdef, state = _split(gen_stack)
+
+    def step(h, sc):
+        s, k, v = sc
+        return vision_layer(nnx.merge(graphdef, s), h, cos, sin, k, v, text_mask, groups, par), None
+
+    h, _ = jax.lax.scan(step, x, (state, cache[0], cache[1]))
+    return h
+
+
+# ----------------------------------------------------------------------------------- positions
+def text_positions(n: int, float_positions: bool) -> np.ndarray:
+    """[3, n]: the same increasing position on all three axes."""
+    ids = np.arange(n, dtype=np.float32 if float_positions else np.int64)
+    return np.broadcast_to(ids, (3, n)).copy()
+
+
+def vision_positions(cfg: Cosmos3Config, grid, offset, fps=None, temporal_compression: int = 4) -> np.ndarray:
+    """[3, T*h*w] mRoPE positions of a vision grid starting at ``offset`` (the reference's
+    ``get_3d_mrope_ids_vae_tokens``): with fps modulation (and more than one frame) the temporal
+    index is ``frame / (fps / tc) * (base_fps / tc) + offset`` in float32."""
+    gt, gh, gw = grid
+    fps = fps if cfg.enable_fps_modulation else None
+    h_idx = np.broadcast_to(np.arange(gh)[None, :, None], (gt, gh, gw)).reshape(-1)
+    w_idx = np.broadcast_to(np.arange(gw)[None, None, :], (gt, gh, gw)).reshape(-1)
+    if not cfg.unified_3d_mrope_reset_spatial_ids:
+        h_idx, w_idx = h_idx + int(offset), w_idx + int(offset)
+    if fps is not None and gt > 1:
+        tps = float(fps) / temporal_compression
+        base_tps = float(cfg.base_fps) / temporal_compression
+        frames = np.arange(gt, dtype=np.float32)
+        scaled = (frames / np.float32(tps) * np.float32(base_tps) + np.float32(offset)).astype(np.float32)
+        t_idx = np.repeat(scaled, gh * gw)
+        return np.stack([t_idx, h_idx.astype(np.float32), w_idx.astype(np.float32)])
+    t_idx = np.repeat(np.arange(gt, dtype=np.int64), gh * gw) + int(offset)
+    return np.stack([t_idx, h_idx, w_idx]).astype(np.int64)
+
+
+def vision_offset(cfg: Cosmos3Config, und_len: int) -> int:
+    return und_len + cfg.unified_3d_mrope_temporal_modality_margin
+
+
+def rope_angles(cfg: Cosmos3Config, positions) -> np.ndarray:
+    """[N, head_dim] angles from mRoPE positions [3, N] (interleaved T/H/W frequency slots)."""
+    hd = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
+    pos = np.asarray(positions, np.float32)  # [3, N]
+    freqs = (pos[:, :, None] * inv[None, None, :]).astype(np.float32)  # [3, N, hd/2]
+    f = freqs[0].copy()
+    for axis, offset in ((1, 1), (2, 2)):
+        sl = slice(offset, cfg.rope_axes_dim[axis] * 3, 3)
+        f[:, sl] = freqs[axis][:, sl]
+    return np.concatenate([f, f], axis=-1)
+
+
+def rope_tables(cfg: Cosmos3Config, positions):
+    a = rope_angles(cfg, positions)
+    return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------- (un)patchify
+def patch_grid(cfg: Cosmos3Config, latent_thw) -> tuple[int, int, int]:
+    p = cfg.latent_patch_size
+    t, h, w = latent_thw
+    return t, -(-h // p), -(-w // p)
+
+
+def patchify(cfg: Cosmos3Config, x):
+    """Channels-last latents [B, T, H, W, C] -> [B, T*hp*wp, p*p*C] (zero-padded to the patch grid;
+    the reference's ``(p_h, p_w, C)`` order)."""
+    b, t, h, w, c = x.shape
+    p = cfg.latent_patch_size
+    _, hp, wp = patch_grid(cfg, (t, h, w))
+    if hp * p != h or wp * p != w:
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, hp * p - h), (0, wp * p - w), (0, 0)))
+    x = x.reshape(b, t, hp, p, wp, p, c).transpose(0, 1, 2, 4, 3, 5, 6)
+    return x.reshape(b, t * hp * wp, p * p * c)
+
+
+def unpatchify(cfg: Cosmos3Config, y, thw):
+    """[B, T*hp*wp, p*p*C] -> [B, T, H, W, C] (the padding cropped)."""
+    t, h, w = thw
+    p = cfg.latent_patch_size
+    _, hp, wp = patch_grid(cfg, thw)
+    b = y.shape[0]
+    y = y.reshape(b, t, hp, wp, p, p, -1).transpose(0, 1, 2, 4, 3, 5, 6).reshape(b, t, hp * p, wp * p, -1)
+    return y[:, :, :h, :w]
+
+
+# ----------------------------------------------------------------------------------- state
+def _build(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> Cosmos3Omni:
+    return Cosmos3Omni(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+
+def init_model(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> Cosmos3Omni:
+    """Seeded random weights (presets, tests), every one perturbed."""
+    return nn.perturb(_build(cfg, seed, dtype), seed)
+
+
+def init_state(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> nnx.State:
+    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
+
+
+def abstract_state(cfg: Cosmos3Config, dtype=np.float32) -> nnx.State:
+    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
+
+
+def param_shapes(cfg: Cosmos3Config, dtype=np.float32) -> dict:
+    return nn.shapes(lambda: _build(cfg, 0, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def graphdefs(cfg: Cosmos3Config, dtype: str = "float32") -> dict:
+    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
+    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "und": nnx.graphdef(m.layers.und),
+            "gen": nnx.graphdef(m.layers.gen), "head": nnx.graphdef(m.head)}
+
+
+def state_dtype(state) -> np.dtype:
+    return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
+
+
+def merge(state, cfg: Cosmos3Config) -> Cosmos3Omni:
+    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+
+
+@partial(jax.jit, static_argnums=(1,))
+def text_cache(state, cfg: Cosmos3Config, ids, cos, sin):
+    """Jitted :meth:`Cosmos3Omni.text_cache` (one device)."""
+    return merge(state, cfg).text_cache(ids, cos, sin)
+
+
+def vision_forward(state, cfg: Cosmos3Config, patches, t, noisy, cos, sin, cache, text_mask, *, attn_impl=None):
+    """:meth:`Cosmos3Omni.vision` from a state (pure; jit it with ``static_argnums=1``)."""
+    return merge(state, cfg).vision(patches, t, noisy, cos, sin, cache, text_mask,
+                                    vsh.ParallelContext(attn_impl=attn_impl))
+
+
+# ----------------------------------------------------------------------------------- the reference's calling convention
+def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, position_ids, und_len: int,
+                      sequence_length: int, vision_tokens, vision_token_shapes, vision_sequence_indexes,
+                      vision_mse_loss_indexes, vision_timesteps, vision_noisy_frame_indexes, **extra):
+    """``Cosmos3OmniTransformer.forward`` (vision generation) on numpy inputs in the reference's layout:
+    one packed sample whose text fills ``[0, und_len)`` and whose vision items follow it in order.
+    Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames)."""
+    for k, v in extra.items():
+        if k.startswith(("sound_", "action_")) and v is not None:
+            raise NotImplementedError(f"Cosmos3 {k}: sound and action generation are not ported")
+    und_len = int(und_len)
+    text_indexes = np.asarray(text_indexes).reshape(-1)
+    ids = np.asarray(input_ids).reshape(-1)
+    if len(ids) != und_len or not np.array_equal(text_indexes, np.arange(und_len)):
+        raise NotImplementedError("Cosmos3: the text must fill the understanding prefix [0, und_len) "
+                                  "(vision understanding tokens are not ported)")
+    vis_idx = np.asarray(vision_sequence_indexes).reshape(-1)
+    if not np.array_equal(vis_idx, np.arange(und_len, int(sequence_length))):
+        raise NotImplementedError("Cosmos3: the vision tokens must follow the text, packed, up to sequence_length")
+    p = cfg.latent_patch_size
+    pos = np.asarray(position_ids)
+    if pos.ndim == 1:
+        pos = np.broadcast_to(pos, (3, pos.shape[0]))
+    cos, sin = rope_tables(cfg, pos)
+    patches, noisy, t_tok, shapes = [], [], [], []
+    timesteps = np.asarray(vision_timesteps, np.float32).reshape(-1)
+    n_seen = 0
+    for lat, shape, noisy_frames in zip(vision_tokens, vision_token_shapes, vision_noisy_frame_indexes):
+        lat = np.asarray(lat, np.float32)[0]  # [C, T, H, W]
+        c, tt, hh, ww = lat.shape
+        grid = patch_grid(cfg, (tt, hh, ww))
+        if tuple(int(s) for s in shape) != grid:
+            raise ValueError(f"vision_token_shapes {tuple(shape)} != the latent's patch grid {grid}")
+        patches.append(np.asarray(patchify(cfg, jnp.asarray(lat.transpose(1, 2, 3, 0))[None]))[0])
+        per_frame = grid[1] * grid[2]
+        m = np.zeros(tt, np.float32)
+        m[np.asarray(noisy_frames, np.int64).reshape(-1)] = 1.0
+        noisy.append(np.repeat(m, per_frame))
+        # the noisy frames' tokens take the timesteps in order; the others none
+        t = np.zeros(tt * per_frame, np.float32)
+        sel = np.nonzero(np.repeat(m, per_frame))[0]
+        t[sel] = timesteps[n_seen:n_seen + len(sel)]
+        n_seen += len(sel)
+        t_tok.append(t)
+        shapes.append(((tt, hh, ww), np.asarray(noisy_frames, np.int64).reshape(-1), grid))
+    dt = state_dtype(state)
+    cache = text_cache(state, cfg, jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]),
+                       jnp.asarray(sin[None, :und_len]))
+    out = _vision_jit(state, cfg, jnp.asarray(np.concatenate(patches)[None], dt),
+                      jnp.asarray(np.concatenate(t_tok)[None]), jnp.asarray(np.concatenate(noisy)[None]),
+                      jnp.asarray(cos[None, und_len:]), jnp.asarray(sin[None, und_len:]), cache,
+                      jnp.ones((1, und_len), bool))
+    last = np.asarray(out, np.float32)[0]  # [Lg, p*p*C] for every vision token
+    preds = last[np.asarray(vision_mse_loss_indexes).reshape(-1) - und_len]
+    results, start = [], 0
+    for thw, noisy_frames, grid in shapes:
+        tt, hh, ww = thw
+        _, hp, wp = grid
+        y = np.zeros((cfg.latent_channel, tt, hh, ww), np.float32)
+        n = len(noisy_frames) * hp * wp
+        if n:
+            blk = preds[start:start + n].reshape(len(noisy_frames), hp, wp, p, p, cfg.latent_channel)
+            blk = blk.transpose(5, 0, 1, 3, 2, 4).reshape(cfg.latent_channel, len(noisy_frames), hp * p, wp * p)
+            y[:, noisy_frames] = blk[:, :, :hh, :ww]
+            start += n
+        results.append(y[None])
+    return results
+
+
+_vision_jit = jax.jit(vision_forward, static_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------------- sharding
+#: Tensor parallelism: attention heads and key/value heads of both pathways split over tp (q/k/v
+#: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
+#: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
+#: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
+#: every device (they are short and computed once per prompt).
+AXIS_RULES = {"tp": {"heads": "tp", "kv_heads": "tp", "ffn": "tp", "vocab": "tp"}, "sp": {}}
+
+
+def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
+    r = [vmesh.Divisible("num_attention_heads", cfg.num_attention_heads, ("tp", "sp"),
+                         "query heads are split over tp (weights) and sp (Ulysses): tp*sp must divide them"),
+         vmesh.Divisible("num_key_value_heads", cfg.num_key_value_heads, ("tp",),
+                         "key/value heads are split over tp"),
+         vmesh.Divisible("intermediate_size", cfg.intermediate_size, ("tp",), "the MLPs are split over tp"),
+         vmesh.Divisible("vocab_size", cfg.vocab_size, ("tp",), "the token-embedding table is split over tp")]
+    if tokens is not None:
+        r.append(vmesh.Divisible("vision tokens", tokens, ("sp",), "sequence parallel splits the vision tokens"))
+    if batch is not None:
+        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+    return r
+
+
+def _rest(state) -> nnx.State:
+    return nnx.State({k: v for k, v in state.items() if k != "layers"})
+
+
+class Cosmos3Runner:
+    """The Cosmos3 model on a ``(dp, tp, sp)`` mesh, layers resident or offloaded.
+
+    ``runner.text_cache(ids, cos, sin)`` once per prompt batch, then ``runner.vision(patches, t,
+    noisy, cos, sin, cache, text_mask)`` per step (the module's contracts). Offloading keeps two
+    chunk pools: the text pathway's weights (streamed once per prompt batch, for the cache) and the
+    vision pathway's (streamed every step)."""
+
+    def __init__(self, state, cfg: Cosmos3Config, mesh=None, parallelism: str | None = None, *,
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        self.cfg, self.attn_impl = cfg, attn_impl
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.mesh = vmesh.make_mesh(mesh)
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = state_dtype(state)
+        self.graphs = graphdefs(cfg, self.dtype.name)
+        self.rest_specs = _rest(self.specs)
+        self.und_specs, self.gen_specs = self.specs["layers"]["und"], self.specs["layers"]["gen"]
+        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        und_sh = vsh.named_shardings(self.mesh, self.und_specs)
+        gen_sh = vsh.named_shardings(self.mesh, self.gen_specs)
+        tp_kv = vsh.ParallelContext.create(mapping, self.mesh).size("tp") > 1 and mapping.get("kv_heads") == "tp"
+        self.cache_spec = P(None, "dp", None, "tp" if tp_kv else None, None)  # [layers, B, Lu, KV, hd]
+        self.offload = None
+        if offload_chunk_size is None:
+            self.und = vsh.place(state["layers"]["und"], und_sh)
+            self.gen = vsh.place(state["layers"]["gen"], gen_sh)
+            self._text = jax.jit(self._text_resident)
+            self._vision = jax.jit(self._vision_resident)
+        else:
+            self.und = self.gen = None
+            self.offload = voff.OffloadRunner(prefetch=prefetch)
+            self.chunk = voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
+            self.offload.add_stack("text", state["layers"]["und"], self._text_chunk, self.chunk, und_sh)
+            self.offload.add_stack("vision", state["layers"]["gen"], self._vision_chunk, self.chunk, gen_sh)
+            self._embed_text = jax.jit(self._embed_text_fn)
+            self._embed_vision = jax.jit(self._embed_vision_fn)
+            self._head = jax.jit(self._head_fn)
+
+    def check_inputs(self, batch: int, tokens: int) -> None:
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=batch), self.mesh)
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    # ---------------------------------------------------------------- units (inside shard_map)
+    def _text_unit(self, und, x, cos, sin):
+        return run_text((self.graphs["und"], und), x, cos, sin, self.groups, self.par)
+
+    def _vision_unit(self, gen, h, cos, sin, k, v, tm):
+        return run_vision((self.graphs["gen"], gen), h, cos, sin, (k, v), tm, self.groups, self.par)
+
+    def _embed_text_fn(self, rest, ids):
+        return nnx.merge(self.graphs["embed"], rest["embed"]).text(ids)
+
+    def _embed_vision_fn(self, rest, patches, t, noisy):
+        return nnx.merge(self.graphs["embed"], rest["embed"]).vision(patches, t, noisy)
+
+    def _head_fn(self, rest, h):
+        return nnx.merge(self.graphs["head"], rest["head"])(h)
+
+    # ---------------------------------------------------------------- resident
+    def _text_resident(self, rest, und, ids, cos, sin):
+        x = self._embed_text_fn(rest, ids)
+        tok = P("dp", None, None)
+        _, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
+                               (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
+        return k, v
+
+    def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm):
+        tok3 = P("dp", "sp", None)
+        h = self._embed_vision_fn(rest, patches, t, noisy)
+        h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
+                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+        return self._head_fn(rest, h)
+
+    # ---------------------------------------------------------------- offloaded chunks
+    def _text_chunk(self, und, carry, cos, sin):
+        x, ks, vs, i = carry
+        tok = P("dp", None, None)
+        x, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
+                               (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
+        ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(ks.dtype), i, axis=0)
+        vs = jax.lax.dynamic_update_slice_in_dim(vs, v.astype(vs.dtype), i, axis=0)
+        return x, ks, vs, i + self.chunk
+
+    def _vision_chunk(self, gen, carry, ks, vs, cos, sin, tm):
+        h, i = carry
+        k = jax.lax.dynamic_slice_in_dim(ks, i, self.chunk, axis=0)
+        v = jax.lax.dynamic_slice_in_dim(vs, i, self.chunk, axis=0)
+        tok3 = P("dp", "sp", None)
+        h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
+                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+        return h, i + self.chunk
+
+    def _zero(self):
+        """The layer counter an offloaded pass carries, replicated over the mesh."""
+        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, P()))
+
+    # ---------------------------------------------------------------- public
+    def text_cache(self, ids, cos, sin):
+        ids, cos, sin = jnp.asarray(ids, jnp.int32), jnp.asarray(cos, F32), jnp.asarray(sin, F32)
+        if self.offload is None:
+            return self._text(self.rest, self.und, ids, cos, sin)
+        x = self._embed_text(self.rest, ids)
+        b, lu = ids.shape
+        shape = (self.cfg.num_hidden_layers, b, lu, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        s = NamedSharding(self.mesh, self.cache_spec)
+        ks, vs = jax.jit(lambda: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype)), out_shardings=(s, s))()
+        _, ks, vs, _ = self.offload.run("text", (x, ks, vs, self._zero()), cos, sin)
+        return ks, vs
+
+    def vision(self, patches, t, noisy, cos, sin, cache, text_mask):
+        patches = jnp.asarray(patches).astype(self.dtype)
+        self.check_inputs(patches.shape[0], patches.shape[1])
+        t, noisy = jnp.asarray(t, F32), jnp.asarray(noisy, F32)
+        cos, sin, tm = jnp.asarray(cos, F32), jnp.asarray(sin, F32), jnp.asarray(text_mask, bool)
+        if self.offload is None:
+            return self._vision(self.rest, self.gen, patches, t, noisy, cos, sin, cache[0], cache[1], tm)
+        h = self._embed_vision(self.rest, patches, t, noisy)
+        h, _ = self.offload.run("vision", (h, self._zero()), cache[0], cache[1], cos, sin, tm)
+        return self._head(self.rest, h)
+
+
+# ----------------------------------------------------------------------------------- key maps
+def keymap(cfg: Cosmos3Config, prefix: str = "") -> KeyMap:
+    """diffusers ``Cosmos3OmniTransformer`` names (optionally under a ``model.`` prefix) -> state paths.
+    The LM head and the sound / action projections are not read."""
+
+    def lin(ref, dst, bias):
+        return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+    b = cfg.attention_bias
+    top = [("embed_tokens.weight", "embed.tokens.embedding", "none"), *lin("proj_in", "embed.proj_in", True),
+           *lin("proj_out", "head.proj_out", True), *lin("time_embedder.linear_1", "embed.t1", True),
+           *lin("time_embedder.linear_2", "embed.t2", True), ("norm_moe_gen.weight", "head.norm.scale", "none")]
+    layer = []
+    for path, names in (("und", dict(q="to_q", k="to_k", v="to_v", o="to_out", nq="norm_q", nk="norm_k",
+                                    ln1="input_layernorm", ln2="post_attention_layernorm", mlp="mlp")),
+                        ("gen", dict(q="add_q_proj", k="add_k_proj", v="add_v_proj", o="to_add_out", nq="norm_added_q",
+                                     nk="norm_added_k", ln1="input_layernorm_moe_gen",
+                                     ln2="post_attention_layernorm_moe_gen", mlp="mlp_moe_gen"))):
+        for x in "qkvo":
+            layer += lin(f"self_attn.{names[x]}", f"{path}.{x}", b)
+        if path == "gen" or cfg.qk_norm_for_text:
+            layer += [(f"self_attn.{names['nq']}.weight", f"{path}.norm_q.scale", "none"),
+                      (f"self_attn.{names['nk']}.weight", f"{path}.norm_k.scale", "none")]
+        layer += [(f"{names['ln1']}.weight", f"{path}.ln1.scale", "none"),
+                  (f"{names['ln2']}.weight", f"{path}.ln2.scale", "none")]
+        if cfg.hidden_act == "silu":
+            layer += lin(f"{names['mlp']}.gate_proj", f"{path}.mlp.gate", False)
+        layer += lin(f"{names['mlp']}.up_proj", f"{path}.mlp.up", False) + lin(f"{names['mlp']}.down_proj",
+                                                                            f"{path}.mlp.down", False)
+    if cfg.k_norm_for_gen:
+        layer += [("self_attn.k_norm_und_for_gen.weight", "und.norm_k_gen.scale", "none")]
+    rules = [Rule(prefix + s, d, k) for s, d, k in top]
+    rules += [Rule(f"{prefix}layers.{{i}}.{s}", f"layers.{d}", k) for s, d, k in layer]
+    p = prefix.replace(".", r"\.")
+    ignore = [rf"^{p}lm_head\.", rf"^{p}norm\.weight$", rf"^{p}audio_", rf"^{p}action_"]
+    return KeyMap(rules, ignore=ignore)
+
+
+def load_model(path, cfg: Cosmos3Config | None = None, dtype=np.float32):
+    """Weights from a diffusers ``transformer/`` folder (or a file with the same names, optionally
+    under ``model.``). Returns ``(state, cfg)`` (host numpy; nothing random materialised)."""
+    path = Path(path)
+    if cfg is None:
+        if not (path.is_dir() and (path / "config.json").exists()):
+            raise ValueError(f"{path}: no config.json; pass the Cosmos3 config")
+        cfg = Cosmos3Config.from_diffusers(compat.read_config(path))
+    ckpt = open_checkpoint(path)
+    prefix = "model." if any(n.startswith("model.layers.") for n in ckpt) else ""
+    pure, cfg = load_checkpoint_params(
+        ckpt, cfg, is_original=lambda names: False, config_from_original=None,
+        keymap=lambda c, original: keymap(c, prefix), shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
+        what=lambda c: f"Cosmos3OmniTransformer (hidden {c.hidden_size}, {c.num_hidden_layers} layers)", source=path)
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+
+
+# ----------------------------------------------------------------------------------- compat
+class _Cosmos3Compat(compat.CompatModel):
+    def __init__(self, config, state, cfg):
+        super().__init__("Cosmos3OmniTransformer", config, state, cfg)
+
+    def forward(self, **kw):
+        """The reference's keywords (numpy) -> the per-item vision predictions (its first output)."""
+        kw.pop("return_dict", None)
+        return reference_forward(self.params, self.model_config, **kw)
+
+
+@compat.register("Cosmos3OmniTransformer")
+def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
+    cfg = Cosmos3Config.from_diffusers(config)
+    state, cfg = load_model(folder, cfg, dtype=dtype)
+    return _Cosmos3Compat(config, jax.device_put(state), cfg)
