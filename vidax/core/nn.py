@@ -285,3 +285,56 @@ class RMSNorm(nnx.Module):
             ss, n = par.feature_sum(self.scale, ss, n)
         y = xf * jax.lax.rsqrt(ss / n + self.eps) * self.scale[...].astype(jnp.float32)
         return y.astype(x.dtype)
+
+
+class ModelKit:
+    """The construction helpers a family's top-level module exposes, written once. ``cls(cfg,
+    rngs=, param_dtype=)`` builds the module; ``units`` names the graphdefs the runners merge one
+    unit at a time (name -> dotted attribute path, e.g. ``{"blocks": "blocks"}``);
+    ``dtype_leaf`` is the state path whose dtype is the checkpoint's. A family module binds the
+    methods to its own names (``init_model = KIT.init_model`` ...), so its public API is unchanged::
+
+        KIT = nn.ModelKit(WanTransformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "patch", "kernel"))
+    """
+
+    def __init__(self, cls, units, dtype_leaf: tuple[str, ...]):
+        self.cls = cls
+        self.units = dict(units) if isinstance(units, dict) else {u: u for u in units}
+        self.dtype_leaf = tuple(dtype_leaf)
+        self.graphdefs = functools.lru_cache(maxsize=None)(self._graphdefs)
+
+    def build(self, cfg, seed: int = 0, dtype=np.float32):
+        return self.cls(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+
+    def init_model(self, cfg, seed: int = 0, dtype=np.float32):
+        """A seeded random module (presets, tests): every weight perturbed (no zero biases, no unit norms)."""
+        return perturb(self.build(cfg, seed, dtype), seed)
+
+    def init_state(self, cfg, seed: int = 0, dtype=np.float32) -> nnx.State:
+        """:meth:`init_model`'s state in host memory (numpy leaves)."""
+        return jax.tree.map(np.asarray, nnx.state(self.init_model(cfg, seed, dtype)))
+
+    def abstract_state(self, cfg, dtype=np.float32) -> nnx.State:
+        return abstract_state(lambda: self.build(cfg, 0, dtype))[1]
+
+    def param_shapes(self, cfg, dtype=np.float32) -> dict:
+        return shapes(lambda: self.build(cfg, 0, dtype))
+
+    def _graphdefs(self, cfg, dtype: str = "float32") -> dict:
+        m = nnx.eval_shape(lambda: self.build(cfg, 0, dtype))
+        out = {"model": nnx.graphdef(m)}
+        for name, path in self.units.items():
+            unit = m
+            for part in path.split("."):
+                unit = getattr(unit, part)
+            out[name] = nnx.graphdef(unit)
+        return out
+
+    def state_dtype(self, state) -> np.dtype:
+        leaf = state
+        for k in self.dtype_leaf:
+            leaf = leaf[k]
+        return np.dtype(jax.tree.leaves(leaf)[0].dtype)
+
+    def merge(self, state, cfg):
+        return nnx.merge(self.graphdefs(cfg, self.state_dtype(state).name)["model"], state)

@@ -30,7 +30,6 @@ the replicated text tokens' q/k/v sliced to the local heads.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from functools import partial
@@ -573,41 +572,12 @@ def unpatchify(cfg: CogVideoXConfig, y, grid):
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> CogVideoXTransformer:
-    return CogVideoXTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
-
-
-def init_model(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> CogVideoXTransformer:
-    """A seeded random DiT (presets, tests): every weight perturbed (no zero biases, no unit norms)."""
-    return nn.perturb(_build(cfg, seed, dtype), seed)
-
-
-def init_state(cfg: CogVideoXConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
-    """:func:`init_model`'s state in host memory (numpy leaves)."""
-    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
-
-
-def abstract_state(cfg: CogVideoXConfig, dtype=np.float32) -> nnx.State:
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: CogVideoXConfig, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdefs(cfg: CogVideoXConfig, dtype: str = "float32") -> dict:
-    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
-            "head": nnx.graphdef(m.head)}
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["text"]["kernel"])[0].dtype)
-
-
-def merge(state, cfg: CogVideoXConfig) -> CogVideoXTransformer:
-    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+KIT = nn.ModelKit(CogVideoXTransformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "text", "kernel"))
+#: seeded random modules for presets and tests, the abstract state a checkpoint fills, its shapes
+#: (the key maps' target), the graphdefs the runner merges unit by unit, the state's dtype, and
+#: the module back from a state inside a traced function (the unit of ``jit``): see ``nn.ModelKit``
+_build, init_model, init_state, abstract_state = KIT.build, KIT.init_model, KIT.init_state, KIT.abstract_state
+param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, KIT.state_dtype, KIT.merge
 
 
 def forward(state, cfg: CogVideoXConfig, x, t, ctx, ofs=None, rope=None, pos=None, *, attn_impl=None):

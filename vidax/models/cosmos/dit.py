@@ -25,7 +25,6 @@ cross-attention to the text stays local) and offloads the stacked blocks in chun
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from functools import partial
@@ -462,41 +461,12 @@ def rope_tables(cfg: CosmosDiTConfig, grid, fps=None):
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> CosmosTransformer:
-    return CosmosTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
-
-
-def init_model(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> CosmosTransformer:
-    """A seeded random DiT (presets, tests): every weight perturbed (no zero biases, no unit norms)."""
-    return nn.perturb(_build(cfg, seed, dtype), seed)
-
-
-def init_state(cfg: CosmosDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
-    """:func:`init_model`'s state in host memory (numpy leaves)."""
-    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
-
-
-def abstract_state(cfg: CosmosDiTConfig, dtype=np.float32) -> nnx.State:
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: CosmosDiTConfig, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdefs(cfg: CosmosDiTConfig, dtype: str = "float32") -> dict:
-    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
-            "head": nnx.graphdef(m.head)}
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
-
-
-def merge(state, cfg: CosmosDiTConfig) -> CosmosTransformer:
-    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+KIT = nn.ModelKit(CosmosTransformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "patch", "kernel"))
+#: seeded random modules for presets and tests, the abstract state a checkpoint fills, its shapes
+#: (the key maps' target), the graphdefs the runner merges unit by unit, the state's dtype, and
+#: the module back from a state inside a traced function (the unit of ``jit``): see ``nn.ModelKit``
+_build, init_model, init_state, abstract_state = KIT.build, KIT.init_model, KIT.init_state, KIT.abstract_state
+param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, KIT.state_dtype, KIT.merge
 
 
 def forward(state, cfg: CosmosDiTConfig, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,

@@ -32,7 +32,6 @@ left unread).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from functools import partial
@@ -442,40 +441,12 @@ def unpatchify(cfg: Cosmos3Config, y, thw):
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> Cosmos3Omni:
-    return Cosmos3Omni(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
-
-
-def init_model(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> Cosmos3Omni:
-    """Seeded random weights (presets, tests), every one perturbed."""
-    return nn.perturb(_build(cfg, seed, dtype), seed)
-
-
-def init_state(cfg: Cosmos3Config, seed: int = 0, dtype=np.float32) -> nnx.State:
-    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
-
-
-def abstract_state(cfg: Cosmos3Config, dtype=np.float32) -> nnx.State:
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: Cosmos3Config, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdefs(cfg: Cosmos3Config, dtype: str = "float32") -> dict:
-    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "und": nnx.graphdef(m.layers.und),
-            "gen": nnx.graphdef(m.layers.gen), "head": nnx.graphdef(m.head)}
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
-
-
-def merge(state, cfg: Cosmos3Config) -> Cosmos3Omni:
-    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+KIT = nn.ModelKit(Cosmos3Omni, units={"embed": "embed", "und": "layers.und", "gen": "layers.gen", "head": "head"}, dtype_leaf=("embed", "proj_in", "kernel"))
+#: seeded random modules for presets and tests, the abstract state a checkpoint fills, its shapes
+#: (the key maps' target), the graphdefs the runner merges unit by unit, the state's dtype, and
+#: the module back from a state inside a traced function (the unit of ``jit``): see ``nn.ModelKit``
+_build, init_model, init_state, abstract_state = KIT.build, KIT.init_model, KIT.init_state, KIT.abstract_state
+param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, KIT.state_dtype, KIT.merge
 
 
 @partial(jax.jit, static_argnums=(1,))

@@ -37,7 +37,6 @@ families to reuse.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import dataclass, fields
@@ -525,8 +524,14 @@ class HunyuanVideoTransformer(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
-    return HunyuanVideoTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+UNITS = ("embed", "double", "single", "head")
+POOLS = ("double", "single")
+KIT = nn.ModelKit(HunyuanVideoTransformer, units=UNITS, dtype_leaf=("embed", "patch", "kernel"))
+#: the abstract state a checkpoint fills, its shapes, the graphdefs the runner merges unit by unit,
+#: the state's dtype and the module back from a state: see ``nn.ModelKit`` (the seeded weights
+#: below are drawn in numpy instead: :func:`seeded_state`)
+_build, abstract_state, param_shapes = KIT.build, KIT.abstract_state, KIT.param_shapes
+graphdefs, state_dtype, merge = KIT.graphdefs, KIT.state_dtype, KIT.merge
 
 
 def seeded_state(build, seed: int = 0):
@@ -562,33 +567,6 @@ def init_state(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> nnx.
 
 def init_model(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> HunyuanVideoTransformer:
     return nnx.merge(graphdefs(cfg, np.dtype(dtype).name)["model"], jax.tree.map(jnp.asarray, init_state(cfg, seed, dtype)))
-
-
-def abstract_state(cfg: HunyuanVideoConfig, dtype=np.float32) -> nnx.State:
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: HunyuanVideoConfig, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdefs(cfg: HunyuanVideoConfig, dtype: str = "float32") -> dict:
-    """Graph definitions of the model and of its units (``embed``, ``double``, ``single``, ``head``)."""
-    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-    return {"model": nnx.graphdef(m), **{k: nnx.graphdef(getattr(m, k)) for k in UNITS}}
-
-
-UNITS = ("embed", "double", "single", "head")
-POOLS = ("double", "single")
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
-
-
-def merge(state, cfg: HunyuanVideoConfig) -> HunyuanVideoTransformer:
-    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
 
 
 # ----------------------------------------------------------------------------------- geometry

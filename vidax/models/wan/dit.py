@@ -13,7 +13,6 @@ parameter carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes 
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, fields
 from functools import partial
@@ -307,48 +306,12 @@ class WanTransformer(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> WanTransformer:
-    return WanTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
-
-
-def init_model(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> WanTransformer:
-    """A seeded random DiT (tiny presets, tests): every weight perturbed (no zero biases, no unit
-    norms), see :func:`vidax.core.nn.perturb`."""
-    return nn.perturb(_build(cfg, seed, dtype), seed)
-
-
-def init_state(cfg: WanDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
-    """:func:`init_model`'s state in host memory (numpy leaves), ready for placement."""
-    return jax.tree.map(np.asarray, nnx.state(init_model(cfg, seed, dtype)))
-
-
-def abstract_state(cfg: WanDiTConfig, dtype=np.float32) -> nnx.State:
-    """The state a checkpoint must fill (``ShapeDtypeStruct`` leaves; nothing allocated)."""
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: WanDiTConfig, dtype=np.float32) -> dict:
-    """The state's shapes as a pure nested dict (the target of the key maps)."""
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdefs(cfg: WanDiTConfig, dtype: str = "float32") -> dict:
-    """Graph definitions of the model and of its three units (``embed``, ``blocks``, ``head``),
-    which the runner places and streams separately. Determined by ``cfg`` (and the parameter dtype)."""
-    m = nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-    return {"model": nnx.graphdef(m), "embed": nnx.graphdef(m.embed), "blocks": nnx.graphdef(m.blocks),
-            "head": nnx.graphdef(m.head)}
-
-
-def state_dtype(state) -> np.dtype:
-    """The parameter (= compute) dtype of a DiT state."""
-    return np.dtype(jax.tree.leaves(state["embed"]["patch"]["kernel"])[0].dtype)
-
-
-def merge(state, cfg: WanDiTConfig) -> WanTransformer:
-    """The module back from a state (inside a traced function: the unit of ``jit``)."""
-    return nnx.merge(graphdefs(cfg, state_dtype(state).name)["model"], state)
+KIT = nn.ModelKit(WanTransformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "patch", "kernel"))
+#: seeded random modules for presets and tests, the abstract state a checkpoint fills, its shapes
+#: (the key maps' target), the graphdefs the runner merges unit by unit, the state's dtype, and
+#: the module back from a state inside a traced function (the unit of ``jit``): see ``nn.ModelKit``
+_build, init_model, init_state, abstract_state = KIT.build, KIT.init_model, KIT.init_state, KIT.abstract_state
+param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, KIT.state_dtype, KIT.merge
 
 
 # ----------------------------------------------------------------------------------- forward
