@@ -368,3 +368,40 @@ def test_mux_reads_frames_only(tmp_path, reference):
     assert io["bytes_read"] <= 1.2 * frames + 32 * 1024, (io, frames)
     carry = sum(p.stat().st_size for p in (tmp_path / "s/runs/r").rglob("carry/**/*") if p.is_file())
     assert carry > 0 and io["bytes_read"] < frames + carry  # the carries were not read
+
+
+def test_gcs_request_attempts_follow_the_setting(proxy, monkeypatch):
+    """gcsfs fixes its own retries at 6 (with 31 s of backoff); the store's gcsfs makes exactly
+    ``VIDAX_GCS_RETRIES`` attempts per request, under our own retry."""
+    import stages.store as S
+
+    store = RunStore(_gs("attempts"))  # built under the fixture's VIDAX_GCS_RETRIES=1
+    monkeypatch.setattr(S, "RETRY_ATTEMPTS", 1)
+    proxy.reset_log()
+    proxy.fail_next(503, 100)
+    with pytest.raises(Exception):
+        store.fs.pipe_file(store.path("x"), b"x")
+    assert len(proxy.log) == 1
+    proxy.heal()
+    monkeypatch.setenv("VIDAX_GCS_RETRIES", "3")
+    store = RunStore(_gs("attempts3"))
+    proxy.reset_log()
+    proxy.fail_next(503, 2)
+    store.fs.pipe_file(store.path("x"), b"x")  # third attempt succeeds
+    assert len(proxy.log) == 3
+
+
+def test_a_lease_whose_release_failed_does_not_block_this_process(tmp_path):
+    """A stage lease left behind by this process (its release failed, e.g. on a cut network) is
+    not live for this process's next attempt; another process's unexpired lease is."""
+    import stages.store as S
+
+    run = RunStore(str(tmp_path / "s")).run("r")
+    assert run.acquire_lease("sample", "first", 120)
+    assert not run.acquire_lease("sample", "other", 120)  # held and computing: refused
+    S._HELD.discard("first")  # what release_lease does before a delete that then fails
+    assert run.lease("sample").owner == "first" and not run.lease("sample").live()
+    assert run.acquire_lease("sample", "second", 120)
+    doc = run.read_json("leases/sample.json")
+    run.write_json("leases/sample.json", {**doc, "owner": "elsewhere", "pid": 1})  # another live process
+    assert run.lease("sample").live() and not run.acquire_lease("sample", "third", 120)
