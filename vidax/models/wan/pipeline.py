@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # what the constructor, geometry() and the configs read: fetched alone for a remote checkpoint
 _CONFIG_FILES = ("model_index.json", "config.json", "*/config.json")
+#: the text encoder of every Wan release (google/umt5-xxl's encoder)
+UMT5_XXL = dict(model_type="umt5", d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128)
 
 
 @dataclass(frozen=True)
@@ -650,6 +653,50 @@ class WanT2V(Pipeline):
         frames, cache = self.decode_frames(latents["latents"], a, b, carry)
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
+
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self) -> t5mod.T5Config:
+        """The prompt encoder's config without its weights (UMT5-XXL for the original layout)."""
+        if self.preset:
+            return self.preset.text
+        path = self.config_folder / "text_encoder" / "config.json"
+        if self.layout == "diffusers" and path.is_file():
+            return t5mod.T5Config.from_hf(json.loads(path.read_text()))
+        return t5mod.T5Config.from_hf(UMT5_XXL)
+
+    def plan_units(self, request) -> list:
+        """UMT5 over the prompts (float32, as :meth:`encode_prompts` runs it); one DiT call on the
+        guidance batch on this pipeline's mesh (one unit for both A14B experts: same shapes); the
+        VAE's per-latent-frame decode program with its causal cache (what a decode stage repeats)."""
+        from vidax.core import plan as vplan
+
+        b = len(request.prompts)
+        enc = t5mod.abstract(self.text_config(), np.float32)
+        ids = vplan.abstract((b, self.max_text_len), np.int32)
+        units = [vplan.split_unit("encode", "UMT5 text encoder", enc, ids, ids,
+                                  note=f"{b} prompt(s) x {self.max_text_len} tokens")]
+        cfg = self.dit_config(1)
+        runner = wdit.WanDiTRunner(wdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance > 1.0 else b
+        _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames, cfg)
+        pt, ph, pw = cfg.patch_size
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        x = vplan.abstract((nb, f, h, w, cfg.in_channels), self.dtype)
+        t = vplan.abstract((nb, tokens) if self.expand_timesteps else (nb,), np.float32)
+        ctx = vplan.abstract((nb, self.max_text_len, cfg.text_dim), self.dtype)
+        img = vplan.abstract((nb, 257, cfg.image_dim), self.dtype) if cfg.image_dim else None
+        units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
+                                jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
+                                note=f"batch {nb} x {tokens:,} tokens"))
+        vcfg = self.vae_config()
+        state = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
+        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
+        conv = "native"  # the accelerators' path (CPU runs fold the time taps into channels)
+        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl=conv)
+        _, cache = jax.eval_shape(partial(fn, first=True), state, z, None)
+        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
+                                (state, z, cache), weights=state, note=f"{b} x {h}x{w} latents with the causal cache"))
+        return units
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:
