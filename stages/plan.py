@@ -259,8 +259,9 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
     out = []
     unit = max(sp.units, key=lambda u: u.peak)
     w, rest = unit.weights, unit.peak - unit.weights
-    if req.dtype == "float32":
-        out.append(f"--dtype bfloat16: weights and activations in half the bytes (~{fmt_bytes(unit.peak // 2)} per device)")
+    if req.dtype == "float32" and sp.kind == "sample":
+        out.append(f"--dtype bfloat16: the DiT's weights and activations in half the bytes "
+                   f"(~{fmt_bytes(unit.peak // 2)} per device)")
     if sp.kind == "sample":
         from vidax.core.mesh import parse_mesh_spec
 
@@ -280,7 +281,9 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
         out.append(f"a pool with larger chips (this stage runs its {sp.kind} unit on one device: "
                    f"{fmt_bytes(unit.peak)} needed, {fmt_bytes(sp.budget)} usable per {sp.chip})")
     if sp.kind == "decode":
-        out.append("spatial tiling of the decode is not built yet (fewer pixels per program)")
+        opts = [o.flag for o in recipe.options if "til" in o.name]
+        out.append(f"decode in spatial tiles ({', '.join(opts)})" if opts else
+                   "this family decodes whole frames: spatial tiling is not built for it yet")
     return out
 
 

@@ -105,12 +105,19 @@ def per_device_bytes(tree) -> int:
     return total
 
 
+def _cpu_options() -> dict:
+    """On CPU, XLA upcasts bf16 matmuls to float32 and hoists the upcast of a scanned weight stack
+    out of the loop: a float32 copy of every block's weights that a TPU/GPU program never holds
+    (Wan 14B, tp=4: 19 GiB of temporaries instead of 5.9). The plan compiles without that hoisting."""
+    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"} if jax.default_backend() == "cpu" else {}
+
+
 def measure(unit: Unit) -> UnitMemory:
     """Lower and compile ``unit`` on the current devices (nothing runs, nothing is allocated) and
     read the compiled program's memory analysis."""
     t0 = time.perf_counter()
     jitted = unit.fn if hasattr(unit.fn, "lower") else jax.jit(unit.fn, static_argnums=unit.static_argnums)
-    compiled = jitted.lower(*unit.args, **unit.kwargs).compile()
+    compiled = jitted.lower(*unit.args, **unit.kwargs).compile(compiler_options=_cpu_options())
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
     devices = 1
