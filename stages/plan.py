@@ -198,13 +198,18 @@ def plan(model: str | None = None, *, preset: str | None = None, checkpoint: str
         request = Request(model=model, prompt=["plan"] * max(1, int(prompts)), preset=preset, checkpoint=source,
                           height=height, width=width, num_frames=num_frames, guidance=guidance, dtype=dtype,
                           mesh=mesh, options=dict(options or {}))
-    req = validate(request, plan=True)
+    # an image-to-video plan has no image: build the recipe's image-to-video preset, not its text-to-video one
+    rec = registry.MODELS.get(request.model)
+    i2v = rec is not None and (request.image is not None or rec.image == "required")
+    pipe_v = rec.build(request.preset, None, True, dtype=request.dtype) if (
+        i2v and request.checkpoint is None and request.preset in rec.presets) else None
+    req = validate(request, pipe_v, plan=True)
     recipe = registry.get(req.model)
     given = parse_pools(pools) if isinstance(pools, (list, tuple)) else dict(pools or {})
     pool_of = _pools(recipe, None if req.checkpoint else req.preset, given)
     need = max(c for _, c in pool_of.values())
     sample_mesh = req.mesh
-    pipe0 = recipe.build(req.preset, req.checkpoint, req.image is not None, dtype=req.dtype)
+    pipe0 = recipe.build(req.preset, req.checkpoint, i2v, dtype=req.dtype)
     geo = pipe0.geometry()
     cfg_parallel = type(pipe0).GUIDANCE == "cfg" and req.guidance > 1.0
     if sample_mesh in (None, "auto"):
@@ -218,7 +223,7 @@ def plan(model: str | None = None, *, preset: str | None = None, checkpoint: str
         raise RequestError("pool", f"this plan compiles on {need} devices, {jax.device_count()} visible "
                                    f"({jax.default_backend()}); run `vidax plan` as its own command (it fakes "
                                    f"{need} CPU devices) or set XLA_FLAGS=--xla_force_host_platform_device_count={need}")
-    pipe = recipe.build(req.preset, req.checkpoint, req.image is not None, dtype=req.dtype, mesh=sample_mesh,
+    pipe = recipe.build(req.preset, req.checkpoint, i2v, dtype=req.dtype, mesh=sample_mesh,
                         offload_chunk_size=req.offload_chunk_size)
     hbm_all = parse_bytes(hbm) if isinstance(hbm, str) else hbm
     units = _units(pipe, req, log)

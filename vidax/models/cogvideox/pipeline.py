@@ -486,6 +486,71 @@ class CogVideoX(Pipeline):
         """Latents [B, C, F, h, w] -> uint8 frames [B, T, H, W, 3] (one call)."""
         return self.decode_frames(latents, 0, np.shape(latents)[2], vae=vae, tiling=tiling)[0]
 
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self) -> tuple[t5mod.T5Config, np.dtype]:
+        """The T5 encoder's config without its weights, and the dtype :meth:`load_text_encoder`
+        keeps its weights in (bfloat16 for a bfloat16 checkpoint, by its config's ``torch_dtype``)."""
+        if self.preset:
+            return self.preset.text, np.dtype(np.float32)
+        c = self._read("text_encoder/config.json")
+        return t5mod.T5Config.from_hf(c), np.dtype(jnp.bfloat16 if c.get("torch_dtype") == "bfloat16" else np.float32)
+
+    def plan_units(self, request) -> list:
+        """T5 over the prompts (float32 compute, no mask, as :meth:`encode_prompts`); one DiT call
+        on the CFG batch on this pipeline's mesh, inputs as the sampling step passes them (float32
+        latents with the I2V image channels, rotary / sin-cos / learned tables, 1.5-I2V's ofs);
+        the VAE's first frame batch and a following one with its causal-conv cache."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+
+        b, lt = len(request.prompts), self.max_text_len
+        tcfg, tdt = self.text_config()
+        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(tcfg, tdt), vplan.abstract((b, lt), np.int32),
+                                  None, note=f"{b} prompt(s) x {lt} tokens")]
+        cfg = self.dit_config()
+        runner = cdit.CogVideoXRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance > 1.0 else b
+        shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        grid = runner.grid(shape)
+        n = grid[0] * grid[1] * grid[2]
+        tok, rep = NamedSharding(runner.mesh, P("sp", None)), NamedSharding(runner.mesh, P())
+        tables = {}
+        if cfg.use_rotary_positional_embeddings:
+            cos, _ = cdit.rope_tables(cfg, grid)
+            tables["cos"] = tables["sin"] = vplan.abstract(np.shape(cos), np.float32, tok)
+        mode = cdit.pos_mode(cfg, grid)
+        if mode == "sincos":
+            tables["pos"] = vplan.abstract((n, cfg.dim), np.float32, tok)
+        elif mode == "learned":
+            pdt = jax.tree.leaves(runner.rest["embed"]["pos"])[0].dtype
+            tables["pos_txt"], tables["pos"] = vplan.abstract((lt, cfg.dim), pdt, rep), vplan.abstract((n, cfg.dim), pdt, tok)
+        x = vplan.abstract((*shape[:-1], cfg.in_channels), np.float32)
+        t = vplan.abstract((nb,), np.float32)
+        ctx = vplan.abstract((nb, lt, cfg.text_embed_dim), self.dtype)
+        ofs = vplan.abstract((1,), np.float32) if cfg.ofs_embed_dim else None
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx, tables, ofs),
+                                weights=runner.params, note=f"batch {nb} x {n:,} tokens"))
+        vcfg = self.vae_config()
+        vae = cvae.CogVAE(*nn.abstract_state(cvae._build(vcfg)), vcfg)
+        batches = cvae.decode_batches(self.latent_frames(request.num_frames)[0])
+        h, w = shape[2], shape[3]
+        til = cvae.Tiling.default(vcfg) if request.options.get("vae_tiling") else None
+        if til is not None and til.applies(h, w):
+            h, w = til.latent_tile
+        z0 = vplan.abstract((b, vcfg.latent_channels, batches[0][1] - batches[0][0], h, w), np.float32)
+        units.append(vplan.split_unit("decode", "VAE decode, first frame batch", vae, z0, None, method="decode_batch",
+                                      conv_impl="native", note=f"{b} x {z0.shape[2]} latent frames of {h}x{w}"))
+        if len(batches) > 1:
+            _, cache = jax.eval_shape(partial(nn._apply, vae._graph, "decode_batch", (("conv_impl", "native"),)),
+                                      vae.state, z0, None)
+            z = vplan.abstract((b, vcfg.latent_channels, cvae.DECODE_BATCH, h, w), np.float32)
+            units.append(vplan.split_unit("decode", "VAE decode, next batch + cache", vae, z, cache,
+                                          method="decode_batch", conv_impl="native",
+                                          note=f"{b} x {cvae.DECODE_BATCH} latent frames with the causal cache"))
+        return units
+
     def fingerprint(self, component: str) -> str:
         if self.preset is not None:
             return f"preset:{self.preset_name}:{component}:{self.dtype.name}"

@@ -486,6 +486,80 @@ class HunyuanVideoT2V(Pipeline):
         i = int(span.name.split("/")[1])
         return bounds[i], bounds[i + 1]
 
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self):
+        """(the Llama tower's LMConfig, CLIP-L text's CLIPTextConfig, LLaVA's CLIPVisionConfig or
+        None for text-to-video), read without weights."""
+        from vidax.text import clip as clipmod
+        from vidax.text import clip_text, lm
+
+        if self.preset:
+            return self.preset.llm, self.preset.clip, self.preset.vision if self.image_to_video else None
+        read = lambda rel: json.loads((self.config_folder / rel / "config.json").read_text())  # noqa: E731
+        c = read("text_encoder")
+        vision = clipmod.CLIPVisionConfig.from_hf(c["vision_config"]) if self.image_to_video else None
+        return lm.LMConfig.from_hf(c), clip_text.CLIPTextConfig.from_hf(read("text_encoder_2")), vision
+
+    def plan_units(self, request) -> list:
+        """The Llama (I2V: LLaVA's vision tower, then its LM over the image-expanded tokens) and
+        CLIP-L encodes in float32, the Llama tower split over every device as
+        :meth:`load_text_encoders` does; one DiT call (embedded guidance: batch B, 2B with
+        ``true_cfg``) on this pipeline's mesh, inputs as the step passes them; one VAE tile decode
+        (the first temporal tile, 256-px spatial tiles with ``vae_tiling``)."""
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+        from vidax.core import sharding as vsh
+        from vidax.text import clip as clipmod
+        from vidax.text import clip_text, lm
+
+        b = len(request.prompts)
+        llm_cfg, clip_cfg, vis_cfg = self.text_config()
+        _, crop = self.template()
+        enc = lm.abstract(llm_cfg, np.float32)
+        if self.preset is None and jax.device_count() > 1:
+            enc = enc.replace(state=vsh.place(enc.state, lm.shardings(enc, llm_cfg, f"tp={jax.device_count()}")[2]))
+        t = htext.MAX_TEXT_TOKENS + crop
+        i32 = lambda *s: vplan.abstract(s, np.int32)  # noqa: E731
+        if vis_cfg is None:
+            units = [vplan.split_unit("encode", "Llama text encoder", enc, i32(b, t), i32(b, t), None, method="layer",
+                                      index=htext.HIDDEN_INDEX, note=f"{b} prompt(s) x {t} tokens")]
+            text_len = htext.MAX_TEXT_TOKENS
+        else:
+            n_img = vis_cfg.grid ** 2
+            t += n_img - 1
+            k = {"latent_concat": 2, "token_replace": 4}.get(self.condition_type, 1)
+            text_len = -(-n_img // k) + htext.MAX_TEXT_TOKENS - 4
+            px = vplan.abstract((1, 3, vis_cfg.image_size, vis_cfg.image_size), np.float32)
+            units = [vplan.split_unit("encode", "LLaVA vision tower", clipmod.abstract(vis_cfg), px, method="penultimate"),
+                     vplan.split_unit("encode", "LLaVA language model", enc,
+                                      vplan.abstract((b, t, llm_cfg.hidden_size), np.float32), i32(b, t), i32(b, t),
+                                      method="hidden_states_embeds", note=f"{b} prompt(s) x {t} tokens (image spliced)")]
+        units.append(vplan.split_unit("encode", "CLIP-L text encoder", clip_text.abstract(clip_cfg), i32(b, htext.CLIP_TOKENS),
+                                      None, None, output_hidden_states=False, note=f"{b} x {htext.CLIP_TOKENS} tokens"))
+        cfg = self.dit_config()
+        runner = hdit.HunyuanVideoRunner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if float(request.options.get("true_cfg") or 1.0) > 1.0 else b
+        shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        tokens = int(np.prod(hdit.grid_of(cfg, shape)))
+        f32 = lambda *s: vplan.abstract(s, np.float32)  # noqa: E731
+        args = (runner.params, vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
+                vplan.abstract((nb, text_len, cfg.text_embed_dim), self.dtype), f32(nb, text_len),
+                vplan.abstract((nb, cfg.pooled_projection_dim), self.dtype), f32(nb) if cfg.guidance_embeds else None)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
+                                note=f"batch {nb} x {tokens:,} video + {text_len} text tokens"))
+        vcfg = self.vae_config()
+        vae = nn.Split(*nn.abstract_state(lambda: hvae._build(vcfg)), vcfg)
+        tiling = bool(request.options.get("vae_tiling", True))
+        a, e = self._tiles(shape[1], tiling)[0]
+        h, w = shape[2], shape[3]
+        til, s = self.tiling(tiling), vcfg.spatial_compression_ratio
+        if til.spatial and (h > til.min_h // s or w > til.min_w // s):
+            h, w = min(h, til.min_h // s), min(w, til.min_w // s)
+        z = vplan.abstract((b, e - a, h, w, vcfg.latent_channels), np.float32)
+        units.append(vplan.split_unit("decode", "VAE decode, one tile", vae, z, method="decode_tile",
+                                      note=f"{b} x {e - a} latent frames of {h}x{w}"))
+        return units
+
     # ------------------------------------------------------------------ the stage protocol
     def fingerprint(self, component: str) -> str:
         if self.preset is not None:
