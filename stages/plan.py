@@ -283,8 +283,9 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
         if rest > w:
             out.append(f"activations dominate ({fmt_bytes(rest)} per device): a larger sp (Ulysses) splits the tokens")
     else:
-        out.append(f"a pool with larger chips (this stage runs its {sp.kind} unit on one device: "
-                   f"{fmt_bytes(unit.peak)} needed, {fmt_bytes(sp.budget)} usable per {sp.chip})")
+        on = "one device" if unit.devices == 1 else f"{unit.devices} devices"
+        out.append(f"a pool with larger chips (this stage runs its {unit.name} on {on}: "
+                   f"{fmt_bytes(unit.peak)} needed per device, {fmt_bytes(sp.budget)} usable per {sp.chip})")
     if sp.kind == "decode":
         opts = [o.flag for o in recipe.options if "til" in o.name]
         out.append(f"decode in spatial tiles ({', '.join(opts)})" if opts else
