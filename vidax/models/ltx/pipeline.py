@@ -812,7 +812,8 @@ class LTX2(_Source, _Tiles, Pipeline):
         v, a, m = jax.eval_shape(lambda s, h, k: nnx.merge(conn.graphdef, s)(h, k, "left"), conn.state, hs, ids)
         cfg = self.dit_config()
         runner = ldit2.runner(ldit2.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
-        use_cfg = request.guidance > 1.0 or float(request.options.get("audio_guidance") or 7.0) > 1.0
+        ag = request.options.get("audio_guidance")
+        use_cfg = request.guidance > 1.0 or float(7.0 if ag is None else ag) > 1.0
         nb = 2 * b if use_cfg else b
         grid = self.latent_grid(request.height, request.width, request.num_frames)
         p, pt = cfg.patch_size, cfg.patch_size_t
