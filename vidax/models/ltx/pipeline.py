@@ -315,6 +315,54 @@ class LTXVideo(_Source, _Tiles, Pipeline):
         state, cfg, stats = lvae.load_vae(self.folder / "vae", cfg, encoder=encoder)
         return jax.device_put(state), cfg, stats
 
+    def text_config(self) -> t5mod.T5Config:
+        """T5-XXL's config without its weights."""
+        return self.preset.text if self.preset else t5mod.T5Config.from_hf(self._config("text_encoder"))
+
+    def plan_units(self, request) -> list:
+        """T5 over the prompts with their mask (float32); one DiT call on the guidance batch (per-token
+        timesteps for image-to-video) on this pipeline's mesh; the VAE decode one decode stage runs
+        (the whole clip, or the first spatial tile with ``vae_tiling``)."""
+        from vidax.core import plan as vplan
+
+        b, n = len(request.prompts), self.MAX_TEXT
+        ids = vplan.abstract((b, n), np.int32)
+        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(self.text_config(), np.float32), ids, ids,
+                                  note=f"{b} prompt(s) x {n} tokens")]
+        cfg = self.dit_config()
+        runner = ldit.runner(ldit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance != 1.0 else b
+        grid = self.latent_grid(request.height, request.width, request.num_frames)
+        s = (grid[0] // cfg.patch_size_t) * (grid[1] // cfg.patch_size) * (grid[2] // cfg.patch_size)
+        cos, sin = self.rope(cfg, grid, float(request.fps or 25))
+        c = cfg.in_channels * cfg.patch_size_t * cfg.patch_size ** 2
+        args = (vplan.abstract((nb, s, c), self.dtype), vplan.abstract((nb, s) if self.image_to_video else (nb,), np.float32),
+                vplan.abstract((nb, n, cfg.caption_channels), self.dtype), vplan.abstract((nb, n), np.float32),
+                vplan.like(cos), vplan.like(sin))
+        inp = jax.eval_shape(lambda *a: ldit.model_inputs(cfg, *a), *args)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, inp), weights=runner.params,
+                                note=f"batch {nb} x {s:,} tokens"))
+        units.append(self._plan_vae_unit(request, b, grid))
+        return units
+
+    def _plan_vae_unit(self, request, b, grid):
+        from vidax.core import plan as vplan
+        from vidax.core import nn
+
+        vcfg = self.vae_config()
+        state = nn.abstract_state(lambda: lvae._build(vcfg, 0, np.float32, self.preset is not None))[1]
+        f, h, w = grid
+        what = "whole clip"
+        if self.tiling(request) is not None:
+            y0, y1, x0, x1 = self.tiling(request).grid(vcfg, h, w)[0][0]
+            h, w, what = y1 - y0, x1 - x0, "one spatial tile"
+        z = vplan.abstract((b, f, h, w, vcfg.latent_channels), np.float32)
+        temb = vplan.abstract((b,), np.float32) if vcfg.timestep_conditioning else None
+        key = jax.eval_shape(lambda: jax.random.key(0)) if any(vcfg.decoder_inject_noise) else None
+        return vplan.Unit("decode", f"VAE decode, {what}", lvae._decode,
+                          (state, vcfg, lvae._has_encoder(state), z, temb, key), weights=state,
+                          note=f"{b} x {f}x{h}x{w} latents")
+
     def fingerprint(self, component: str) -> str:
         files = {"text": ["text_encoder", "tokenizer"], "dit": ["transformer"], "vae": ["vae"],
                  "image": ["vae"]}[component]
@@ -738,6 +786,66 @@ class LTX2(_Source, _Tiles, Pipeline):
         if self.preset:
             return self.preset.vocoder.output_sampling_rate
         return laudio.vocoder_config(self._config("vocoder")).output_sampling_rate
+
+    def plan_units(self, request) -> list:
+        """Gemma 3's every-layer hidden states (float32, over tp as :meth:`load_text_encoder` shards
+        it on this pipeline's mesh) and the text connectors; one DiT call on a guidance group (2B with
+        CFG: video and audio streams together) on this pipeline's mesh; the video VAE's decode stage
+        (one spatial tile with ``vae_tiling``), the audio VAE and the vocoder."""
+        from flax import nnx
+
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+        from vidax.text import lm
+
+        b, n = len(request.prompts), self.max_text_len
+        tcfg = _tiny_gemma() if self.preset else lm.LMConfig.from_hf(self._config("text_encoder"))
+        enc = lm.abstract(tcfg, np.float32)
+        enc = lm.shard(enc, self.mesh) if self.mesh is not None and self.preset is None else enc
+        ids = vplan.abstract((b, n), np.int32)
+        ccfg = self.preset.connectors if self.preset else lconn.ConnectorsConfig.from_diffusers(self._config("connectors"))
+        conn = nn.Split(*nn.abstract_state(lambda: lconn._build(ccfg)), ccfg)
+        hs = vplan.abstract((b, n, tcfg.hidden_size, tcfg.num_layers + 1), np.float32)
+        units = [vplan.split_unit("encode", "Gemma 3 text encoder (all layers)", enc, ids, ids, None,
+                                  method="hidden_states", note=f"{b} prompt(s) x {n} tokens"),
+                 vplan.split_unit("encode", "text connectors", conn, hs, ids, padding_side="left")]
+        v, a, m = jax.eval_shape(lambda s, h, k: nnx.merge(conn.graphdef, s)(h, k, "left"), conn.state, hs, ids)
+        cfg = self.dit_config()
+        runner = ldit2.runner(ldit2.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        ag = request.options.get("audio_guidance")
+        use_cfg = request.guidance > 1.0 or float(7.0 if ag is None else ag) > 1.0
+        nb = 2 * b if use_cfg else b
+        grid = self.latent_grid(request.height, request.width, request.num_frames)
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        tg = (grid[0] // pt, grid[1] // p, grid[2] // p)
+        s, la, fps = tg[0] * tg[1] * tg[2], self.audio_frames(request.num_frames, float(request.fps or 24)), float(request.fps or 24)
+        ropes = vplan.like(ldit2.rope_tables(cfg, ldit2.video_coords(*tg, cfg, fps), ldit2.audio_coords(la, cfg)))
+        stg = tuple(int(x) for x in str(request.options.get("stg_blocks") or "28").split(",") if x.strip() and int(x) < cfg.num_layers)
+        vec = vplan.abstract((nb,), np.float32)
+
+        def inputs(vtok, atok, ctx, actx, vt, ropes, tb, mask):
+            return ldit2.model_inputs(cfg, vtok, atok, ctx, actx, vt, ropes, ta=tb, sigma=tb, mask=mask, amask=mask,
+                                      use_cross_timestep=bool(request.options.get("use_cross_timestep", True)),
+                                      perturb=tb, stg_blocks=stg, isolate=tb)
+
+        inp = jax.eval_shape(inputs, vplan.abstract((nb, s, cfg.in_channels * pt * p * p), self.dtype),
+                             vplan.abstract((nb, la, cfg.audio_in_channels), self.dtype),
+                             vplan.abstract((nb, n, v.shape[-1]), self.dtype), vplan.abstract((nb, n, a.shape[-1]), self.dtype),
+                             vplan.abstract((nb, s), np.float32) if self.image_to_video else vec, ropes, vec,
+                             vplan.abstract((nb, n), np.float32))
+        units.append(vplan.Unit("sample", "DiT step (video + audio)", jax.jit(runner.apply), (runner.params, inp),
+                                weights=runner.params, note=f"batch {nb} x ({s:,} video + {la} audio) tokens"))
+        units.append(LTXVideo._plan_vae_unit(self, request, b, grid))  # the same VAE decode program
+        acfg = self.audio_vae_config()
+        avae = nn.Split(*nn.abstract_state(lambda: laudio._build_vae(acfg, encoder=False)), acfg)
+        vcfg = self.preset.vocoder if self.preset else laudio.vocoder_config(self._config("vocoder"))
+        voc = nn.Split(*nn.abstract_state(lambda: laudio._build_vocoder(vcfg)), vcfg)
+        z = vplan.abstract((b, la, acfg.latent_mel_bins, acfg.latent_channels), np.float32)
+        mel = jax.eval_shape(lambda st, x: nnx.merge(avae.graphdef, st).decode(x), avae.state, z)  # [B, T, M, C]
+        units += [vplan.split_unit("decode", "audio VAE decode", avae, z, method="decode", note=f"{b} x {la} latent frames"),
+                  vplan.split_unit("decode", "vocoder", voc, vplan.abstract((b, mel.shape[1], mel.shape[2] * mel.shape[3]),
+                                                                           np.float32), note=f"{b} x {mel.shape[1]} mel frames")]
+        return units
 
     def fingerprint(self, component: str) -> str:
         files = {"text": ["text_encoder", "tokenizer", "connectors"], "dit": ["transformer", "scheduler"],
