@@ -25,6 +25,10 @@ def _has_hooks(model) -> bool:
     return all(getattr(cls, h) is not getattr(Pipeline, h) for h in ("vae_encode", "vae_decode", "denoise_once"))
 
 
+def test_every_registered_model_has_the_probe_hooks():
+    assert [m for m in sorted(registry.MODELS) if not _has_hooks(m)] == []
+
+
 @pytest.mark.parametrize("model", FAMILY_MODELS)
 def test_probe_every_family(tmp_path, model, request):
     if not _has_hooks(model):  # a family that has not implemented the probe hooks yet says so clearly
