@@ -623,6 +623,59 @@ class CogVideoX(Pipeline):
     def describe(self) -> dict:
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size, "pipeline": self.pipeline_class}
 
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    # CogVideoX is a variance-preserving v-prediction model (alphas_cumprod over 1000 training
+    # timesteps), not flow matching. A probe noise level ``s`` maps to the training timestep ``t``
+    # whose signal-to-noise ratio matches ((1 - s)^2 / s^2 = a / (1 - a), see
+    # ``timesteps_for_flow_sigmas``); the latents are noised as the scheduler does
+    # (``sqrt(a_t) x0 + sqrt(1 - a_t) n``) and the DiT's output at ``t`` becomes the clean estimate
+    # ``sqrt(a_t) x - sqrt(1 - a_t) v``. The schedule is the checkpoint's scheduler config (its
+    # ``snr_shift_scale`` and zero-terminal-SNR rescale included; DDIM and DPM share it).
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels -> the posterior mean as the DiT's latents (``z * scaling_factor``: the inverse of
+        what :meth:`decode_frames` does, for 1.0 and 1.5 alike)."""
+        vae = self.load_vae()
+        return (cvae.encode(vae, np.asarray(video, np.float32)) * vae.cfg.scaling_factor).astype(np.float32)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        vae = self.load_vae()
+        return to_unit_range(cvae.decode(vae, cvae.from_latents(vae.cfg, latents)))
+
+    def add_noise(self, latents, noise, sigmas) -> np.ndarray:
+        sched = self.scheduler(1)
+        return sched.add_noise_at(latents, noise, sched.timesteps_for_flow_sigmas(sigmas))
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """One DiT evaluation per row at the training timestep matching its sigma (see above), the
+        first prompt's embeddings, no guidance -> ``sqrt(a) x - sqrt(1 - a) v``. Image-to-video: the
+        image latents channel-concatenated (and 1.5's ``ofs``) as in sampling; 1.5 with an odd
+        latent frame count: the leading frames are repeated to a whole temporal patch (sampling
+        carries extra leading noise frames there) and dropped from the estimate."""
+        sched = self.scheduler(1)
+        ts = sched.timesteps_for_flow_sigmas(sigmas)
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, cdit.CogVideoXRunner) else None
+        dt = runner.dtype if runner is not None else cdit.state_dtype(params)
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)  # [B, F, h, w, C]
+        extra = (cfg.pt - x.shape[1] % cfg.pt) % cfg.pt
+        shape = (1, x.shape[1] + extra, *x.shape[2:])
+        img = conditioning.get("image_latents")
+        image_cond = None if img is None else self.image_condition(img, shape)
+        aux = self._aux(params, cfg, shape, image_cond)
+        ctx = jnp.asarray(np.asarray(conditioning["prompt_embeds"], np.float32)[:1], dt)
+        fwd = None if runner is not None else _probe_forward(cfg)
+        out = []
+        for i, t in enumerate(ts):
+            xi = jnp.asarray(x[i:i + 1])
+            if extra:
+                xi = jnp.concatenate([xi[:, :extra], xi], axis=1)
+            xin = xi if image_cond is None else _prepare_i2v(xi, None, aux)[0]
+            tt = jnp.full((1,), float(t), jnp.float32)
+            v = runner(xin, tt, ctx, aux.get("ofs")) if runner is not None else fwd(params, xin, tt, ctx, aux)
+            out.append(np.asarray(sched.x0_at(v, xi, [t]))[:, extra:])
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int | None = None,
                  width: int | None = None, num_frames: int | None = None, steps: int = 50, guidance: float = 6.0,
                  scheduler: str | None = None, dynamic_cfg: bool = False, on_step=None, vae_tiling: bool = False):
@@ -669,6 +722,11 @@ def _prepare_i2v(x, t, aux):
 
 def _dit_apply(params, x, t, ctx, aux, *, cfg):
     return cdit.forward(params, cfg, x, t, ctx, aux.get("ofs"), aux.get("rope"), aux.get("pos"))
+
+
+def _probe_forward(cfg):
+    """One jitted DiT evaluation ``(params, x, t, ctx, aux) -> v`` for a one-device state (cached per config)."""
+    return _cached_step(("probe", cfg), lambda: jax.jit(partial(_dit_apply, cfg=cfg)))
 
 
 def _runner_apply(runner, params, x, t, ctx, aux):

@@ -350,9 +350,14 @@ class HunyuanVideoT2V(Pipeline):
         """The image's latent, scaled as the DiT sees it: [1, C, 1, h, w] (posterior mode x scaling_factor)."""
         from vidax.text import clip as clipmod
 
-        vae = vae or self.load_vae()
         px = resize_for_vae(clipmod._to_rgb_uint8(image), height, width)[None, :, None]
-        z = hvae.encode(vae, px, self.tiling(tiling))
+        return self.encode_pixels(px, vae, tiling)
+
+    def encode_pixels(self, video, vae=None, tiling: bool = True) -> np.ndarray:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> latents as the DiT sees them (posterior mode x
+        scaling_factor), [B, C, f, h, w]."""
+        vae = vae or self.load_vae()
+        z = hvae.encode(vae, np.asarray(video, np.float32), self.tiling(tiling))
         return (z * vae.cfg.scaling_factor).astype(np.float32)
 
     # ------------------------------------------------------------------ sampling
@@ -420,16 +425,9 @@ class HunyuanVideoT2V(Pipeline):
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
         use_cfg = uncond is not None and true_cfg > 1.0
-        dt = hdit.state_dtype(params) if not isinstance(params, hdit.HunyuanVideoRunner) else params.dtype
-
-        def pack(c):
-            out = {"ctx": jnp.asarray(c["embeds"], dt), "mask": jnp.asarray(c["mask"], jnp.float32),
-                   "pooled": jnp.asarray(c["pooled"], dt)}
-            if cfg.guidance_embeds:
-                out["guidance"] = jnp.full((b,), float(guidance) * 1000.0, jnp.float32)
-            return out
-
-        c, u = pack(cond), (pack(uncond) if use_cfg else None)
+        dt = _dtype(params, params if isinstance(params, hdit.HunyuanVideoRunner) else None)
+        c = text_inputs(cond, cfg, dt, guidance)
+        u = text_inputs(uncond, cfg, dt, guidance) if use_cfg else None
         prep = self._model_input(ct)
         step = _cached_step(params, cfg, sched, (steps, float(shift)), ct, prep, use_cfg)
         key = jax.random.key(seed)
@@ -453,11 +451,12 @@ class HunyuanVideoT2V(Pipeline):
         """Decoded frames the reference drops from the front (4 for latent_concat image-to-video)."""
         return self.vae_config().temporal_compression_ratio if self.condition_type == "latent_concat" else 0
 
-    def decode_video(self, latents, vae=None, tiling: bool = True) -> np.ndarray:
-        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]."""
+    def decode_video(self, latents, vae=None, tiling: bool = True, drop: bool = True) -> np.ndarray:
+        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]
+        (``drop``: without the frames the reference drops, :meth:`drop_frames`)."""
         vae = vae or self.load_vae()
         px = hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling))
-        return to_unit_range(px[:, :, self.drop_frames():])
+        return to_unit_range(px[:, :, self.drop_frames() if drop else 0:])
 
     def decode_frames(self, latents, first: int, stop: int, tail=None, vae=None, tiling: bool = True):
         """Temporal tiles ``first..stop-1`` -> ``(uint8 frames [B, T, H, W, 3], tail)``."""
@@ -642,6 +641,42 @@ class HunyuanVideoT2V(Pipeline):
     def describe(self) -> dict:
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
 
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        return self.encode_pixels(video)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        """The whole clip, decoded as :meth:`decode` does (tiled VAE); latent_concat's dropped leading
+        frames are kept so the reconstruction lines up with the probe's input frame for frame."""
+        return self.decode_video(latents, drop=False)
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000``
+        (the Euler scheduler's units) with the first prompt's LLM embeddings, mask and pooled CLIP
+        vector and, for guidance-distilled models, the embedded guidance ``request.guidance * 1000``
+        as in sampling (no true CFG). Image-to-video: the image latent enters as in sampling
+        (latent_concat: channel-concatenated with the frame-0 mask; token_replace: frame 0 of the
+        input replaced, and of the estimate too, as every step does)."""
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+        cond = {k: np.asarray(conditioning[f"prompt_{k}"])[:1] for k in ("embeds", "mask", "pooled")}
+        cc = text_inputs(cond, cfg, _dtype(params, runner), 6.0 if request is None else request.guidance)
+        img = conditioning.get("image_latents")
+        aux = None if img is None else {"image": jnp.asarray(np.asarray(img, np.float32).transpose(0, 2, 3, 4, 1))}
+        prep = self._model_input(self.condition_type) if aux is not None else None
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xi = jnp.asarray(x[i:i + 1])
+            xin = xi if prep is None else prep(xi, aux)
+            v = _dit_once(params, cfg, xin.astype(_dtype(params, runner)), jnp.full((1,), s * 1000.0, jnp.float32), cc)
+            x0 = xi - s * jnp.asarray(v, jnp.float32)
+            if aux is not None and self.condition_type == "token_replace":
+                x0 = x0.at[:, :1].set(aux["image"])
+            out.append(np.asarray(x0))
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
     # ------------------------------------------------------------------ one call
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int = 720, width: int = 1280,
                  num_frames: int = 129, steps: int = 50, guidance: float = 6.0, true_cfg: float = 1.0,
@@ -764,3 +799,23 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
 
 def _dtype(p, runner):
     return runner.dtype if runner is not None else hdit.state_dtype(p)
+
+
+def text_inputs(c: dict, cfg: hdit.HunyuanVideoConfig, dt, guidance: float) -> dict:
+    """The DiT's text inputs from an :meth:`~HunyuanVideoT2V.encode_prompts` dict: embeddings and
+    pooled CLIP vector in the DiT's dtype, the mask in float32 and (guidance-distilled models) the
+    embedded guidance ``guidance * 1000`` per sample."""
+    out = {"ctx": jnp.asarray(c["embeds"], dt), "mask": jnp.asarray(c["mask"], jnp.float32),
+           "pooled": jnp.asarray(c["pooled"], dt)}
+    if cfg.guidance_embeds:
+        out["guidance"] = jnp.full((out["ctx"].shape[0],), float(guidance) * 1000.0, jnp.float32)
+    return out
+
+
+_forward = jax.jit(hdit.forward, static_argnums=1)
+
+
+def _dit_once(params, cfg, x, t, cc):
+    """One DiT evaluation (a state on one device or a runner) -> velocity."""
+    args = (x, t, cc["ctx"], cc["mask"], cc["pooled"], cc.get("guidance"))
+    return params(*args) if isinstance(params, hdit.HunyuanVideoRunner) else _forward(params, cfg, *args)
