@@ -35,6 +35,7 @@ import numpy as np
 from stages.request import Request, build_pipeline
 from stages.store import (CorruptDocument, DigestMismatch, IOCounter, Run, is_transient, local_tmpdir, pack,
                           read_array, unpack)
+from vidax.core.jit import CompileCounter
 from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
@@ -630,12 +631,13 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
     t0, started = time.perf_counter(), now()
     kind = stage.split("/")[0]
     inputs = _Inputs(run, records)
-    if kind == "decode":
-        outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
-    elif kind == "sample":
-        outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
-    else:
-        outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
+    with CompileCounter() as compiles:  # programs compiled vs read from the persistent cache
+        if kind == "decode":
+            outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
+        elif kind == "sample":
+            outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
+        else:
+            outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
     gc.collect()
     seconds = time.perf_counter() - t0
@@ -646,6 +648,7 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
            "digest": hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()}
     rec["objects"] = run.objects(*_locations(rec))
     rec["io"] = IOCounter.delta(before, run.counter.snapshot())
+    rec["compile"] = compiles.to_json()
     run.write_record(stage, rec)
     records.forget(stage)
     if kind == "sample":

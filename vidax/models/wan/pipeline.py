@@ -472,6 +472,8 @@ class WanT2V(Pipeline):
             def prepare(x, t, aux):
                 cc = jnp.broadcast_to(aux["cond"], x.shape[:-1] + aux["cond"].shape[-1:]).astype(x.dtype)
                 return jnp.concatenate([x, cc], axis=-1), t
+
+            prepare.key = ("concat",)  # what it computes (the compiled step is shared on it)
         elif image_cond.get("known") is not None:  # TI2V: substitution + per-token timesteps
             kn = np.asarray(image_cond["known"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, 1, h, w, z]
             m = np.asarray(image_cond["mask"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, F, h, w, 1]
@@ -485,11 +487,15 @@ class WanT2V(Pipeline):
                 xin = (1.0 - mm) * aux["known"] + mm * x
                 tt = (mm[0, ::pf, ::ph, ::pw, 0] * t).reshape(1, -1)
                 return xin, tt
+
+            prepare.key = ("known", pf, ph, pw)
         elif self.expand_timesteps:  # TI2V text-to-video: per-token timesteps, all equal
             L = (x_shape[1] // pf) * (x_shape[2] // ph) * (x_shape[3] // pw)
 
             def prepare(x, t, aux):
                 return x, jnp.full((1, L), t, jnp.float32)
+
+            prepare.key = ("expand", L)
         else:
             prepare = None
         return (aux or None), prepare, known
@@ -497,13 +503,18 @@ class WanT2V(Pipeline):
     def _denoise(self, dit, x, cond, uncond, sched, guidance, seed, start, stop, state, on_step, aux, prepare):
         params, cfg = dit
         call = None
+        # the compiled step is shared by every call with the same model shape, mesh and schedule
+        # (later prompts, the other A14B expert, resumed segments): it holds no weights
+        key = ("wan", cfg, aux is None)
         if isinstance(params, wdit.WanDiTRunner):
             runner = params
             b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
             runner.check_inputs((b, *x.shape[1:-1], cfg.in_channels))
             dt = runner.dtype
             if runner.offload is None:
-                model, params = (runner.apply if aux is None else partial(_runner_apply_aux, runner)), runner.params
+                spec = runner.program()
+                model, params = (spec.apply if aux is None else partial(_runner_apply_aux, spec)), runner.params
+                key = ("wan-runner", spec.signature, aux is None)
             else:
                 model, params = None, None
                 call = runner if aux is None else partial(_runner_call_aux, runner)
@@ -511,7 +522,8 @@ class WanT2V(Pipeline):
             model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)
         return denoise(model, params, sched, x, jnp.asarray(cond, dt),
                        None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
-                       stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux)
+                       stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux,
+                       cache_key=key)
 
     # ------------------------------------------------------------------ image conditioning
     def size_for_image(self, image, area: int = 480 * 832) -> tuple[int, int]:
