@@ -245,14 +245,16 @@ def cmd_status(a) -> int:
                rec.get("hardware", ""), rec.get("finished", "")]
         if a.io:
             io, d = rec.get("io") or {}, rec.get("details") or {}
+            c = rec.get("compile") or {}
             row += [io.get("requests", ""), _mib(io.get("bytes_read")), _mib(io.get("bytes_written")),
-                    _mib(d.get("frames_bytes")), _mib(d.get("carry_bytes"))]
+                    _mib(d.get("frames_bytes")), _mib(d.get("carry_bytes")),
+                    f"{c['compiled']} / {c['cache_hits']}" if c else ""]
         rows.append(row)
     con = _console()
     con.print(f"run {a.run_id} in {run.store.url}: {req.model}, prompt {req.prompts[0]!r}")
     header = ["stage", "status", "key", "time", "hardware", "finished"]
     if a.io:
-        header += ["requests", "read MiB", "written MiB", "frames MiB", "carry MiB"]
+        header += ["requests", "read MiB", "written MiB", "frames MiB", "carry MiB", "compiled / cached"]
     con.print(_table(rows, header))
     for n in R.video_names(len(req.prompts)):
         con.print(f"video: {run.url(n)}")

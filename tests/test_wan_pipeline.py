@@ -150,3 +150,22 @@ def test_stage_keys_follow_content_not_paths_or_mtimes(ref_pipeline, tmp_path):
     kc = keys(b)
     assert kc["encode"] == ka["encode"] and kc["sample"] != ka["sample"]
     assert all(kc[s] != ka[s] for s in ka if s.startswith("decode/"))  # downstream of sample
+
+
+def test_vae_tiling_option_through_the_stages(tmp_path):
+    """``--vae-tiling``: the decode stages decode in tiles, carry every tile's cache from one stage
+    to the next, and the video is the whole-frame decode's (here one tile covers the frame)."""
+    from stages import run as R
+    from stages.request import Request, validate
+    from stages.store import RunStore, read_array
+
+    out = {}
+    for tiling in (False, True):
+        req = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", steps=2, decode_stages=2,
+                               options={"vae_tiling": tiling}))
+        run = RunStore(f"file://{tmp_path / str(tiling)}").run("x")
+        R.generate(run, req, log=lambda m: None)
+        out[tiling] = np.concatenate([read_array(run.group(f"decode/{i}.zarr"), "frames") for i in range(2)], axis=1)
+        if tiling:  # every tile's cache travelled from decode/0 to decode/1
+            assert any(e[0].startswith("0/") for e in run.record("decode/0")["details"]["carry_index"])
+    np.testing.assert_array_equal(out[True], out[False])

@@ -137,6 +137,8 @@ class WanT2V(Pipeline):
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
         Option("guidance_2", float, None, "the low-noise expert's guidance (two-expert models; default: --guidance)",
                minimum=0.0, maximum=100.0),
+        Option("vae_tiling", bool, False, "decode in overlapping 256-pixel spatial tiles (the reference's "
+               "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip", stages=("decode",)),
     )
     COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
 
@@ -585,12 +587,15 @@ class WanT2V(Pipeline):
         z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
         return to_unit_range(wvae.decode(params, cfg, z))
 
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None):
+    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
         """Decode latent frames ``start..stop-1`` given the cache left by frame ``start - 1``.
         Returns ``(uint8 frames [B, T, H, W, 3], cache)``; chunked decodes concatenate bitwise to
-        the whole decode."""
+        the whole decode. ``tiling``: in overlapping spatial tiles (:func:`vae.tiled_decode`)."""
         params, cfg = vae or self.load_vae()
         z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
+        if tiling:
+            px, cache = wvae.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
+            return to_uint8(to_unit_range(px)), {k: np.asarray(v) for k, v in cache.items()}
         if cache is not None:
             cache = {k: jnp.asarray(v) for k, v in cache.items()}
         px, cache = wvae.decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
@@ -663,7 +668,8 @@ class WanT2V(Pipeline):
         """Latent frames ``span.frames`` -> uint8 frames, from the causal-conv cache ``carry`` that
         the previous span left; returns the cache for the next span."""
         a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry)
+        frames, cache = self.decode_frames(latents["latents"], a, b, carry,
+                                           tiling=bool(request.options.get("vae_tiling")))
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
 
@@ -699,8 +705,14 @@ class WanT2V(Pipeline):
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
                                 jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
                                 note=f"batch {nb} x {tokens:,} tokens"))
-        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w))
-        return units
+        vcfg = self.vae_config()
+        if request.options.get("vae_tiling"):
+            lt = wvae.TILE // (vcfg.scale_factor_spatial or vcfg.spatial_ratio)
+            unit = wvae.plan_decode_unit(vcfg, b, min(h, lt), min(w, lt))
+            unit.name = f"VAE decode, one latent frame of one {wvae.TILE}-px tile"
+        else:
+            unit = wvae.plan_decode_unit(vcfg, b, h, w)
+        return units + [unit]
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:

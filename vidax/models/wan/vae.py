@@ -731,9 +731,12 @@ class WanVAE(nnx.Module):
         x = patchify(x.astype(self.dtype), self.patch)
         return self.quant_conv(self.encoder(x, ctx), ctx)
 
-    def decode(self, z, ctx: _Ctx):
-        """One latent frame [B, 1, h, w, z_dim] -> pixels [B, t, H, W, C] clamped to [-1, 1]."""
+    def decode(self, z, ctx: _Ctx, raw: bool = False):
+        """One latent frame [B, 1, h, w, z_dim] -> pixels [B, t, H, W, C] clamped to [-1, 1]; ``raw``:
+        the decoder's output as it is (still patchified, not clamped: what tiles are blended from)."""
         x = self.post_quant_conv(z.astype(self.dtype), ctx)  # 1x1x1: per chunk = on the whole latent
+        if raw:
+            return self.decoder(x, ctx)
         return jnp.clip(unpatchify(self.decoder(x, ctx), self.patch), -1.0, 1.0)
 
 
@@ -928,10 +931,10 @@ def _state_dtype(state):
 # graphdef inside the trace: one program per (config, first, impls) and input shape.
 # The causal cache is donated: each chunk's new cache takes the old one's buffers (at 720p the
 # cache is ~8 GiB, held once instead of twice).
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"), donate_argnames=("cache",))
-def _decode_chunk_jit(state, z, cache, *, cfg, first, attn_impl, conv_impl):
+@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl", "raw"), donate_argnames=("cache",))
+def _decode_chunk_jit(state, z, cache, *, cfg, first, attn_impl, conv_impl, raw=False):
     ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
-    x = nnx.merge(graphdef(cfg), state).decode(z.transpose(0, 2, 3, 4, 1), ctx)
+    x = nnx.merge(graphdef(cfg), state).decode(z.transpose(0, 2, 3, 4, 1), ctx, raw)
     return x.transpose(0, 4, 1, 2, 3), ctx.new
 
 
@@ -1009,6 +1012,86 @@ def decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = No
         outs.append(px)
     pixels = np.concatenate([np.asarray(o) for o in outs], axis=2) if outs else None
     return (pixels, cache) if return_cache else pixels
+
+
+# ----------------------------------------------------------------------------------- tiled decode
+#: diffusers' AutoencoderKLWan tiling defaults (pixels): 256-pixel tiles every 192 pixels
+TILE, TILE_STRIDE = 256, 192
+
+
+def tile_grid(cfg: WanVAEConfig, height: int, width: int, tile: int = TILE, stride: int = TILE_STRIDE):
+    """The latent tiles of a ``height x width`` latent frame: ``[(i, j, rows, cols)]`` in row-major
+    order (the reference's loop), each ``tile / ratio`` latents wide, every ``stride / ratio``."""
+    r = cfg.scale_factor_spatial or cfg.spatial_ratio
+    lt, ls = tile // r, stride // r
+    if lt < 1 or ls < 1 or stride > tile or tile % r or stride % r:
+        raise ValueError(f"tile {tile} / stride {stride} pixels: multiples of the VAE's {r}x, stride <= tile")
+    return [(i, j, slice(i, i + lt), slice(j, j + lt)) for i in range(0, height, ls) for j in range(0, width, ls)]
+
+
+def _blend(a, b, extent: int, axis: int):
+    """The reference's ``blend_v`` / ``blend_h``: the first ``extent`` rows (cols) of ``b`` cross-fade
+    linearly from the last ``extent`` of ``a``."""
+    n = min(a.shape[axis], b.shape[axis], extent)  # the reference shrinks the extent to fit, weights too
+    if n <= 0:
+        return b
+    w = (np.arange(n, dtype=np.float32) / n).reshape([-1 if d == axis % b.ndim else 1 for d in range(b.ndim)])
+    b = b.copy()
+    idx_b = [slice(None)] * b.ndim
+    idx_a = [slice(None)] * a.ndim
+    idx_b[axis], idx_a[axis] = slice(0, n), slice(a.shape[axis] - n, a.shape[axis])
+    b[tuple(idx_b)] = a[tuple(idx_a)] * (1.0 - w) + b[tuple(idx_b)] * w
+    return b
+
+
+def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
+                 return_cache: bool = False, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
+                 conv_impl=None):
+    """:func:`decode` in overlapping spatial tiles, as ``AutoencoderKLWan.tiled_decode`` (after
+    ``enable_tiling(tile_sample_min_*=tile, tile_sample_stride_*=stride)``): each latent tile is
+    decoded frame by frame with its own causal cache, neighbours are cross-faded linearly over the
+    overlap, then unpatchified and clamped. Each compiled program sees one tile, so the peak memory
+    follows the tile, not the frame. Resumable like :func:`decode`: ``cache`` holds every tile's
+    cache (keys ``"<tile index>/<name>"``)."""
+    z = np.asarray(z)
+    _, _, f, h, w = z.shape
+    stop = f if stop is None else stop
+    if start > 0 and cache is None:
+        raise ValueError("tiled_decode(start > 0) needs the cache left by the previous chunk")
+    p = cfg.patch_size or 1
+    r = cfg.scale_factor_spatial or cfg.spatial_ratio
+    grid = tile_grid(cfg, h, w, tile, stride)
+    rows: dict[int, list] = {}
+    new_cache = {}
+    for n, (i, j, ys, xs) in enumerate(grid):
+        c = None if cache is None else {k.split("/", 1)[1]: jnp.asarray(v) for k, v in cache.items()
+                                         if k.split("/", 1)[0] == str(n)}
+        outs = []
+        for k in range(start, stop):
+            px, c = _decode_chunk_jit(state, _device(z[:, :, k:k + 1, ys, xs]), None if k == 0 else c, cfg=cfg,
+                                      first=k == 0, attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl), raw=True)
+            outs.append(np.asarray(px))
+        rows.setdefault(i, []).append(np.concatenate(outs, axis=2))
+        new_cache.update({f"{n}/{k}": v for k, v in (c or {}).items()})
+    sh, sw = h * r // p, w * r // p  # the decoder's output grid (patchified)
+    ss = stride // p
+    blend = tile // p - ss
+    keys = sorted(rows)
+    out_rows = []
+    for a, i in enumerate(keys):
+        row = []
+        for b, t in enumerate(rows[i]):
+            if a > 0:
+                t = _blend(rows[keys[a - 1]][b], t, blend, axis=-2)
+            if b > 0:
+                t = _blend(rows[i][b - 1], t, blend, axis=-1)
+            rows[i][b] = t  # the reference blends from the already-blended neighbours
+            row.append(t[..., :ss, :ss])
+        out_rows.append(np.concatenate(row, axis=-1))
+    dec = np.concatenate(out_rows, axis=-2)[..., :sh, :sw]  # [B, C p p, T, H/p, W/p]
+    x = np.asarray(unpatchify(dec.transpose(0, 2, 3, 4, 1), p)).transpose(0, 4, 1, 2, 3)
+    pixels = np.clip(x, -1.0, 1.0)
+    return (pixels, new_cache) if return_cache else pixels
 
 
 def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32):
