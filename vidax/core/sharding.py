@@ -113,6 +113,13 @@ def place(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+def smap(fn, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` as every runner uses it. ``check_vma=False``: Pallas kernels inside (splash
+    attention) produce outputs without varying-manual-axes annotations; the specs alone say how each
+    value is laid out."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
 def shard_split(split, rules: Mapping[str, str | None], mesh):
     """An :class:`vidax.core.nn.Split` (an encoder) with its state placed on ``mesh`` (a Mesh or a
     spec like ``"tp=8"``) by logical-axis ``rules``; its calls then run partitioned by the compiler

@@ -711,7 +711,7 @@ class CogVideoXRunner:
         return specs
 
     def _smap(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     def _inputs(self, x, t, ctx, ofs, tables):
         dt = self.dtype

@@ -610,7 +610,7 @@ class Cosmos3Runner:
         vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=batch), self.mesh)
 
     def _smap(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     # ---------------------------------------------------------------- units (inside shard_map)
     def _text_unit(self, und, x, cos, sin):

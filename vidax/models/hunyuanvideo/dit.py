@@ -755,7 +755,7 @@ class HunyuanVideoRunner:
         return {k: self._spec(k, a) for k, a in acts.items()}
 
     def _smap(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     def tables(self, grid):
         """RoPE tables (and token_replace's first-frame flags) for a grid, token-sharded over sp (cached)."""

@@ -86,7 +86,7 @@ class DiTRunner:
         return {k: (self._gathered(v) if isinstance(v, dict) else one(v)) for k, v in tree.items()}
 
     def _smap(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     # ------------------------------------------------------------------ units, merged inside shard_map
     def _embed(self, rest, inputs, par):

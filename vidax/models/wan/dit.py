@@ -455,7 +455,7 @@ class WanDiTRunner:
         return specs
 
     def _smap(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     def rope(self, grid):
         """RoPE tables for a token grid, placed token-sharded over sp (cached)."""
