@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.harness import write_json
+
 
 def _records(store: Path, run_id: str) -> dict:
     recs = store / "runs" / run_id / "records"
@@ -81,9 +83,7 @@ def main(argv=None) -> int:
     result["a14b"] = a14b
     print(f"\n## Wan2.2 A14B (two experts), sample stage: {a14b['sample']['programs']} programs built "
           f"(a one-expert model of the same shapes: {batch[0]['sample']['programs']})")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(a.json, result)
     return 0
 
 

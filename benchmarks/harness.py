@@ -85,3 +85,13 @@ def paired(a: Callable[[], object], b: Callable[[], object], pairs: int = 7, war
         if budget_s is not None and i >= 2 and time.perf_counter() - t_start > budget_s:
             break
     return out
+
+
+def write_json(path, data) -> None:
+    """Write a benchmark's results (``--json``), creating the folder; nothing when ``path`` is empty."""
+    import json
+    from pathlib import Path
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -7,10 +7,10 @@ devices as the pool has; no weights), in float32 and bfloat16, and whether it fi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
+
+from benchmarks.harness import write_json
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -46,9 +46,7 @@ def main(argv=None) -> int:
                     + " | ".join(cells) + " |")
         print(rows[-1], file=sys.stderr, flush=True)
     print("\n".join(rows))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(a.json, out)
     return 0
 
 

@@ -42,3 +42,15 @@ def assert_parity(out, ref, tol: float = 1e-4, what: str = "output"):
 
 def to_numpy(t):
     return t.detach().cpu().float().numpy()
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` s (shape x itemsize)."""
+    import jax
+
+    return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def mesh_axis(spec: str, axis: str) -> int:
+    """The size of ``axis`` in a mesh spec like ``"dp=2,tp=4"`` (1 when absent)."""
+    return int(dict(kv.split("=") for kv in spec.split(",")).get(axis, 1)) if spec else 1

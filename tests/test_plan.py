@@ -14,13 +14,10 @@ from stages.plan import parse_bytes, parse_pools, plan
 from stages.request import RequestError
 from vidax import registry
 from vidax.core.plan import GiB
+from tests.refutil import tree_nbytes
 
 # every registered model that ships its release's configs (a real-size plan without a checkpoint)
 REAL = sorted(m for m, r in registry.MODELS.items() if r.config_folder is not None)
-
-
-def _nbytes(tree) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(tree))
 
 
 def test_tiny_plan_weights_are_the_models_parameters():
@@ -32,9 +29,9 @@ def test_tiny_plan_weights_are_the_models_parameters():
 
     p = plan("wan2.1-t2v-1.3b", preset="tiny")
     pipe = WanT2V("tiny")
-    want = {"encode": _nbytes(t5.init(pipe.text_config()).state),
-            "sample": _nbytes(wdit.init_state(pipe.dit_config())),
-            "decode": _nbytes(wvae.init_params(pipe.vae_config()))}
+    want = {"encode": tree_nbytes(t5.init(pipe.text_config()).state),
+            "sample": tree_nbytes(wdit.init_state(pipe.dit_config())),
+            "decode": tree_nbytes(wvae.init_params(pipe.vae_config()))}
     assert [s.kind for s in p.stages] == ["encode", "sample", "decode"]
     for s in p.stages:
         (u,) = s.units

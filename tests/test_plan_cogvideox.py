@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 
 from stages.plan import plan
-
-
-def _nbytes(tree) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(tree))
+from tests.refutil import tree_nbytes
 
 
 def test_tiny_plan_weights_are_the_models_parameters():
@@ -21,8 +18,8 @@ def test_tiny_plan_weights_are_the_models_parameters():
 
     p = plan("cogvideox-5b", preset="tiny")
     pipe = CogVideoX("tiny-5b")
-    want = {"encode": _nbytes(t5.init(pipe.text_config()[0]).state),
-            "sample": _nbytes(cdit.init_state(pipe.dit_config())),
+    want = {"encode": tree_nbytes(t5.init(pipe.text_config()[0]).state),
+            "sample": tree_nbytes(cdit.init_state(pipe.dit_config())),
             # (the VAE's shapes from its constructor: a seeded init of its ~100 tensors takes 20 s on a CPU)
             "decode": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cvae.param_shapes(pipe.vae_config())))}
     assert [s.kind for s in p.stages] == ["encode", "sample", "decode"]

@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 
 from stages.plan import plan
-
-
-def _nbytes(tree) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(tree))
+from tests.refutil import tree_nbytes
 
 
 def test_tiny_plan_weights_are_the_models_parameters():
@@ -20,8 +17,8 @@ def test_tiny_plan_weights_are_the_models_parameters():
     p = plan("hunyuanvideo-t2v", preset="tiny")
     pipe = HunyuanVideoT2V("tiny")
     llm, clip = pipe.load_text_encoders()
-    want = {"Llama text encoder": _nbytes(llm.state), "CLIP-L text encoder": _nbytes(clip.state),
-            "DiT step": _nbytes(hdit.init_state(pipe.dit_config())), "VAE decode, one tile": _nbytes(pipe.load_vae().state)}
+    want = {"Llama text encoder": tree_nbytes(llm.state), "CLIP-L text encoder": tree_nbytes(clip.state),
+            "DiT step": tree_nbytes(hdit.init_state(pipe.dit_config())), "VAE decode, one tile": tree_nbytes(pipe.load_vae().state)}
     assert [s.kind for s in p.stages] == ["encode", "sample", "decode"]
     units = {u.name: u for s in p.stages for u in s.units}
     assert sorted(units) == sorted(want)

@@ -1,16 +1,12 @@
 """``vidax plan`` for LTX: the tiny presets' units hold exactly their models' weights; LTX-2's DiT
 at the release's size is split over tp on its pool."""
-import jax
 import numpy as np
 import pytest
 
 from stages.plan import plan
 from vidax import registry
 from vidax.models.ltx import dit2 as ldit2
-
-
-def nbytes(tree) -> int:
-    return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+from tests.refutil import tree_nbytes
 
 
 def units(p) -> dict:
@@ -24,9 +20,9 @@ def test_tiny_ltx_video(model):
     u = units(p)
     assert {k for k, _ in u} == {"encode", "sample", "decode"}
     assert all(m.peak > 0 for m in u.values())
-    assert u["encode", "T5 text encoder"].weights == nbytes(pipe.load_text_encoder().state)
-    assert u["sample", "DiT step"].weights == nbytes(pipe.load_dit()[0])
-    assert u["decode", "VAE decode, whole clip"].weights == nbytes(pipe.load_vae()[0])
+    assert u["encode", "T5 text encoder"].weights == tree_nbytes(pipe.load_text_encoder().state)
+    assert u["sample", "DiT step"].weights == tree_nbytes(pipe.load_dit()[0])
+    assert u["decode", "VAE decode, whole clip"].weights == tree_nbytes(pipe.load_vae()[0])
 
 
 def test_tiny_ltx2():
@@ -41,7 +37,7 @@ def test_tiny_ltx2():
             ("decode", "audio VAE decode"): avae.state, ("decode", "vocoder"): voc.state}
     assert set(u) == set(want)
     for k, state in want.items():
-        assert u[k].peak > 0 and u[k].weights == nbytes(state), k
+        assert u[k].peak > 0 and u[k].weights == tree_nbytes(state), k
 
 
 def test_ltx2_release_dit_split_over_tp():
@@ -51,7 +47,7 @@ def test_ltx2_release_dit_split_over_tp():
     sample = next(s for s in p.stages if s.kind == "sample")
     tp = dict(kv.split("=") for kv in sample.mesh.split(","))["tp"]
     pipe = registry.get("ltx2-t2v").build(None, str(registry.get("ltx2-t2v").config_folder))
-    total = nbytes(ldit2.abstract_state(pipe.dit_config(), np.dtype("bfloat16")))
+    total = tree_nbytes(ldit2.abstract_state(pipe.dit_config(), np.dtype("bfloat16")))
     assert total > 35e9  # ~19B parameters in bf16
     w = sample.units[0].weights
     # the tp-split blocks plus the replicated rest (adaLN tables, caption projections, norms): ~5.5%

@@ -320,12 +320,12 @@ class Pipeline:
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
 
     def text_mesh(self) -> str | None:
-        """The mesh a real checkpoint's text encoder is split over: tensor parallelism across every
-        device of this process (the encode slice), so an encoder larger than one chip fits; None on
-        one device."""
+        """The mesh a real checkpoint's text encoder is split over: tensor parallelism across this
+        host's accelerators (the encode slice), so an encoder larger than one chip fits; None on one
+        device or on CPU (host memory holds it whole; splitting over CPU devices only adds work)."""
         import jax
 
-        n = jax.device_count()
+        n = jax.local_device_count() if jax.default_backend() != "cpu" else 1
         return f"tp={n}" if n > 1 else None
 
     def pool_devices(self, request: RequestLike, kind: str) -> int:

@@ -267,8 +267,7 @@ class CosmosPredict(Pipeline):
         when there are several accelerators (``lm.tp_rules``: what does not divide stays replicated)."""
         if self.preset:
             return lm.init(self.preset.text, seed=self.preset.seed + 1)
-        n = jax.local_device_count() if jax.default_backend() != "cpu" else 1
-        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=f"tp={n}" if n > 1 else None)
+        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=self.text_mesh())
 
     @property
     def scaled(self) -> bool:
@@ -480,13 +479,11 @@ class CosmosPredict(Pipeline):
         """Qwen2.5-VL's every-layer hidden states over the prompts (float32, tensor-parallel over the
         encode pool's chips as :meth:`load_text_encoder` shards it); one DiT call on the guidance
         batch on this pipeline's mesh; the Wan2.1 VAE's per-latent-frame decode with its causal cache."""
-        from vidax import registry
         from vidax.core import plan as vplan
         from vidax.models.wan import vae as wvae
 
         b = len(request.prompts)
-        jobs = registry.get(request.model).job_variables("encode", None if request.checkpoint else request.preset)
-        n = min(int(jobs.get("tpu_chips") or 1), jax.device_count())
+        n = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
         enc = lm.abstract(self.text_config(), np.float32)
         enc = lm.shard(enc, f"tp={n}") if n > 1 else enc
         ids = vplan.abstract((b, self.max_text_len), np.int32)

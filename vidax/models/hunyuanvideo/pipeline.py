@@ -262,8 +262,7 @@ class HunyuanVideoT2V(Pipeline):
             return llm, clip_text.from_params(p.clip, seeded(clip_text.CLIPText, p.clip, p.seed + 4))
         # the 8B tower in float32 (32 GB) is split over every visible device (Megatron rules of
         # vidax.text.lm: heads, MLP and vocabulary where they divide); CLIP-L stays on one device
-        n = jax.device_count()
-        mesh = f"tp={n}" if n > 1 else None
+        mesh = self.text_mesh()
         if self.image_to_video:
             from vidax.models.hunyuanvideo import llava
 
@@ -507,7 +506,6 @@ class HunyuanVideoT2V(Pipeline):
         (the first temporal tile, 256-px spatial tiles with ``vae_tiling``)."""
         from vidax.core import nn
         from vidax.core import plan as vplan
-        from vidax.core import sharding as vsh
         from vidax.text import clip as clipmod
         from vidax.text import clip_text, lm
 
@@ -515,8 +513,8 @@ class HunyuanVideoT2V(Pipeline):
         llm_cfg, clip_cfg, vis_cfg = self.text_config()
         _, crop = self.template()
         enc = lm.abstract(llm_cfg, np.float32)
-        if self.preset is None and jax.device_count() > 1:
-            enc = enc.replace(state=vsh.place(enc.state, lm.shardings(enc, llm_cfg, f"tp={jax.device_count()}")[2]))
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoders splits it
+        enc = lm.shard(enc, f"tp={tp}") if tp > 1 else enc
         t = htext.MAX_TEXT_TOKENS + crop
         i32 = lambda *s: vplan.abstract(s, np.int32)  # noqa: E731
         if vis_cfg is None:

@@ -797,13 +797,8 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
 
         if self.preset:
             return lm.init(_tiny_gemma(), seed=self.preset.seed + 1)
-        # Gemma 3 12B in float32 is ~48 GB: on a mesh its heads / MLP / vocabulary split over tp
-        mesh = None
-        if self.mesh is not None:
-            from vidax.core import mesh as vmesh
-
-            mesh = vmesh.make_mesh(self.mesh)
-        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh)
+        # Gemma 3 12B in float32 is ~48 GB: its heads / MLP / vocabulary split over the encode slice (tp)
+        return lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=self.text_mesh())
 
     def load_connectors(self):
         if self.preset:
@@ -856,7 +851,7 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
 
     def plan_units(self, request) -> list:
         """Gemma 3's every-layer hidden states (float32, over tp as :meth:`load_text_encoder` shards
-        it on this pipeline's mesh) and the text connectors; one DiT call on a guidance group (2B with
+        it over the encode slice) and the text connectors; one DiT call on a guidance group (2B with
         CFG: video and audio streams together) on this pipeline's mesh; the video VAE's decode stage
         (one spatial tile with ``vae_tiling``), the audio VAE and the vocoder."""
         from flax import nnx
@@ -868,7 +863,8 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
         b, n = len(request.prompts), self.max_text_len
         tcfg = _tiny_gemma() if self.preset else lm.LMConfig.from_hf(self._config("text_encoder"))
         enc = lm.abstract(tcfg, np.float32)
-        enc = lm.shard(enc, self.mesh) if self.mesh is not None and self.preset is None else enc
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
+        enc = lm.shard(enc, f"tp={tp}") if tp > 1 else enc
         ids = vplan.abstract((b, n), np.int32)
         ccfg = self.preset.connectors if self.preset else lconn.ConnectorsConfig.from_diffusers(self._config("connectors"))
         conn = nn.Split(*nn.abstract_state(lambda: lconn._build(ccfg)), ccfg)
