@@ -301,8 +301,11 @@ class RefinerBlock(nnx.Module):
 class TokenRefiner(nnx.Module):
     """diffusers ``HunyuanVideoTokenRefiner``: the text's masked mean + the timestep condition the
     refiner blocks over ``proj_in(text)``. Attention mask: token ``i`` sees token ``j`` when both
-    are valid, and every token sees token 0 (the reference's rule). Replicated over the mesh (it
-    runs once per step on a few hundred text tokens)."""
+    are valid, and every token sees token 0 (the reference's rule; ``SEE_FIRST = False`` drops
+    that last part, for HunyuanVideo 1.5's refiner). Replicated over the mesh (it runs once per
+    step on a few hundred text tokens)."""
+
+    SEE_FIRST = True
 
     def __init__(self, text_dim: int, dim: int, heads: int, num_layers: int, mlp_ratio: float = 4.0, *,
                  rngs: nnx.Rngs, param_dtype=F32):
@@ -322,7 +325,8 @@ class TokenRefiner(nnx.Module):
         temb = self.time_in(timestep_features(t).astype(dt)) + self.text_in(pooled)
         h = self.proj_in(x)
         am = m[:, None, :, None] & m[:, None, None, :]  # [B, 1, L, L]
-        am = am.at[..., 0].set(True)
+        if self.SEE_FIRST:
+            am = am.at[..., 0].set(True)
         return nn.scan(self.blocks, h, lambda blk, h: blk(h, temb, am))
 
 
