@@ -1,0 +1,75 @@
+"""HunyuanVideo 1.5 VAE: parity with diffusers' AutoencoderKLHunyuanVideo15 (decode, encode
+posterior mean, tiled decode and tiled encode with the reference's tile settings), the staged
+decode of frame ranges, the original release's names."""
+import numpy as np
+import pytest
+import torch
+
+from tests.refutil import assert_parity, perturb, to_numpy
+from vidax import compat
+from vidax.models.hunyuanvideo15 import vae as hvae
+from vidax.weights import save_safetensors
+
+TINY = dict(latent_channels=4, block_out_channels=(8, 16, 32, 32), layers_per_block=1, spatial_compression_ratio=8,
+            temporal_compression_ratio=4)
+TILE = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_latent_min_height=4, tile_latent_min_width=4,
+            tile_overlap_factor=0.25)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(0)
+    m = perturb(AutoencoderKLHunyuanVideo15(**TINY), seed=3)
+    folder = tmp_path_factory.mktemp("hv15_vae")
+    m.save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((2, 4, 3, 6, 10)).astype(np.float32)  # non-square, 3 latent frames
+    x = rng.uniform(-1, 1, (2, 3, 5, 48, 64)).astype(np.float32)
+    # the reference's mid-block attention mask only broadcasts for batch 1 ([B, L, L] against
+    # [B, 1, L, L]): its B=2 output is its two B=1 outputs
+    dec_ = lambda a: np.concatenate([to_numpy(m.decode(torch.from_numpy(a[i:i + 1])).sample) for i in range(len(a))])  # noqa: E731
+    enc_ = lambda a: np.concatenate([to_numpy(m.encode(torch.from_numpy(a[i:i + 1])).latent_dist.mode())  # noqa: E731
+                                     for i in range(len(a))])
+    with torch.no_grad():
+        dec, enc = dec_(z), enc_(x)
+        m.enable_tiling(**TILE)
+        dec_t, enc_t = dec_(z), enc_(x)
+    return dict(model=m, folder=folder, z=z, x=x, dec=dec, enc=enc, dec_t=dec_t, enc_t=enc_t)
+
+
+def test_decode_encode_parity(ref):
+    vae = compat.load_pretrained(ref["folder"])
+    assert_parity(vae.decode(ref["z"]), ref["dec"], what="AutoencoderKLHunyuanVideo15 decode")
+    assert_parity(vae.encode(ref["x"]), ref["enc"], what="AutoencoderKLHunyuanVideo15 encode")
+
+
+def test_tiled_parity(ref):
+    vae = compat.load_pretrained(ref["folder"])
+    vae.enable_tiling(**TILE)
+    assert_parity(vae.decode(ref["z"]), ref["dec_t"], what="AutoencoderKLHunyuanVideo15 tiled decode")
+    assert_parity(vae.encode(ref["x"]), ref["enc_t"], what="AutoencoderKLHunyuanVideo15 tiled encode")
+
+
+def test_frame_ranges_concatenate_to_decode(ref):
+    """Causal decoder: the frames of latent ranges [0, 1), [1, 3) are the whole decode's."""
+    vae = hvae.load_vae(ref["folder"])
+    parts = [hvae.decode_frames(vae, ref["z"], a, b) for a, b in ((0, 1), (1, 3))]
+    assert [p.shape[2] for p in parts] == [1, 8]
+    assert_parity(np.concatenate(parts, axis=2), ref["dec"], what="decode by frame ranges")
+
+
+def test_original_release_names(ref, tmp_path):
+    sd = {k: to_numpy(v) for k, v in ref["model"].state_dict().items()}
+    inv = {}
+    for k, v in sd.items():
+        o = (k.replace("down_blocks.", "down.").replace("up_blocks.", "up.").replace(".resnets.", ".block.")
+             .replace("downsamplers.0", "downsample").replace("upsamplers.0", "upsample")
+             .replace("mid_block.block.0", "mid.block_1").replace("mid_block.block.1", "mid.block_2")
+             .replace("mid_block.attentions.0.to_", "mid.attn_1.").replace("mid_block.attentions.0", "mid.attn_1"))
+        inv[o] = v
+    assert "encoder.mid.attn_1.q.weight" in inv and "decoder.up.0.upsample.conv.conv.weight" in inv
+    save_safetensors(inv, tmp_path / "diffusion_pytorch_model.safetensors")
+    vae = hvae.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", hvae.HunyuanVideo15VAEConfig(**TINY))
+    assert_parity(hvae.decode(vae, ref["z"]), ref["dec"], what="decode from the original names")
