@@ -386,7 +386,10 @@ class HunyuanVideo15T2V(Pipeline):
         return to_unit_range(hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling)))
 
     def decode_plan(self, request) -> list[DecodeSpan]:
-        return temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
+        """Contiguous latent frame ranges (up to 4). The decoder is causal and each stage decodes
+        its causal prefix, so no stage carries anything to the next: any one reruns alone."""
+        spans = temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
+        return [replace(s, carry_from=None) for s in spans]
 
     # ------------------------------------------------------------------ the stage protocol
     def fingerprint(self, component: str) -> str:
