@@ -1,0 +1,164 @@
+"""HunyuanVideo 1.5 pipelines: a few sampling steps of diffusers' HunyuanVideo15Pipeline (CFG,
+B=2 with different padding, decode included) and HunyuanVideo15ImageToVideoPipeline (SigLIP,
+image latent, bucketed size) match vidax's from the same embeddings and noise; the scheduler over
+a whole schedule; the glyph extraction and the prompt template's system message; the sizes."""
+import numpy as np
+import pytest
+import torch
+
+from tests.refutil import assert_parity, perturb, to_numpy
+from vidax.models.hunyuanvideo15 import dit as hdit
+from vidax.models.hunyuanvideo15 import pipeline as hpipe
+from vidax.models.hunyuanvideo15 import text as htext
+from vidax.models.hunyuanvideo15 import vae as hvae
+
+DIT = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+           num_refiner_layers=1, mlp_ratio=2.0, text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12,
+           rope_axes_dim=(2, 2, 4), target_size=64)
+VAE = dict(latent_channels=4, block_out_channels=(8, 16, 32, 32), layers_per_block=1, spatial_compression_ratio=8)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(0)
+    out = {}
+    for task in ("t2v", "i2v"):
+        m = perturb(HunyuanVideo15Transformer3DModel(**DIT, task_type=task), seed=1)
+        f = tmp_path_factory.mktemp(f"hv15p_{task}")
+        m.save_pretrained(f)
+        out[task] = (m, hdit.load_dit(f))
+    v = perturb(AutoencoderKLHunyuanVideo15(**VAE), seed=2)
+    f = tmp_path_factory.mktemp("hv15p_vae")
+    v.save_pretrained(f)
+    out["vae"] = (v, hvae.load_vae(f))
+    return out
+
+
+def _cond(rng, b, lens, glyph_lens):
+    emb = rng.standard_normal((b, 10, 24)).astype(np.float32)
+    mask = np.array([[1] * n + [0] * (10 - n) for n in lens], np.int64)
+    emb2 = rng.standard_normal((b, 6, 20)).astype(np.float32)
+    mask2 = np.array([[1] * n + [0] * (6 - n) for n in glyph_lens], np.int64)
+    return {"embeds": emb, "mask": mask, "embeds_2": emb2, "mask_2": mask2}
+
+
+def _sched(shift):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=shift)
+
+
+def test_t2v_pipeline_parity(models):
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    ref_dit, (state, cfg) = models["t2v"]
+    ref_vae, vae = models["vae"]
+    rng = np.random.default_rng(0)
+    b, steps, shift, g = 2, 3, 5.0, 6.0
+    cond, uncond = _cond(rng, b, (7, 4), (3, 0)), _cond(rng, b, (2, 2), (0, 0))
+    noise = rng.standard_normal((b, 4, 3, 4, 6)).astype(np.float32)  # 9 frames, 32 x 48
+    pipe = HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=ref_dit, vae=ref_vae,
+                                  scheduler=_sched(shift), text_encoder_2=None, tokenizer_2=None,
+                                  guider=ClassifierFreeGuidance(guidance_scale=g))
+    pipe.vision_num_semantic_tokens = 5
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    with torch.no_grad():
+        ref = pipe(prompt_embeds=t(cond["embeds"]), prompt_embeds_mask=t(cond["mask"]),
+                   prompt_embeds_2=t(cond["embeds_2"]), prompt_embeds_mask_2=t(cond["mask_2"]),
+                   negative_prompt_embeds=t(uncond["embeds"]), negative_prompt_embeds_mask=t(uncond["mask"]),
+                   negative_prompt_embeds_2=t(uncond["embeds_2"]), negative_prompt_embeds_mask_2=t(uncond["mask_2"]),
+                   height=32, width=48, num_frames=9, num_inference_steps=steps, latents=t(noise),
+                   output_type="latent").frames
+        # the pipeline's decode (its VAE's mid attention only runs batch 1: one row at a time)
+        ref_video = np.concatenate([to_numpy((ref_vae.decode(r[None] / ref_vae.config.scaling_factor).sample * 0.5
+                                              + 0.5).clamp(0, 1)) for r in ref])
+    p = hpipe.HunyuanVideo15T2V("tiny")
+    lat = p.sample_latents(cond, uncond, latents=noise, steps=steps, guidance=g, shift=shift, dit=(state, cfg))
+    assert_parity(lat, to_numpy(ref), what="HunyuanVideo15Pipeline latents")
+    video = p.decode_video(lat, vae, tiling=False)  # [B, F, H, W, 3] in [0, 1]
+    assert_parity(video, ref_video.transpose(0, 2, 3, 4, 1), what="HunyuanVideo15Pipeline decoded video")
+
+
+def test_i2v_pipeline_parity(models):
+    import PIL.Image
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    from vidax.text import siglip
+
+    ref_dit, (state, cfg) = models["i2v"]
+    ref_vae, vae = models["vae"]
+    torch.manual_seed(0)
+    enc = perturb(SiglipVisionModel(SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_hidden_layers=2,
+                                                       num_attention_heads=2, image_size=32, patch_size=8,
+                                                       vision_use_head=False)), seed=4)
+    fx = SiglipImageProcessor(size={"height": 32, "width": 32})
+    rng = np.random.default_rng(1)
+    img = rng.uniform(0, 255, (45, 70, 3)).astype(np.uint8)
+    b, steps, shift, g = 1, 2, 7.0, 6.0
+    cond, uncond = _cond(rng, b, (6,), (2,)), _cond(rng, b, (3,), (0,))
+    height, width = hpipe.bucket_size(45, 70, DIT["target_size"], 8)
+    noise = rng.standard_normal((b, 4, 2, height // 8, width // 8)).astype(np.float32)
+    pipe = HunyuanVideo15ImageToVideoPipeline(text_encoder=None, tokenizer=None, transformer=ref_dit, vae=ref_vae,
+                                              scheduler=_sched(shift), text_encoder_2=None, tokenizer_2=None,
+                                              guider=ClassifierFreeGuidance(guidance_scale=g), image_encoder=enc,
+                                              feature_extractor=fx)
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    with torch.no_grad():
+        ref = pipe(image=PIL.Image.fromarray(img), prompt_embeds=t(cond["embeds"]), prompt_embeds_mask=t(cond["mask"]),
+                   prompt_embeds_2=t(cond["embeds_2"]), prompt_embeds_mask_2=t(cond["mask_2"]),
+                   negative_prompt_embeds=t(uncond["embeds"]), negative_prompt_embeds_mask=t(uncond["mask"]),
+                   negative_prompt_embeds_2=t(uncond["embeds_2"]), negative_prompt_embeds_mask_2=t(uncond["mask_2"]),
+                   num_frames=5, num_inference_steps=steps, latents=t(noise), output_type="latent").frames
+    import tempfile
+
+    p = hpipe.HunyuanVideo15I2V("tiny-i2v")
+    with tempfile.TemporaryDirectory() as d:
+        enc.save_pretrained(d)
+        sig = siglip.load_siglip(d)
+    p.load_image_encoder = lambda: sig
+    emb, img_lat = p.encode_image(img, height, width, vae, tiling=False)
+    lat = p.sample_latents(cond, uncond, latents=noise, steps=steps, guidance=g, shift=shift, dit=(state, cfg),
+                           image_embeds=emb, image_latents=img_lat)
+    assert_parity(lat, to_numpy(ref), what="HunyuanVideo15ImageToVideoPipeline latents")
+
+
+def test_scheduler_whole_schedule():
+    """The releases' schedules (shift 5 / 7 / 9 on linspace(1, 0, N + 1)[:-1]) step for step."""
+    rng = np.random.default_rng(0)
+    p = hpipe.HunyuanVideo15T2V("tiny")
+    for shift in (5.0, 7.0, 9.0):
+        ref = _sched(shift)
+        ref.set_timesteps(sigmas=np.linspace(1.0, 0.0, 8 + 1)[:-1])
+        s = p.scheduler(8, shift)
+        np.testing.assert_allclose(np.asarray(s.timesteps, np.float64), ref.timesteps.numpy(), rtol=1e-6)
+        x = rng.standard_normal((1, 4, 3)).astype(np.float32)
+        xr, st = torch.from_numpy(x), s.init_state(x)
+        import jax.numpy as jnp
+
+        xj = jnp.asarray(x)
+        for i, t in enumerate(ref.timesteps):
+            v = rng.standard_normal(x.shape).astype(np.float32)
+            xr = ref.step(torch.from_numpy(v), t, xr).prev_sample
+            xj, st = s.step(st, jnp.asarray(v), jnp.int32(i), xj)
+        assert_parity(np.asarray(xj), xr.numpy(), what=f"flow-match Euler shift {shift}")
+
+
+def test_glyph_text_and_system_message():
+    from diffusers.pipelines.hunyuan_video1_5 import pipeline_hunyuan_video1_5 as ref
+
+    for prompt in ('a sign "OPEN" and “café” and "OPEN"', 'one "x"', "no quotes", '"" empty', '"a" "b" "a"'):
+        assert htext.extract_glyph_text(prompt) == ref.extract_glyph_texts(prompt), prompt
+    import inspect
+
+    assert htext.SYSTEM_MESSAGE == inspect.signature(
+        ref.HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    assert htext.chat_text("") .count("user\n \n") == 0 and "user\n <|im_end|>" in htext.chat_text("")
+
+
+def test_sizes():
+    assert hpipe.bucket_size(9, 16, 640) == (480, 848) and hpipe.bucket_size(9, 16, 960) == (720, 1280)
+    p = hpipe.HunyuanVideo15I2V("tiny-i2v")
+    assert p.geometry().latent_channels == 4 and p.geometry().size_multiple == 8
