@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import nn
+from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.models.hunyuanvideo import dit as h10
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -262,6 +264,85 @@ def forward(state, cfg: HunyuanVideo15Config, x, t, ctx, mask, ctx2, mask2, imag
     return merge(state, cfg)(x, t, ctx, mask, ctx2, mask2, image, t_r, par=vsh.ParallelContext(attn_impl=attn_impl))
 
 
+# ----------------------------------------------------------------------------------- sharding
+#: Logical axis -> mesh axis per parallelism: 1.0's rules (TP splits heads, MLP width and the
+#: modulation columns; SP splits the video tokens, the condition tokens stay whole on every device).
+AXIS_RULES = h10.AXIS_RULES
+parallel_constraints = h10.parallel_constraints
+
+
+def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideo15Config) -> dict[str, int]:
+    """Chunk size of the one offload pool (``double``): an int dividing ``num_layers``, "all",
+    ``"double=N"`` or ``{"double": N}``."""
+    v = offload_chunk_size
+    if isinstance(v, str) and "=" in v:
+        k, _, v = v.replace(" ", "").partition("=")
+        if k != "double":
+            raise voff.OffloadConfigError(f"offload_chunk_size={offload_chunk_size!r}: the only pool is double")
+    if isinstance(v, dict):
+        bad = sorted(set(v) - {"double"})
+        if bad:
+            raise voff.OffloadConfigError(f"offload_chunk_size: unknown pools {bad}; the only pool is double")
+        v = v.get("double", "all")
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    return {"double": voff.resolve_chunk_size(v, cfg.num_layers)}
+
+
+class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
+    """The HunyuanVideo 1.5 DiT on a ``(dp, tp, sp)`` mesh, its block stack resident or streamed
+    from host memory in chunks (``offload_chunk_size``): 1.0's runner (the same blocks, the same
+    joint attention under Ulysses SP) with 1.5's embedding and a single pool. Call it like
+    :func:`forward` (channels-last latents)."""
+
+    POOLS = POOLS
+    graphdefs = staticmethod(graphdefs)
+    chunk_sizes = staticmethod(parse_chunk_sizes)
+
+    def _inputs(self, x, t, ctx, mask, extra, t_r):
+        dt = self.dtype
+        tokens, grid = h10.patchify(self.cfg, x.astype(dt))
+        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": jnp.asarray(ctx).astype(dt),
+             "mask": jnp.asarray(mask, F32), "ctx2": jnp.asarray(extra["ctx2"]).astype(dt),
+             "mask2": jnp.asarray(extra["mask2"], F32), "image": jnp.asarray(extra["image"]).astype(dt)}
+        if t_r is not None:
+            a["t_r"] = jnp.asarray(t_r, F32)
+        return a, grid
+
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        h, temb, y, n = embed(a["tokens"], a["t"], a["ctx"], a["mask"], a["ctx2"], a["mask2"], a["image"], a.get("t_r"))
+        return {"h": h, "y": y, "temb": temb, "text_len": n}
+
+    def _resident(self, rest, pools, x, t, ctx, mask, extra, t_r, tables):
+        acts, grid = self._inputs(x, t, ctx, mask, extra, t_r)
+        acts.update(tables)
+
+        def inner(rest, pools, a):
+            e = self._embed(rest, a)
+            h, _ = self._stack("double", pools["double"], (e["h"], e["y"]), self._consts(e, {k: a[k] for k in tables}))
+            return self._head(rest, h, e["temb"])
+
+        specs = (self.rest_specs, {"double": self.specs["double"]}, self._act_specs(acts))
+        y = self._smap(inner, specs, P("dp", "sp", None))(rest, pools, acts)
+        return h10.unpatchify(self.cfg, vsh.with_constraint(y, self.mesh, P("dp", None, None)), grid)
+
+    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
+        extra = {"ctx2": ctx2, "mask2": mask2, "image": image}
+        if self.offload is None:
+            return super().__call__(x, t, ctx, mask, extra, t_r)
+        x = jnp.asarray(x)
+        self.check_inputs(x.shape)
+        grid = h10.grid_of(self.cfg, x.shape)
+        e = self._pre(self.rest, x, t, ctx, mask, extra, t_r)
+        h, _ = self.offload.run("double", (e["h"], e["y"]), self._consts(e, self.tables(grid)))
+        return self._post(self.rest, h, e["temb"], grid)
+
+    def apply(self, params, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
+        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`)."""
+        return super().apply(params, x, t, ctx, mask, {"ctx2": ctx2, "mask2": mask2, "image": image}, t_r)
+
+
 # ----------------------------------------------------------------------------------- checkpoints
 _linear = h10._linear
 
@@ -487,8 +568,6 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     state, cfg = load_dit(folder, cfg, dtype=dtype)
     if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
         return _Compat(config, jax.device_put(state), cfg)
-    from vidax.models.hunyuanvideo15.runner import HunyuanVideo15Runner
-
     runner = HunyuanVideo15Runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
                                   attn_impl=attn_impl)
     return _Compat(config, None, cfg, runner)
