@@ -137,8 +137,6 @@ class HunyuanVideo15T2V(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        if mesh is not None or offload_chunk_size is not None:
-            raise OptionError("mesh", "HunyuanVideo 1.5: mesh / offloading runs are not implemented yet (one device)")
         remote = is_url(source)
         self.source = str(source)
         self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
@@ -212,13 +210,6 @@ class HunyuanVideo15T2V(Pipeline):
             req.append(("the SigLIP image encoder (image_encoder/*.safetensors)", ["image_encoder/*.safetensors"]))
         return req
 
-    def check(self, request) -> None:
-        if self.preset is None and self.folder is not None:
-            missing = [w for w, globs in self._required_files() if not any(any(self.folder.glob(g)) for g in globs)]
-            if missing:
-                raise OptionError("checkpoint", f"{self.folder}: missing {'; '.join(missing)}")
-        self._check_prompts(request)
-
     def _check_prompts(self, request) -> None:
         try:
             tok = self.load_tokenizers()[0]
@@ -263,12 +254,29 @@ class HunyuanVideo15T2V(Pipeline):
         return siglip.load_siglip(self.folder / "image_encoder", dtype=np.float32)
 
     def load_dit(self):
+        """DiT state + config on one device, or (mesh / offloading) a :class:`HunyuanVideo15Runner`."""
         cfg = self.dit_config()
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
             state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
-        return jax.device_put(state), cfg
+        if self.mesh is None and self.offload_chunk_size is None:
+            return jax.device_put(state), cfg
+        return hdit.HunyuanVideo15Runner(state, cfg, self.mesh, self.parallelism,
+                                          offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
+
+    def check(self, request) -> None:
+        v = getattr(request, "offload_chunk_size", None)
+        if v is not None:
+            try:
+                hdit.parse_chunk_sizes(v, self.dit_config())
+            except ValueError as e:
+                raise OptionError("offload_chunk_size", str(e)) from None
+        if self.preset is None and self.folder is not None:
+            missing = [w for w, globs in self._required_files() if not any(any(self.folder.glob(g)) for g in globs)]
+            if missing:
+                raise OptionError("checkpoint", f"{self.folder}: missing {'; '.join(missing)}")
+        self._check_prompts(request)
 
     def load_vae(self):
         if self.preset:
@@ -347,7 +355,8 @@ class HunyuanVideo15T2V(Pipeline):
             x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
-        dt = hdit.state_dtype(params)
+        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        dt = runner.dtype if runner is not None else hdit.state_dtype(params)
         use_cfg = uncond is not None and float(guidance) != 1.0
         # the DiT's extra input channels: [condition latents, mask] (zeros for text-to-video)
         cond_lat = jnp.zeros(x.shape, jnp.float32)
@@ -368,7 +377,9 @@ class HunyuanVideo15T2V(Pipeline):
                     "ctx2": jnp.asarray(c["embeds_2"], dt), "mask2": jnp.asarray(c["mask_2"], jnp.float32)}
 
         c, u = pack(cond), (pack(uncond) if use_cfg else None)
-        step = _cached_step(cfg, sched, (steps, float(shift)), use_cfg)
+        step = _cached_step(cfg, sched, (steps, float(shift)), use_cfg, runner)
+        if runner is not None and runner.offload is None:
+            params = runner.params
         for i in range(start, n):
             t0 = time.perf_counter()
             x, state = step(params, x, state, jnp.int32(i), c, u, jnp.float32(guidance), aux)
@@ -516,40 +527,58 @@ class HunyuanVideo15I2V(HunyuanVideo15T2V):
 _STEPS: dict = {}
 
 
-def _cached_step(cfg, sched, schedule, use_cfg):
-    """The jitted step for these settings, built once per process (a batch of runs with equal
-    settings compiles it once)."""
+def _cached_step(cfg, sched, schedule, use_cfg, runner=None):
+    """The step for these settings, built once per process (one-device DiT) or per runner: a
+    batch of runs with equal settings compiles it once."""
+    cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv15_steps", {})
     key = (cfg, schedule, use_cfg)
-    if key not in _STEPS:
-        while len(_STEPS) >= 8:
-            _STEPS.pop(next(iter(_STEPS)))
-        _STEPS[key] = _make_step(cfg, sched, use_cfg)
-    return _STEPS[key]
+    if key not in cache:
+        while len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        cache[key] = _make_step(cfg, sched, use_cfg, runner)
+    return cache[key]
 
 
-def _make_step(cfg: hdit.HunyuanVideo15Config, sched, use_cfg: bool):
+def _make_step(cfg: hdit.HunyuanVideo15Config, sched, use_cfg: bool, runner=None):
     """One sampling step ``(params, x, state, i, cond, uncond, guidance, aux) -> (x, state)``:
-    model (a batch of two with CFG) + guidance + Euler update, jitted whole. ``x`` channels-last."""
+    model (a batch of two with CFG) + guidance + Euler update, jitted whole for a resident DiT
+    (one device, or a runner's ``apply``); for a streaming (offloading) runner the model call runs
+    between a jitted input and a jitted update. ``x`` channels-last."""
     timesteps = jnp.asarray(np.asarray(sched.timesteps, np.float32))
     n = len(sched.timesteps)
+    k = 2 if use_cfg else 1
 
-    @jax.jit
-    def step(p, x, state, i, cond, uncond, guidance, aux):
-        dt = hdit.state_dtype(p)
-        b = x.shape[0]
-        k = 2 if use_cfg else 1
+    def inputs(x, i, cond, uncond, aux, dt):
         cc = cond if not use_cfg else jax.tree.map(lambda a, u: jnp.concatenate([a, u], axis=0), cond, uncond)
-        xin = jnp.concatenate([x, aux["extra"]], axis=-1).astype(dt)
-        xin = jnp.concatenate([xin] * k, axis=0)
-        t = jnp.full((k * b,), timesteps[i], jnp.float32)
+        xin = jnp.concatenate([jnp.concatenate([x, aux["extra"]], axis=-1).astype(dt)] * k, axis=0)
+        t = jnp.full((xin.shape[0],), timesteps[i], jnp.float32)
         t_r = None
-        if cfg.use_meanflow:
-            nxt = jnp.where(i + 1 < n, timesteps[jnp.minimum(i + 1, n - 1)], 0.0)
-            t_r = jnp.full((k * b,), nxt, jnp.float32)
+        if cfg.use_meanflow:  # the next timestep, 0 after the last
+            t_r = jnp.full(t.shape, jnp.where(i + 1 < n, timesteps[jnp.minimum(i + 1, n - 1)], 0.0), jnp.float32)
         img = jnp.concatenate([aux["image"]] * k, axis=0)
-        v = hdit.forward(p, cfg, xin, t, cc["ctx"], cc["mask"], cc["ctx2"], cc["mask2"], img, t_r).astype(jnp.float32)
+        return (xin, t, cc["ctx"], cc["mask"], cc["ctx2"], cc["mask2"], img, t_r)
+
+    def update(x, state, v, i, guidance):
+        b = x.shape[0]
+        v = v.astype(jnp.float32)
         if use_cfg:
             v = v[b:] + guidance * (v[:b] - v[b:])
         return sched.step(state, v, i, x)
 
-    return step
+    if runner is None or runner.offload is None:
+        model = (lambda p, *a: hdit.forward(p, cfg, *a)) if runner is None else runner.apply  # noqa: E731
+        dtype = (lambda p: hdit.state_dtype(p)) if runner is None else (lambda p: runner.dtype)  # noqa: E731
+
+        @jax.jit
+        def step(p, x, state, i, cond, uncond, guidance, aux):
+            return update(x, state, model(p, *inputs(x, i, cond, uncond, aux, dtype(p))), i, guidance)
+
+        return step
+
+    pre = jax.jit(lambda x, i, cond, uncond, aux: inputs(x, i, cond, uncond, aux, runner.dtype))
+    upd = jax.jit(update)
+
+    def streamed(p, x, state, i, cond, uncond, guidance, aux):
+        return upd(x, state, runner(*pre(x, i, cond, uncond, aux)), i, guidance)
+
+    return streamed
