@@ -162,3 +162,57 @@ def test_sizes():
     assert hpipe.bucket_size(9, 16, 640) == (480, 848) and hpipe.bucket_size(9, 16, 960) == (720, 1280)
     p = hpipe.HunyuanVideo15I2V("tiny-i2v")
     assert p.geometry().latent_channels == 4 and p.geometry().size_multiple == 8
+
+
+PROMPTS = ['A red panda paddles a canoe "HELLO" at dawn', "", 'a robot arm welding “café” and "OK" and "OK"']
+
+
+def test_prompt_conditioning_matches_the_pipelines(tmp_path):
+    """_get_mllm_prompt_embeds (Qwen chat template with the system message, max_length + crop,
+    hidden_states[-3], crop of embeddings and mask; "" -> " ") and _get_byt5_prompt_embeds (glyph
+    extraction, ByT5 to 256... here 24 tokens, zeros without quotes) vs vidax from saved folders."""
+    import transformers
+    from diffusers import HunyuanVideo15Pipeline as Ref
+
+    from tests.cosmos_fixtures import make_tokenizer
+    from vidax.text import lm, t5
+    from vidax.text.byt5 import ByT5Tokenizer
+    from vidax.text.tokenizer import load_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    torch.manual_seed(0)
+    qwen = perturb(transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(
+        vocab_size=400, hidden_size=24, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 1]})), seed=4)
+    qwen.save_pretrained(tmp_path / "qwen")
+    tok = load_tokenizer(tmp_path / "tok")
+    crop = htext.template_prefix_tokens(tok)
+    with torch.no_grad():
+        emb, mask = Ref._get_mllm_prompt_embeds(qwen, ref_tok, PROMPTS, "cpu", tokenizer_max_length=12, crop_start=crop)
+    out, out_mask = htext.qwen_embeds(tok, lm.load_lm(tmp_path / "qwen"), PROMPTS, crop, 12)
+    assert_parity(out, to_numpy(emb), what="Qwen2.5-VL prompt embeds (hidden_states[-3], cropped)")
+    np.testing.assert_array_equal(out_mask, mask.numpy())
+
+    byt5 = perturb(transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=384, d_model=20, d_kv=8, d_ff=32, num_layers=2, num_heads=2, feed_forward_proj="gated-gelu")), seed=5)
+    byt5.save_pretrained(tmp_path / "byt5")
+    with torch.no_grad():
+        emb2, mask2 = Ref._get_byt5_prompt_embeds(transformers.ByT5Tokenizer(), byt5, PROMPTS, "cpu", tokenizer_max_length=24)
+    out2, out_mask2 = htext.glyph_embeds(ByT5Tokenizer(), t5.load_t5(tmp_path / "byt5"), PROMPTS, 20, 24)
+    assert_parity(out2, to_numpy(emb2), what="ByT5 glyph embeds")
+    np.testing.assert_array_equal(out_mask2, mask2.numpy())
+    assert out_mask2[1].sum() == 0 and out_mask2[0].sum() > 0
+
+
+def test_sampling_on_a_mesh_offloaded():
+    """tp=2 x sp=2 with the block stack streamed (chunk 1) and CFG equals one device."""
+    rng = np.random.default_rng(3)
+    cond = {"embeds": rng.standard_normal((1, 8, 24)).astype(np.float32), "mask": np.array([[1] * 5 + [0] * 3]),
+            "embeds_2": rng.standard_normal((1, 4, 20)).astype(np.float32), "mask_2": np.array([[1, 1, 0, 0]])}
+    uncond = {**cond, "mask": np.array([[1] * 2 + [0] * 6]), "mask_2": np.zeros((1, 4), np.int64)}
+    noise = rng.standard_normal((1, 4, 2, 4, 4)).astype(np.float32)
+    kw = dict(latents=noise, steps=2, guidance=4.0)
+    one = hpipe.HunyuanVideo15T2V("tiny").sample_latents(cond, uncond, **kw)
+    many = hpipe.HunyuanVideo15T2V("tiny", mesh="tp=2,sp=2", offload_chunk_size=1).sample_latents(cond, uncond, **kw)
+    assert_parity(many, one, tol=1e-5, what="sampling on tp=2 x sp=2, offloaded")
