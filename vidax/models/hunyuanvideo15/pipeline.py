@@ -397,8 +397,9 @@ class HunyuanVideo15T2V(Pipeline):
         return to_unit_range(hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling)))
 
     def decode_plan(self, request) -> list[DecodeSpan]:
-        """Contiguous latent frame ranges (up to 4). The decoder is causal and each stage decodes
-        its causal prefix, so no stage carries anything to the next: any one reruns alone."""
+        """Contiguous latent frame ranges (up to 4). The decoder is causal: a stage's frames are
+        cut from a decode that holds them, so no stage carries anything to the next and any one
+        reruns alone."""
         spans = temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
         return [replace(s, carry_from=None) for s in spans]
 
@@ -472,7 +473,7 @@ class HunyuanVideo15T2V(Pipeline):
                                                      "scaled": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        """Latent frames ``span.frames`` -> uint8 frames (the causal prefix decoded, its tail kept)."""
+        """Latent frames ``span.frames`` -> uint8 frames (cut from the causal decode)."""
         vae = self.load_vae()
         a, b = span.frames
         z = np.asarray(latents["latents"], np.float32) / vae.cfg.scaling_factor

@@ -14,9 +14,8 @@ resampled in space only.
 - the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
   one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
   whole decoder at full resolution;
-- :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage):
-  the causal prefix ``[0, b)`` decoded, the frames of ``[a, b)`` kept -- the stages' frames
-  concatenate to :func:`decode`'s.
+- :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
+  cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
 
 Channels-last inside (``[B, T, H, W, C]``); the public functions take and return the reference
 layout ``[B, C, T, H, W]``. The causal conv, the plain conv, the frame-causal attention and the
@@ -370,11 +369,14 @@ def frame_range(a: int, b: int, temporal: int = 4) -> tuple[int, int]:
     return f(a), f(b)
 
 
-def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling()) -> np.ndarray:
-    """The pixels of latent frames ``[a, b)`` ([B, 3, F_ab, H, W]): the causal prefix ``[0, b)``
-    decoded, its last frames kept. Concatenated over consecutive ranges: :func:`decode`."""
+def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), prefix_only: bool = False) -> np.ndarray:
+    """The pixels of latent frames ``[a, b)`` ([B, 3, F_ab, H, W]). The decoder is causal, so
+    they are the same decoded from any prefix that holds them: by default the whole latent
+    sequence is decoded (every range runs the same compiled programs, and the ranges concatenate
+    bitwise to :func:`decode`); ``prefix_only`` decodes just ``[0, b)`` (less compute, one compile
+    per range length)."""
     z = np.asarray(z, np.float32)
-    px = decode(vae, z[:, :, :b], tiling)
+    px = decode(vae, z[:, :, :b] if prefix_only else z, tiling)
     start, stop = frame_range(a, b, vae.cfg.temporal_compression_ratio)
     return px[:, :, start:stop]
 
