@@ -106,8 +106,8 @@ class Tiling:
 
 
 PRESETS = {
-    "tiny": HunyuanVideo15VAEConfig(latent_channels=4, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
-                                    spatial_compression_ratio=8),
+    "tiny": HunyuanVideo15VAEConfig(latent_channels=4, block_out_channels=(8, 16, 16), layers_per_block=1,
+                                    spatial_compression_ratio=4),
     "release": HunyuanVideo15VAEConfig(),
 }
 
