@@ -347,17 +347,16 @@ class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
 _linear = h10._linear
 
 
+_SHARED = ("embed.patch.", "embed.refiner.", "double.", "head.")  # 1.0's names for 1.0's modules
+
+
 def diffusers_keymap(cfg: HunyuanVideo15Config) -> KeyMap:
-    """diffusers ``HunyuanVideo15Transformer3DModel`` names -> state paths."""
-    ce = "context_embedder"
-    top = [("x_embedder.proj.weight", "embed.patch.kernel", "conv3d"), ("x_embedder.proj.bias", "embed.patch.bias", "none"),
-           *_linear("time_embed.timestep_embedder.linear_1", "embed.time_in.l1"),
+    """diffusers ``HunyuanVideo15Transformer3DModel`` names -> state paths: 1.0's rules for the
+    patch embedding, token refiner, dual-stream blocks and head (same names, same modules), plus
+    1.5's embedders."""
+    shared = [r for r in h10.diffusers_keymap(cfg).rules if r.dst.startswith(_SHARED)]
+    own = [*_linear("time_embed.timestep_embedder.linear_1", "embed.time_in.l1"),
            *_linear("time_embed.timestep_embedder.linear_2", "embed.time_in.l2"),
-           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_1", "embed.refiner.time_in.l1"),
-           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_2", "embed.refiner.time_in.l2"),
-           *_linear(f"{ce}.time_text_embed.text_embedder.linear_1", "embed.refiner.text_in.l1"),
-           *_linear(f"{ce}.time_text_embed.text_embedder.linear_2", "embed.refiner.text_in.l2"),
-           *_linear(f"{ce}.proj_in", "embed.refiner.proj_in"),
            ("context_embedder_2.norm.weight", "embed.glyph.norm.scale", "none"),
            ("context_embedder_2.norm.bias", "embed.glyph.norm.bias", "none"),
            *_linear("context_embedder_2.linear_1", "embed.glyph.l1"), *_linear("context_embedder_2.linear_2", "embed.glyph.l2"),
@@ -367,30 +366,11 @@ def diffusers_keymap(cfg: HunyuanVideo15Config) -> KeyMap:
            *_linear("image_embedder.linear_1", "embed.image.l1"), *_linear("image_embedder.linear_2", "embed.image.l2"),
            ("image_embedder.norm_out.weight", "embed.image.norm_out.scale", "none"),
            ("image_embedder.norm_out.bias", "embed.image.norm_out.bias", "none"),
-           ("cond_type_embed.weight", "embed.cond_type.embedding", "none"),
-           *_linear("norm_out.linear", "head.mod"), *_linear("proj_out", "head.proj")]
+           ("cond_type_embed.weight", "embed.cond_type.embedding", "none")]
     if cfg.use_meanflow:
-        top += [*_linear("time_embed.timestep_embedder_r.linear_1", "embed.time_r.l1"),
+        own += [*_linear("time_embed.timestep_embedder_r.linear_1", "embed.time_r.l1"),
                 *_linear("time_embed.timestep_embedder_r.linear_2", "embed.time_r.l2")]
-    rb = f"{ce}.token_refiner.refiner_blocks.{{i}}"
-    refiner = [(f"{rb}.norm1.weight", "embed.refiner.blocks.norm1.scale", "none"),
-               (f"{rb}.norm1.bias", "embed.refiner.blocks.norm1.bias", "none"),
-               (f"{rb}.norm2.weight", "embed.refiner.blocks.norm2.scale", "none"),
-               (f"{rb}.norm2.bias", "embed.refiner.blocks.norm2.bias", "none")]
-    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):
-        refiner += _linear(f"{rb}.attn.{ref}", f"embed.refiner.blocks.{n}")
-    refiner += _linear(f"{rb}.ff.net.0.proj", "embed.refiner.blocks.up") + _linear(f"{rb}.ff.net.2", "embed.refiner.blocks.down")
-    refiner += _linear(f"{rb}.norm_out.linear", "embed.refiner.blocks.ada")
-    db = "transformer_blocks.{i}"
-    double = [*_linear(f"{db}.norm1.linear", "double.mod"), *_linear(f"{db}.norm1_context.linear", "double.mod_ctx")]
-    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("add_q", "add_q_proj"),
-                   ("add_k", "add_k_proj"), ("add_v", "add_v_proj"), ("add_o", "to_add_out")):
-        double += _linear(f"{db}.attn.{ref}", f"double.{n}")
-    for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-        double.append((f"{db}.attn.{n}.weight", f"double.{n}.scale", "none"))
-    double += [*_linear(f"{db}.ff.net.0.proj", "double.ff_up"), *_linear(f"{db}.ff.net.2", "double.ff_down"),
-               *_linear(f"{db}.ff_context.net.0.proj", "double.ffc_up"), *_linear(f"{db}.ff_context.net.2", "double.ffc_down")]
-    return KeyMap([Rule(s, d, k) for s, d, k in top + refiner + double])
+    return KeyMap(shared + [Rule(s, d, k) for s, d, k in own])
 
 
 # The original release (tencent/HunyuanVideo-1.5 ``transformer/<variant>/*.safetensors``) names:
