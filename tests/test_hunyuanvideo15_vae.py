@@ -82,3 +82,18 @@ def test_original_release_names(ref, tmp_path):
     save_safetensors(inv, tmp_path / "diffusion_pytorch_model.safetensors")
     vae = hvae.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", hvae.HunyuanVideo15VAEConfig(**TINY))
     assert_parity(hvae.decode(vae, ref["z"]), ref["dec"], what="decode from the original names")
+
+
+def test_staged_decode_compiles_one_program_per_level(ref):
+    """Each decoder level (conv_in + mid block, every up block, the output) is its own compiled
+    call: a new shape builds exactly one program per level, the same shape again builds none."""
+    from vidax.core.jit import CompileCounter
+
+    vae = hvae.load_vae(ref["folder"])
+    z = ref["z"][:1, :, :2]  # a shape no other test decodes
+    with CompileCounter() as cc:
+        hvae.decode(vae, z)
+    assert cc.count == len(TINY["block_out_channels"]) + 2
+    with CompileCounter() as cc:
+        hvae.decode(vae, z + 1)
+    assert cc.count == 0

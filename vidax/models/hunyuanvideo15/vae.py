@@ -338,7 +338,7 @@ def init(cfg: HunyuanVideo15VAEConfig, seed: int = 0, dtype=np.float32) -> nn.Sp
 # ----------------------------------------------------------------------------------- decode / encode
 def decode_tile(vae: nn.Split, z):
     """One tile through the staged decoder: each level its own compiled call. Channels-last."""
-    x = jnp.asarray(z)
+    x = jax.device_put(np.ascontiguousarray(z))  # (jnp.asarray of host data builds a program per shape)
     for i in range(len(vae.cfg.block_out_channels) + 2):
         x = vae.apply("decode_level", x, level=i)
     return np.asarray(x)
@@ -358,7 +358,7 @@ def _decode_spatial(vae: nn.Split, z, tiling: Tiling):
 def decode(vae: nn.Split, z, tiling: Tiling = Tiling()) -> np.ndarray:
     """The reference's ``decode``: latents [B, C, T, h, w] (divided by ``scaling_factor``) ->
     pixels [B, 3, F, H, W] (float32, not clipped)."""
-    z = np.asarray(z, np.float32).transpose(0, 2, 3, 4, 1)
+    z = np.ascontiguousarray(np.asarray(z, np.float32).transpose(0, 2, 3, 4, 1))
     return _decode_spatial(vae, z, tiling).transpose(0, 4, 1, 2, 3)
 
 
@@ -384,8 +384,8 @@ def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), p
 def encode_moments(vae: nn.Split, x, tiling: Tiling = Tiling()) -> np.ndarray:
     """The reference's ``_encode``: video [B, 3, F, H, W] in [-1, 1] -> moments [B, 2z, T, h, w]."""
     s = vae.cfg.spatial_compression_ratio
-    x = np.asarray(x, np.float32).transpose(0, 2, 3, 4, 1)
-    fn = lambda xx: np.asarray(vae.apply("encode_tile", jnp.asarray(xx)))  # noqa: E731
+    x = np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 2, 3, 4, 1))
+    fn = lambda xx: np.asarray(vae.apply("encode_tile", jax.device_put(np.ascontiguousarray(xx))))  # noqa: E731
     if tiling.spatial and (x.shape[2] > tiling.sample or x.shape[3] > tiling.sample):
         lt = tiling.latent_tile(s)
         blend = int(lt * tiling.overlap)
