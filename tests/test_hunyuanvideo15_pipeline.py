@@ -159,9 +159,18 @@ def test_glyph_text_and_system_message():
 
 
 def test_sizes():
-    assert hpipe.bucket_size(9, 16, 640) == (480, 848) and hpipe.bucket_size(9, 16, 960) == (720, 1280)
-    p = hpipe.HunyuanVideo15I2V("tiny-i2v")
-    assert p.geometry().latent_channels == 4 and p.geometry().size_multiple == 4
+    """The I2V size rule (the pipelines' aspect buckets at target_size) is what the stages use."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    proc = HunyuanVideo15ImageProcessor(vae_scale_factor=16)
+    for ih, iw, target in ((720, 1280, 640), (1080, 1920, 960), (1000, 700, 640), (512, 512, 960), (300, 1500, 640)):
+        assert hpipe.bucket_size(ih, iw, target) == tuple(proc.calculate_default_height_width(ih, iw, target))
+    g = hpipe.HunyuanVideo15I2V("tiny-i2v").geometry()
+    assert g.latent_channels == 4 and g.size_multiple == 4
+    assert g.fit_size(90, 160, area=1) == hpipe.bucket_size(90, 160, 64, 4)
+    h, w = g.fit_size(90, 160, area=1, sp=7)
+    assert ((h // 4) * (w // 4)) % 7 == 0
+    assert hpipe.HunyuanVideo15T2V("tiny").geometry().target_size is None
 
 
 PROMPTS = ['A red panda paddles a canoe "HELLO" at dawn', "", 'a robot arm welding “café” and "OK" and "OK"']

@@ -116,7 +116,7 @@ class HunyuanVideo15Config:
 
 
 _TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
-             text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4))
+             text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64)
 PRESETS = {
     "tiny": HunyuanVideo15Config(task_type="t2v", **_TINY),
     "tiny-i2v": HunyuanVideo15Config(task_type="i2v", **_TINY),

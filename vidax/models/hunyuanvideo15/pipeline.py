@@ -117,6 +117,24 @@ def resize_crop(image_uint8: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.asarray(out)
 
 
+@dataclass(frozen=True)
+class BucketGeometry(Geometry):
+    """The geometry with the image-to-video pipeline's size rule: an image-conditioned request
+    without a size gets the image's bucket at the model's ``target_size`` (:func:`bucket_size`;
+    ``area`` is not used), or -- when sequence parallelism needs a token count the bucket does not
+    give -- the generic rule at the bucket's area."""
+
+    target_size: int | None = None
+
+    def fit_size(self, image_height: int, image_width: int, area: int, sp: int = 1) -> tuple[int, int]:
+        if self.target_size is None:
+            return super().fit_size(image_height, image_width, area, sp)
+        h, w = bucket_size(image_height, image_width, self.target_size, self.size_multiple)
+        if sp <= 1 or ((h // self.size_multiple) * (w // self.size_multiple)) % sp == 0:
+            return h, w
+        return super().fit_size(image_height, image_width, h * w, sp)
+
+
 class HunyuanVideo15T2V(Pipeline):
     """HunyuanVideo 1.5 text-to-video (and, from an image-to-video source, image-to-video; see
     :class:`HunyuanVideo15I2V`). ``source``: a preset name or a checkpoint folder / URL."""
@@ -180,11 +198,13 @@ class HunyuanVideo15T2V(Pipeline):
 
     def geometry(self) -> Geometry:
         dc, vc = self.dit_config(), self.vae_config()
-        return Geometry(spatial=vc.spatial_compression_ratio, temporal=vc.temporal_compression_ratio,
-                        latent_channels=vc.latent_channels, patch=dc.patch, num_heads=dc.num_heads)
+        return BucketGeometry(spatial=vc.spatial_compression_ratio, temporal=vc.temporal_compression_ratio,
+                              latent_channels=vc.latent_channels, patch=dc.patch, num_heads=dc.num_heads,
+                              target_size=dc.target_size if self.image_to_video else None)
 
     def size_for_image(self, image_height: int, image_width: int) -> tuple[int, int]:
-        """The reference image-to-video pipeline's output size for an image (:func:`bucket_size`)."""
+        """The reference pipelines' output size: the image's bucket (:func:`bucket_size`) at the
+        model's ``target_size``; text-to-video uses the 16:9 bucket."""
         return bucket_size(image_height, image_width, self.dit_config().target_size, self.geometry().size_multiple)
 
     @property

@@ -2,7 +2,9 @@
 50 steps, guidance 6, shift 5 at 480p / 9 for 720p T2V / 7 for 720p I2V, 24 fps), presets and pools.
 
 Text-to-video sizes are the reference's 16:9 bucket at the release's target size (480p: 848x480,
-720p: 1280x720); image-to-video sizes follow the image (``area`` = the target size squared)."""
+720p: 1280x720); image-to-video sizes are the image's aspect bucket at the target size (the
+pipeline's rule, :class:`~vidax.models.hunyuanvideo15.pipeline.BucketGeometry`; ``area``, the target
+size squared, only sizes the sequence-parallel fallback)."""
 from vidax.pipeline import Recipe, tpu
 
 _T2V = "vidax.models.hunyuanvideo15.pipeline:HunyuanVideo15T2V"
