@@ -325,17 +325,23 @@ class HunyuanVideo15T2V(Pipeline):
         from vidax.text.clip import _to_rgb_uint8
 
         rgb = resize_crop(_to_rgb_uint8(image), height, width)
-        size = self.preset.siglip.image_size if self.preset else int(self._siglip_size())
-        emb = np.asarray(self.load_image_encoder()(siglip.preprocess(rgb, size=size))["last_hidden_state"], np.float32)
+        emb = np.asarray(self.load_image_encoder()(siglip.preprocess(rgb, **self._siglip_preprocess()))["last_hidden_state"],
+                         np.float32)
         vae = vae or self.load_vae()
         px = ((rgb.astype(np.float32) / 255.0) * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
         z = hvae.encode(vae, px, self.tiling(tiling))
         return emb, (z * vae.cfg.scaling_factor).astype(np.float32)
 
-    def _siglip_size(self) -> int:
+    def _siglip_preprocess(self) -> dict:
+        """``SiglipImageProcessor`` settings from ``feature_extractor/`` (size, mean, std)."""
+        if self.preset:
+            return {"size": self.preset.siglip.image_size}
         c = self._json("feature_extractor/preprocessor_config.json")
         s = c.get("size", 384)
-        return s.get("height", s.get("shortest_edge", 384)) if isinstance(s, dict) else s
+        out = {"size": int(s.get("height", s.get("shortest_edge", 384)) if isinstance(s, dict) else s)}
+        if c.get("image_mean") is not None:
+            out.update(mean=tuple(c["image_mean"]), std=tuple(c["image_std"]))
+        return out
 
     # ------------------------------------------------------------------ sampling
     def scheduler(self, steps: int, shift: float = 5.0):
