@@ -323,6 +323,9 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     from stages import probe  # the low-noise reconstruction probe (stages/probe.py)
 
     probe.add_parser(sub, model)
+    from stages import plan  # per-stage memory plans (stages/plan.py)
+
+    plan.add_parser(sub, model)
     return ap
 
 
@@ -332,9 +335,15 @@ def cmd_probe(a) -> int:
     return run(a)
 
 
+def cmd_plan(a) -> int:
+    from stages.plan import cmd_plan as run
+
+    return run(a)
+
+
 COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "batch": cmd_batch, "stage": cmd_stage,
                                  "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models,
-                                 "probe": cmd_probe}
+                                 "probe": cmd_probe, "plan": cmd_plan}
 
 
 def _model_arg(argv: list[str]) -> str | None:
@@ -347,6 +356,10 @@ def _model_arg(argv: list[str]) -> str | None:
 def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = None) -> int:
     """``extend(parser) -> {command: handler}`` adds commands from a higher layer (``vidax submit``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        from stages.plan import ensure_devices
+
+        ensure_devices(argv[1:])  # as many (fake CPU) devices as the pools have, before JAX starts
     ap = build_parser(_model_arg(argv))
     commands = dict(COMMANDS)
     if extend is not None:

@@ -108,9 +108,11 @@ class Request:
         return f"{slug}-{h}"
 
 
-def validate(req: Request, pipeline=None) -> Request:
+def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
     """Check every field; return the resolved request or raise :class:`RequestError`.
-    ``pipeline``: the request's pipeline if already built (it is built from configs otherwise)."""
+    ``pipeline``: the request's pipeline if already built (it is built from configs otherwise).
+    ``plan``: for ``vidax plan`` (configs only): no image needed (an image-to-video size without one
+    is the release's area at 480:832), the checkpoint's weights are not looked for."""
     try:
         recipe = registry.get(req.model)
     except ValueError:
@@ -150,7 +152,7 @@ def validate(req: Request, pipeline=None) -> Request:
             m = _CONTROL.search(t)
             if m:
                 raise RequestError(name, f"contains the control character {m.group()!r} at position {m.start()}")
-    if recipe.image == "required" and not req.image:
+    if recipe.image == "required" and not req.image and not plan:
         raise RequestError("image", f"{req.model} is an image-to-video model: give the first frame (--image PATH|URL)")
     if recipe.image == "none" and req.image:
         i2v = sorted(m for m, r in registry.MODELS.items() if r.image != "none")
@@ -177,6 +179,10 @@ def validate(req: Request, pipeline=None) -> Request:
             raise
         msg = str(e).replace(str(r.checkpoint), "").strip(" :") or type(e).__name__
         raise RequestError("checkpoint", f"{r.checkpoint}: not a usable {r.model} checkpoint ({msg})") from None
+    if plan and not r.image and (r.height is None or r.width is None):
+        area = recipe.settings(r.preset).get("area", 480 * 832)
+        h, w = geo.fit_size(480, 832, area, sp=_sp_degree(r.mesh))
+        r = dataclasses.replace(r, height=r.height or h, width=r.width or w)
     if r.image:
         from stages.images import ImageError, image_size
 
@@ -216,7 +222,8 @@ def validate(req: Request, pipeline=None) -> Request:
         raise RequestError("dtype", f"{r.dtype!r}: choose float32 or bfloat16")
     _check_mesh(r.mesh, geo)
     try:
-        pipe.check(r)
+        if not plan:
+            pipe.check(r)
     except OptionError as e:
         raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
     if r.offload_chunk_size is not None:

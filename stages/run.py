@@ -35,6 +35,7 @@ import numpy as np
 from stages.request import Request, build_pipeline
 from stages.store import (CorruptDocument, DigestMismatch, IOCounter, Run, is_transient, local_tmpdir, pack,
                           read_array, unpack)
+from vidax.core.jit import CompileCounter
 from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
@@ -592,6 +593,9 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
     records = records or Records(run)
+    kind = stage.split("/")[0]
+    if kind in ("encode", "sample", "decode"):
+        check_memory(req, pipe, (kind,), log)  # before the lease: a stage that cannot fit takes nothing
     plan = _plan(req, pipe)
     deps = inputs_of(stage, keys, plan)
     for d in deps:
@@ -627,12 +631,13 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
     t0, started = time.perf_counter(), now()
     kind = stage.split("/")[0]
     inputs = _Inputs(run, records)
-    if kind == "decode":
-        outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
-    elif kind == "sample":
-        outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
-    else:
-        outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
+    with CompileCounter() as compiles:  # programs compiled vs read from the persistent cache
+        if kind == "decode":
+            outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
+        elif kind == "sample":
+            outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
+        else:
+            outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
     gc.collect()
     seconds = time.perf_counter() - t0
@@ -643,6 +648,7 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
            "digest": hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()}
     rec["objects"] = run.objects(*_locations(rec))
     rec["io"] = IOCounter.delta(before, run.counter.snapshot())
+    rec["compile"] = compiles.to_json()
     run.write_record(stage, rec)
     records.forget(stage)
     if kind == "sample":
@@ -651,7 +657,27 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
     return StageResult(stage, keys[stage], "ran", seconds, hw, details)
 
 
-def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Records | None = None) -> dict:
+def check_memory(req: Request, pipe: Pipeline, kinds=("encode", "sample", "decode"), log: Log = print) -> dict | None:
+    """The memory plan of ``kinds`` on this process's devices (``stages.plan.check_fits``), once
+    per pipeline and kind; raises ``stages.plan.PlanError`` naming a stage that cannot fit. None
+    when the devices' memory is unknown (CPU without ``VIDAX_DEVICE_MEMORY``)."""
+    from stages.plan import check_fits
+
+    done = pipe.__dict__.setdefault("_memory_checked", {})
+    todo = tuple(k for k in kinds if k not in done)
+    if todo:
+        res = check_fits(req, pipe, todo, log=lambda m: log(m))
+        for k in todo:
+            done[k] = None if res is None else next(s for s in res["stages"] if s["stage"] == k)
+        if res is not None:
+            pipe.__dict__["_memory_plan"] = {"devices": res["devices"], "device_memory": res["device_memory"]}
+    if not any(done.get(k) for k in done):
+        return None
+    return {**pipe.__dict__.get("_memory_plan", {}), "stages": [done[k] for k in done if done[k]]}
+
+
+def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Records | None = None,
+                   memory: dict | None = None) -> dict:
     records = records or Records(run)
     stages = []
     for name in keys:
@@ -662,6 +688,8 @@ def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Record
                        "hardware": rec.get("hardware"), "finished": rec.get("finished"), "io": rec.get("io")})
     m = {"run_id": run.run_id, "model": req.model, "updated": now(), "code": code_version(), "stages": stages,
          "outputs": [run.url(n) for n in video_names(len(req.prompts))]}
+    if memory is not None:
+        m["memory_plan"] = memory
     run.write_json("manifest.json", m)
     return m
 
@@ -672,6 +700,7 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
     start (later stages computed from it may be stale now)."""
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
+    memory = check_memory(req, pipe, log=log)  # refuses, before anything is written, a request that cannot fit
     run.write_json("request.json", req.to_json())
     records = Records(run)
     results: dict[str, StageResult] = {}
@@ -697,7 +726,8 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
             records.forget(e.stage)
     else:
         raise StageError(f"run {run.run_id}: stages kept failing verification; see the log above")
-    write_manifest(run, req, keys, records)
+    write_manifest(run, req, keys, records, memory or {
+        "checked": False, "why": "the devices' memory is not known (CPU); VIDAX_DEVICE_MEMORY=16GiB checks against a size"})
     return [results[s] for s in keys]
 
 

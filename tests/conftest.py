@@ -9,7 +9,7 @@ os.environ.setdefault("VIDAX_FAMILIES", "tests.toyfamily.recipes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # one persistent compilation cache for the whole session (every xdist worker and every stage
 # subprocess): a program the suite already built is read back instead of compiled again.
-# CompileCounter counts cache hits as builds, so "one compile per shape" checks read the same.
+# CompileCounter counts programs read from the cache as built, so "one compile per shape" checks read the same.
 if "VIDAX_COMPILE_CACHE" not in os.environ:
     import atexit
     import shutil

@@ -19,12 +19,29 @@ from vidax import registry
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 IMAGE_CASES = {"none": [False], "required": [True], "optional": [False, True]}
-CASES = [(m, img) for m in sorted(registry.MODELS) for img in IMAGE_CASES[registry.MODELS[m].image]]
+ALL_CASES = [(m, img) for m in sorted(registry.MODELS) for img in IMAGE_CASES[registry.MODELS[m].image]]
+
+
+def _code_path(model: str, with_image: bool) -> tuple:
+    """What a case exercises: recipes that share the pipeline class, the tiny preset they resolve to
+    and their option set run the very same code through the stages (they differ only in real-size
+    defaults), so one case covers them."""
+    r = registry.MODELS[model]
+    return r.pipeline, r.source("tiny", None, with_image), tuple(sorted(r.option_names or ())), with_image
+
+
+CASES = list({_code_path(m, i): (m, i) for m, i in reversed(ALL_CASES)}.values())[::-1]
 
 
 def _outputs(run, group, names=None):
     g = run.group(group)
     return {n: read_array(g, n) for n in (names or sorted(g.array_keys()))}
+
+
+def test_cases_cover_every_recipe():
+    covered = {_code_path(m, i) for m, i in CASES}
+    assert all(_code_path(m, i) in covered for m, i in ALL_CASES)
+    assert len(CASES) == len(covered)
 
 
 def test_every_family_is_registered():

@@ -319,6 +319,15 @@ class Pipeline:
         """Details recorded with the sample stage (mesh, offloading...)."""
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
 
+    # -------------------------------------------------------------- memory plan (``vidax plan``)
+    def plan_units(self, request: RequestLike) -> list:
+        """The compiled unit of each stage at ``request``'s shapes, from abstract state (no weights
+        read): a list of :class:`vidax.core.plan.Unit` with ``stage`` ``encode`` (the prompt
+        encoder's forward), ``sample`` (one DiT call on the guidance batch, on this pipeline's mesh)
+        and ``decode`` (the program one decode stage repeats). ``stages.plan`` compiles them on the
+        pool's devices and reads the per-device bytes."""
+        raise NotImplementedError(f"{type(self).__name__} has no memory plan yet (plan_units)")
+
     # -------------------------------------------------------------- probe hooks (``vidax probe``)
     # A low-noise reconstruction probe (``stages.probe``) encodes a real image or clip, noises it,
     # asks the model for one clean estimate and decodes it. Noise levels are flow-matching sigmas
@@ -393,6 +402,18 @@ class Recipe:
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
+
+    @property
+    def config_folder(self):
+        """The release's configs (``config.json`` files only, no weights) shipped beside the family
+        in ``configs/<model id>/``, or None: what ``vidax plan`` reads for a real-size plan when no
+        checkpoint is given."""
+        import importlib
+        from pathlib import Path
+
+        pkg = self.pipeline.split(":")[0].rsplit(".", 1)[0]
+        folder = Path(importlib.import_module(pkg).__file__).parent / "configs" / self.model_id
+        return folder if (folder / "model_index.json").is_file() else None
 
     def source(self, preset: str | None, checkpoint: str | None, has_image: bool = False) -> str:
         if checkpoint:

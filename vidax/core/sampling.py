@@ -6,7 +6,9 @@ is bitwise identical to one that never stopped.
 """
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,9 +39,33 @@ def _call(model_fn, params, x, t, ctx, aux):
     return model_fn(params, x, t, ctx) if aux is None else model_fn(params, x, t, ctx, aux)
 
 
+#: jitted steps kept across ``sample()`` calls (batch prompts, A14B experts, resumed segments)
+_STEPS: OrderedDict = OrderedDict()
+_STEPS_KEPT = 16
+
+
+def schedule_key(sched) -> str:
+    """A content key of a scheduler: its class and every table and number it holds (what a jitted
+    step bakes in), so two schedulers with equal contents share one compiled step."""
+    h = hashlib.sha256(f"{type(sched).__module__}.{type(sched).__qualname__}".encode())
+    for k, v in sorted(vars(sched).items()):
+        if isinstance(v, np.ndarray):
+            h.update(f"{k}:{v.dtype}:{v.shape}".encode())
+            h.update(np.ascontiguousarray(v).tobytes())
+        elif isinstance(v, (int, float, str, bool, tuple, list, dict, type(None))):
+            h.update(f"{k}={v!r}".encode())
+    return h.hexdigest()
+
+
 def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, prepare: Callable | None = None,
-              with_aux: bool = False):
+              with_aux: bool = False, cache_key=None):
     """Build the jitted step ``(params, x, state, i, cond, uncond, guidance, key[, aux]) -> (x, state)``.
+
+    ``cache_key``: a hashable identity of ``model_fn`` (the model's config, mesh and parallelism:
+    never its weights, which are the ``params`` argument). With it, the step is built once and
+    reused by every later call with the same key, scheduler contents and conditioning hooks (a
+    ``prepare`` then needs a ``key`` attribute), so a second prompt, the second expert of a
+    two-expert model or a resumed segment compiles nothing new. ``model_fn`` must not hold weights.
 
     ``model_fn(params, x, t, ctx) -> velocity``, ``x`` channels-last ``[B, F, H, W, C]``.
     With ``use_cfg`` the conditional and unconditional passes run as one batch of 2B.
@@ -50,6 +76,15 @@ def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, pr
     ``with_aux`` the step takes a pytree ``aux`` (passed to ``prepare`` and as ``model_fn``'s last
     argument, ``model_fn(params, x, t, ctx, aux)``). The scheduler always updates ``x`` itself.
     """
+    if cache_key is not None and (prepare is None or hasattr(prepare, "key")):
+        k = (cache_key, schedule_key(sched), use_cfg, donate, with_aux, getattr(prepare, "key", None))
+        if k in _STEPS:
+            _STEPS.move_to_end(k)
+            return _STEPS[k]
+        step = _STEPS[k] = make_step(model_fn, sched, use_cfg, donate, prepare, with_aux)
+        while len(_STEPS) > _STEPS_KEPT:
+            _STEPS.popitem(last=False)
+        return step
     timesteps = jnp.asarray(np.asarray(sched.timesteps, np.float32))
 
     def step(params, x, state, i, cond, uncond, guidance, key, aux=None):
@@ -115,7 +150,7 @@ def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable
 def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 1.0, seed: int = 0,
             start: int = 0, state=None, on_step: Callable[[StepInfo, jnp.ndarray, object], None] | None = None,
             model_call: Callable | None = None, stop: int | None = None, prepare: Callable | None = None,
-            aux=None):
+            aux=None, cache_key=None):
     """Run steps ``start..stop-1`` (``stop`` defaults to N) from latents ``x`` (channels-last,
     float32). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
     returned state on) is the same run as one that never stopped.
@@ -123,13 +158,14 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
     ``model_fn(params, x, t, ctx)`` is traced into one jitted step; alternatively ``model_call(x, t,
     ctx)`` is called from Python each step (models that stream their weights) and only the
     guidance + scheduler update is jitted. ``prepare`` / ``aux``: conditioning hooks, see
-    :func:`make_step` (with ``aux`` given, the model also gets it as its last argument)."""
+    :func:`make_step` (with ``aux`` given, the model also gets it as its last argument);
+    ``cache_key``: see :func:`make_step`."""
     use_cfg = uncond is not None and guidance != 1.0
     with_aux = aux is not None
     if model_call is not None:
         step = _streamed_step(model_call, sched, use_cfg, prepare, with_aux)
     else:
-        step = make_step(model_fn, sched, use_cfg, prepare=prepare, with_aux=with_aux)
+        step = make_step(model_fn, sched, use_cfg, prepare=prepare, with_aux=with_aux, cache_key=cache_key)
     x = jnp.asarray(x, jnp.float32)
     state = sched.init_state(x) if state is None else state
     key = jax.random.key(seed)

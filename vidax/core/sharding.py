@@ -95,9 +95,14 @@ def place(tree, shardings):
     slice (``make_array_from_callback``), so a large array is never whole on one device. Works
     multi-host when every process holds (or can read) the host tree. A leaf may also be a lazy
     checkpoint tensor (``vidax.weights.LazyTensor``: ``shape`` + ``read(index=...)``): then each
-    device's slice is read from the file alone, and the whole tensor is never in host memory."""
+    device's slice is read from the file alone, and the whole tensor is never in host memory. A
+    ``jax.ShapeDtypeStruct`` leaf (an abstract state) comes back as one carrying its sharding, so
+    a runner built from an abstract state can be lowered and compiled without any weights
+    (:mod:`vidax.core.plan`)."""
 
     def one(x, s):
+        if isinstance(x, jax.ShapeDtypeStruct):  # an abstract state (``vidax plan``): placed on paper
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         if isinstance(x, jax.Array):
             return jax.device_put(x, s)
         if callable(getattr(x, "read", None)) and hasattr(x, "shape"):

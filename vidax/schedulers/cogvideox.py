@@ -124,13 +124,47 @@ class _CogVideoXSchedule(Scheduler):
         raise NotImplementedError
 
     def _pred_x0(self, v, x, i):
-        cx, cm = jnp.asarray(self._x0[0])[i], jnp.asarray(self._x0[1])[i]
+        return self._x0_from(v, x, jnp.asarray(self._x0[0])[i], jnp.asarray(self._x0[1])[i])
+
+    def _x0_from(self, v, x, cx, cm):
         p = self.config["prediction_type"]
         if p == "v_prediction":
             return cx * x - cm * v
         if p == "epsilon":
             return (x - cm * v) / cx
         return v
+
+    # ------------------------------------------------------------------ arbitrary training timesteps
+    def timesteps_for_flow_sigmas(self, sigmas) -> np.ndarray:
+        """The training timesteps (int [n]) whose signal-to-noise ratio is closest to that of the
+        flow-matching noise levels ``sigmas``: ``x = (1 - s) x0 + s n`` divided by
+        ``sqrt((1 - s)^2 + s^2)`` is a variance-preserving sample ``sqrt(a) x0 + sqrt(1 - a) n`` with
+        ``a = (1 - s)^2 / ((1 - s)^2 + s^2)``; the nearest ``alphas_cumprod[t]`` in log-SNR wins."""
+        s = np.clip(np.asarray(sigmas, np.float64).reshape(-1), 1e-7, 1 - 1e-7)
+        target = 2.0 * (np.log1p(-s) - np.log(s))
+        ac = np.asarray(self.alphas_cumprod, np.float64)
+        with np.errstate(divide="ignore"):
+            snr = np.log(ac) - np.log1p(-ac)  # -inf at a zero-terminal-SNR timestep, +inf at a = 1
+        return np.argmin(np.abs(snr[None, :] - target[:, None]), axis=1).astype(np.int64)
+
+    def _alphas_at(self, timesteps, ndim: int):
+        a = np.asarray(self.alphas_cumprod, np.float64)[np.asarray(timesteps, np.int64)]
+        return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+    def add_noise_at(self, original_samples, noise, timesteps):
+        """The forward process at training ``timesteps`` (one per row): ``sqrt(a) x0 + sqrt(1 - a) n``."""
+        x0 = np.asarray(original_samples, np.float32)
+        a = self._alphas_at(timesteps, x0.ndim)
+        return (np.sqrt(a).astype(np.float32) * x0
+                + np.sqrt(1 - a).astype(np.float32) * np.asarray(noise, np.float32)).astype(np.float32)
+
+    def x0_at(self, model_output, sample, timesteps):
+        """The clean estimate from a model output at training ``timesteps`` (one per row), by the
+        config's ``prediction_type`` (v-prediction: ``sqrt(a) x - sqrt(1 - a) v``), as :meth:`step`."""
+        x = jnp.asarray(sample, jnp.float32)
+        a = self._alphas_at(timesteps, x.ndim)
+        return self._x0_from(jnp.asarray(model_output, jnp.float32), x, jnp.asarray(np.sqrt(a), jnp.float32),
+                             jnp.asarray(np.sqrt(1 - a), jnp.float32))
 
     # ------------------------------------------------------------------ noising
     def add_noise(self, original_samples, noise, step_index):

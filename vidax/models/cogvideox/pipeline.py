@@ -486,6 +486,71 @@ class CogVideoX(Pipeline):
         """Latents [B, C, F, h, w] -> uint8 frames [B, T, H, W, 3] (one call)."""
         return self.decode_frames(latents, 0, np.shape(latents)[2], vae=vae, tiling=tiling)[0]
 
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self) -> tuple[t5mod.T5Config, np.dtype]:
+        """The T5 encoder's config without its weights, and the dtype :meth:`load_text_encoder`
+        keeps its weights in (bfloat16 for a bfloat16 checkpoint, by its config's ``torch_dtype``)."""
+        if self.preset:
+            return self.preset.text, np.dtype(np.float32)
+        c = self._read("text_encoder/config.json")
+        return t5mod.T5Config.from_hf(c), np.dtype(jnp.bfloat16 if c.get("torch_dtype") == "bfloat16" else np.float32)
+
+    def plan_units(self, request) -> list:
+        """T5 over the prompts (float32 compute, no mask, as :meth:`encode_prompts`); one DiT call
+        on the CFG batch on this pipeline's mesh, inputs as the sampling step passes them (float32
+        latents with the I2V image channels, rotary / sin-cos / learned tables, 1.5-I2V's ofs);
+        the VAE's first frame batch and a following one with its causal-conv cache."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+
+        b, lt = len(request.prompts), self.max_text_len
+        tcfg, tdt = self.text_config()
+        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(tcfg, tdt), vplan.abstract((b, lt), np.int32),
+                                  None, note=f"{b} prompt(s) x {lt} tokens")]
+        cfg = self.dit_config()
+        runner = cdit.CogVideoXRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance > 1.0 else b
+        shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        grid = runner.grid(shape)
+        n = grid[0] * grid[1] * grid[2]
+        tok, rep = NamedSharding(runner.mesh, P("sp", None)), NamedSharding(runner.mesh, P())
+        tables = {}
+        if cfg.use_rotary_positional_embeddings:
+            cos, _ = cdit.rope_tables(cfg, grid)
+            tables["cos"] = tables["sin"] = vplan.abstract(np.shape(cos), np.float32, tok)
+        mode = cdit.pos_mode(cfg, grid)
+        if mode == "sincos":
+            tables["pos"] = vplan.abstract((n, cfg.dim), np.float32, tok)
+        elif mode == "learned":
+            pdt = jax.tree.leaves(runner.rest["embed"]["pos"])[0].dtype
+            tables["pos_txt"], tables["pos"] = vplan.abstract((lt, cfg.dim), pdt, rep), vplan.abstract((n, cfg.dim), pdt, tok)
+        x = vplan.abstract((*shape[:-1], cfg.in_channels), np.float32)
+        t = vplan.abstract((nb,), np.float32)
+        ctx = vplan.abstract((nb, lt, cfg.text_embed_dim), self.dtype)
+        ofs = vplan.abstract((1,), np.float32) if cfg.ofs_embed_dim else None
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx, tables, ofs),
+                                weights=runner.params, note=f"batch {nb} x {n:,} tokens"))
+        vcfg = self.vae_config()
+        vae = cvae.CogVAE(*nn.abstract_state(cvae._build(vcfg)), vcfg)
+        batches = cvae.decode_batches(self.latent_frames(request.num_frames)[0])
+        h, w = shape[2], shape[3]
+        til = cvae.Tiling.default(vcfg) if request.options.get("vae_tiling") else None
+        if til is not None and til.applies(h, w):
+            h, w = til.latent_tile
+        z0 = vplan.abstract((b, vcfg.latent_channels, batches[0][1] - batches[0][0], h, w), np.float32)
+        units.append(vplan.split_unit("decode", "VAE decode, first frame batch", vae, z0, None, method="decode_batch",
+                                      conv_impl="native", note=f"{b} x {z0.shape[2]} latent frames of {h}x{w}"))
+        if len(batches) > 1:
+            _, cache = jax.eval_shape(partial(nn._apply, vae._graph, "decode_batch", (("conv_impl", "native"),)),
+                                      vae.state, z0, None)
+            z = vplan.abstract((b, vcfg.latent_channels, cvae.DECODE_BATCH, h, w), np.float32)
+            units.append(vplan.split_unit("decode", "VAE decode, next batch + cache", vae, z, cache,
+                                          method="decode_batch", conv_impl="native",
+                                          note=f"{b} x {cvae.DECODE_BATCH} latent frames with the causal cache"))
+        return units
+
     def fingerprint(self, component: str) -> str:
         if self.preset is not None:
             return f"preset:{self.preset_name}:{component}:{self.dtype.name}"
@@ -558,6 +623,59 @@ class CogVideoX(Pipeline):
     def describe(self) -> dict:
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size, "pipeline": self.pipeline_class}
 
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    # CogVideoX is a variance-preserving v-prediction model (alphas_cumprod over 1000 training
+    # timesteps), not flow matching. A probe noise level ``s`` maps to the training timestep ``t``
+    # whose signal-to-noise ratio matches ((1 - s)^2 / s^2 = a / (1 - a), see
+    # ``timesteps_for_flow_sigmas``); the latents are noised as the scheduler does
+    # (``sqrt(a_t) x0 + sqrt(1 - a_t) n``) and the DiT's output at ``t`` becomes the clean estimate
+    # ``sqrt(a_t) x - sqrt(1 - a_t) v``. The schedule is the checkpoint's scheduler config (its
+    # ``snr_shift_scale`` and zero-terminal-SNR rescale included; DDIM and DPM share it).
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels -> the posterior mean as the DiT's latents (``z * scaling_factor``: the inverse of
+        what :meth:`decode_frames` does, for 1.0 and 1.5 alike)."""
+        vae = self.load_vae()
+        return (cvae.encode(vae, np.asarray(video, np.float32)) * vae.cfg.scaling_factor).astype(np.float32)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        vae = self.load_vae()
+        return to_unit_range(cvae.decode(vae, cvae.from_latents(vae.cfg, latents)))
+
+    def add_noise(self, latents, noise, sigmas) -> np.ndarray:
+        sched = self.scheduler(1)
+        return sched.add_noise_at(latents, noise, sched.timesteps_for_flow_sigmas(sigmas))
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """One DiT evaluation per row at the training timestep matching its sigma (see above), the
+        first prompt's embeddings, no guidance -> ``sqrt(a) x - sqrt(1 - a) v``. Image-to-video: the
+        image latents channel-concatenated (and 1.5's ``ofs``) as in sampling; 1.5 with an odd
+        latent frame count: the leading frames are repeated to a whole temporal patch (sampling
+        carries extra leading noise frames there) and dropped from the estimate."""
+        sched = self.scheduler(1)
+        ts = sched.timesteps_for_flow_sigmas(sigmas)
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, cdit.CogVideoXRunner) else None
+        dt = runner.dtype if runner is not None else cdit.state_dtype(params)
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)  # [B, F, h, w, C]
+        extra = (cfg.pt - x.shape[1] % cfg.pt) % cfg.pt
+        shape = (1, x.shape[1] + extra, *x.shape[2:])
+        img = conditioning.get("image_latents")
+        image_cond = None if img is None else self.image_condition(img, shape)
+        aux = self._aux(params, cfg, shape, image_cond)
+        ctx = jnp.asarray(np.asarray(conditioning["prompt_embeds"], np.float32)[:1], dt)
+        fwd = None if runner is not None else _probe_forward(cfg)
+        out = []
+        for i, t in enumerate(ts):
+            xi = jnp.asarray(x[i:i + 1])
+            if extra:
+                xi = jnp.concatenate([xi[:, :extra], xi], axis=1)
+            xin = xi if image_cond is None else _prepare_i2v(xi, None, aux)[0]
+            tt = jnp.full((1,), float(t), jnp.float32)
+            v = runner(xin, tt, ctx, aux.get("ofs")) if runner is not None else fwd(params, xin, tt, ctx, aux)
+            out.append(np.asarray(sched.x0_at(v, xi, [t]))[:, extra:])
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int | None = None,
                  width: int | None = None, num_frames: int | None = None, steps: int = 50, guidance: float = 6.0,
                  scheduler: str | None = None, dynamic_cfg: bool = False, on_step=None, vae_tiling: bool = False):
@@ -604,6 +722,11 @@ def _prepare_i2v(x, t, aux):
 
 def _dit_apply(params, x, t, ctx, aux, *, cfg):
     return cdit.forward(params, cfg, x, t, ctx, aux.get("ofs"), aux.get("rope"), aux.get("pos"))
+
+
+def _probe_forward(cfg):
+    """One jitted DiT evaluation ``(params, x, t, ctx, aux) -> v`` for a one-device state (cached per config)."""
+    return _cached_step(("probe", cfg), lambda: jax.jit(partial(_dit_apply, cfg=cfg)))
 
 
 def _runner_apply(runner, params, x, t, ctx, aux):

@@ -470,6 +470,50 @@ class CosmosPredict(Pipeline):
         px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache)
         return to_uint8(to_unit_range(px)), cache
 
+    def text_config(self) -> lm.LMConfig:
+        """The Qwen2.5-VL text model's config without its weights."""
+        if self.preset:
+            return self.preset.text
+        return lm.LMConfig.from_hf(json.loads((self.config_folder / "text_encoder" / "config.json").read_text()))
+
+    def plan_units(self, request) -> list:
+        """Qwen2.5-VL's every-layer hidden states over the prompts (float32, tensor-parallel over the
+        encode pool's chips as :meth:`load_text_encoder` shards it); one DiT call on the guidance
+        batch on this pipeline's mesh; the Wan2.1 VAE's per-latent-frame decode with its causal cache."""
+        from vidax import registry
+        from vidax.core import plan as vplan
+        from vidax.models.wan import vae as wvae
+
+        b = len(request.prompts)
+        jobs = registry.get(request.model).job_variables("encode", None if request.checkpoint else request.preset)
+        n = min(int(jobs.get("tpu_chips") or 1), jax.device_count())
+        enc = lm.abstract(self.text_config(), np.float32)
+        enc = lm.shard(enc, f"tp={n}") if n > 1 else enc
+        ids = vplan.abstract((b, self.max_text_len), np.int32)
+        units = [vplan.split_unit("encode", "Qwen2.5-VL text encoder (all layers)", enc, ids, None, None,
+                                  method="hidden_states", note=f"{b} prompt(s) x {self.max_text_len} tokens"
+                                  + (f", tp={n}" if n > 1 else ""))]
+        cfg = self.dit_config()
+        runner = cdit.CosmosDiTRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance > 1.0 else b
+        _, f, h, w, c = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        pt, ph, pw = cfg.patch_size
+        x = vplan.abstract((nb, f, h, w, c), np.float32)
+        t = vplan.abstract((nb, f), np.float32)  # per-frame timesteps (conditioning frames at cond_timestep)
+        ctx = vplan.abstract((nb, self.max_text_len, cfg.context_dim), self.dtype)
+        cm = vplan.abstract((nb, f, h, w, 1), np.float32)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx),
+                                kwargs={"cond_mask": cm}, weights=runner.params,
+                                note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
+        vcfg = self.vae_config()
+        state = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
+        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
+        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl="native")
+        _, cache = jax.eval_shape(partial(fn, first=True), state, z, None)
+        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
+                                (state, z, cache), weights=state, note=f"{b} x {h}x{w} latents with the causal cache"))
+        return units
+
     def fingerprint(self, component: str) -> str:
         if self.preset is not None:
             return f"preset:{self.preset_name}:{component}:{self.dtype.name}"

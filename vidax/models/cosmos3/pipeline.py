@@ -504,6 +504,56 @@ class Cosmos3Omni(Pipeline):
         px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache)
         return to_uint8(to_unit_range(px)), cache
 
+    #: the prompt length a plan assumes (the structured JSON prompts run to several hundred tokens)
+    PLAN_TEXT_TOKENS = 1024
+
+    def plan_units(self, request) -> list:
+        """No text encoder runs in encode (it tokenizes): with an image, the VAE encode of the fixed
+        frame. Sample: the text pathway's key/value cache (once per run) and one vision step on the
+        guidance batch, both on this pipeline's mesh with every weight resident (text and vision
+        pathways), text at :attr:`PLAN_TEXT_TOKENS`; decode: the Wan2.2 VAE's one-latent-frame
+        program with its causal cache."""
+        from jax.sharding import NamedSharding
+
+        from vidax.core import plan as vplan
+        from vidax.models.wan import vae as wvae
+
+        b, lu = len(request.prompts), self.PLAN_TEXT_TOKENS
+        vcfg = self.vae_config()
+        vstate = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
+        units = []
+        if getattr(request, "image", None) is not None and request.num_frames > 1:
+            px = vplan.abstract((1, 3, 1, request.height, request.width), np.float32)
+            enc = partial(wvae._encode_chunk_jit, cfg=vcfg, first=True, attn_impl=None, conv_impl="native")
+            units.append(vplan.Unit("encode", "VAE encode, the image frame", enc, (vstate, px, None), weights=vstate,
+                                    note="1 conditioning frame"))
+        cfg = self.model_config()
+        runner = mot.Cosmos3Runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance != 1.0 else b
+        _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        grid = mot.patch_grid(cfg, (f, h, w))
+        lg = grid[0] * grid[1] * grid[2]
+        params = {"rest": runner.rest, "und": runner.und, "gen": runner.gen}
+        tab = lambda n: vplan.abstract((nb, n, cfg.head_dim), np.float32)  # noqa: E731
+        ids = vplan.abstract((nb, lu), np.int32)
+        text = jax.jit(lambda p, *a: runner._text_resident(p["rest"], p["und"], *a), keep_unused=True)
+        units.append(vplan.Unit("sample", "text pathway (K/V cache, once per run)", text, (params, ids, tab(lu), tab(lu)),
+                                weights=params, note=f"batch {nb} x {lu} text tokens"))
+        kv = vplan.abstract((cfg.num_hidden_layers, nb, lu, cfg.num_key_value_heads, cfg.head_dim), self.dtype,
+                            NamedSharding(runner.mesh, runner.cache_spec))
+        vision = jax.jit(lambda p, *a: runner._vision_resident(p["rest"], p["gen"], *a), keep_unused=True)
+        t = vplan.abstract((nb, lg), np.float32)
+        units.append(vplan.Unit("sample", "vision step", vision,
+                                (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
+                                 tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
+                                note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
+        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
+        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl="native")
+        _, cache = jax.eval_shape(partial(fn, first=True), vstate, z, None)
+        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
+                                (vstate, z, cache), weights=vstate, note=f"{b} x {h}x{w} latents with the causal cache"))
+        return units
+
     def fingerprint(self, component: str) -> str:
         if self.preset is not None:
             return f"preset:{self.preset_name}:{component}:{self.dtype.name}"

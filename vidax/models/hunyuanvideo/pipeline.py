@@ -350,9 +350,14 @@ class HunyuanVideoT2V(Pipeline):
         """The image's latent, scaled as the DiT sees it: [1, C, 1, h, w] (posterior mode x scaling_factor)."""
         from vidax.text import clip as clipmod
 
-        vae = vae or self.load_vae()
         px = resize_for_vae(clipmod._to_rgb_uint8(image), height, width)[None, :, None]
-        z = hvae.encode(vae, px, self.tiling(tiling))
+        return self.encode_pixels(px, vae, tiling)
+
+    def encode_pixels(self, video, vae=None, tiling: bool = True) -> np.ndarray:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> latents as the DiT sees them (posterior mode x
+        scaling_factor), [B, C, f, h, w]."""
+        vae = vae or self.load_vae()
+        z = hvae.encode(vae, np.asarray(video, np.float32), self.tiling(tiling))
         return (z * vae.cfg.scaling_factor).astype(np.float32)
 
     # ------------------------------------------------------------------ sampling
@@ -420,16 +425,9 @@ class HunyuanVideoT2V(Pipeline):
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
         use_cfg = uncond is not None and true_cfg > 1.0
-        dt = hdit.state_dtype(params) if not isinstance(params, hdit.HunyuanVideoRunner) else params.dtype
-
-        def pack(c):
-            out = {"ctx": jnp.asarray(c["embeds"], dt), "mask": jnp.asarray(c["mask"], jnp.float32),
-                   "pooled": jnp.asarray(c["pooled"], dt)}
-            if cfg.guidance_embeds:
-                out["guidance"] = jnp.full((b,), float(guidance) * 1000.0, jnp.float32)
-            return out
-
-        c, u = pack(cond), (pack(uncond) if use_cfg else None)
+        dt = _dtype(params, params if isinstance(params, hdit.HunyuanVideoRunner) else None)
+        c = text_inputs(cond, cfg, dt, guidance)
+        u = text_inputs(uncond, cfg, dt, guidance) if use_cfg else None
         prep = self._model_input(ct)
         step = _cached_step(params, cfg, sched, (steps, float(shift)), ct, prep, use_cfg)
         key = jax.random.key(seed)
@@ -453,11 +451,12 @@ class HunyuanVideoT2V(Pipeline):
         """Decoded frames the reference drops from the front (4 for latent_concat image-to-video)."""
         return self.vae_config().temporal_compression_ratio if self.condition_type == "latent_concat" else 0
 
-    def decode_video(self, latents, vae=None, tiling: bool = True) -> np.ndarray:
-        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]."""
+    def decode_video(self, latents, vae=None, tiling: bool = True, drop: bool = True) -> np.ndarray:
+        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]
+        (``drop``: without the frames the reference drops, :meth:`drop_frames`)."""
         vae = vae or self.load_vae()
         px = hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling))
-        return to_unit_range(px[:, :, self.drop_frames():])
+        return to_unit_range(px[:, :, self.drop_frames() if drop else 0:])
 
     def decode_frames(self, latents, first: int, stop: int, tail=None, vae=None, tiling: bool = True):
         """Temporal tiles ``first..stop-1`` -> ``(uint8 frames [B, T, H, W, 3], tail)``."""
@@ -485,6 +484,80 @@ class HunyuanVideoT2V(Pipeline):
         bounds = [round(i * len(tiles) / k) for i in range(k + 1)]
         i = int(span.name.split("/")[1])
         return bounds[i], bounds[i + 1]
+
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self):
+        """(the Llama tower's LMConfig, CLIP-L text's CLIPTextConfig, LLaVA's CLIPVisionConfig or
+        None for text-to-video), read without weights."""
+        from vidax.text import clip as clipmod
+        from vidax.text import clip_text, lm
+
+        if self.preset:
+            return self.preset.llm, self.preset.clip, self.preset.vision if self.image_to_video else None
+        read = lambda rel: json.loads((self.config_folder / rel / "config.json").read_text())  # noqa: E731
+        c = read("text_encoder")
+        vision = clipmod.CLIPVisionConfig.from_hf(c["vision_config"]) if self.image_to_video else None
+        return lm.LMConfig.from_hf(c), clip_text.CLIPTextConfig.from_hf(read("text_encoder_2")), vision
+
+    def plan_units(self, request) -> list:
+        """The Llama (I2V: LLaVA's vision tower, then its LM over the image-expanded tokens) and
+        CLIP-L encodes in float32, the Llama tower split over every device as
+        :meth:`load_text_encoders` does; one DiT call (embedded guidance: batch B, 2B with
+        ``true_cfg``) on this pipeline's mesh, inputs as the step passes them; one VAE tile decode
+        (the first temporal tile, 256-px spatial tiles with ``vae_tiling``)."""
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+        from vidax.core import sharding as vsh
+        from vidax.text import clip as clipmod
+        from vidax.text import clip_text, lm
+
+        b = len(request.prompts)
+        llm_cfg, clip_cfg, vis_cfg = self.text_config()
+        _, crop = self.template()
+        enc = lm.abstract(llm_cfg, np.float32)
+        if self.preset is None and jax.device_count() > 1:
+            enc = enc.replace(state=vsh.place(enc.state, lm.shardings(enc, llm_cfg, f"tp={jax.device_count()}")[2]))
+        t = htext.MAX_TEXT_TOKENS + crop
+        i32 = lambda *s: vplan.abstract(s, np.int32)  # noqa: E731
+        if vis_cfg is None:
+            units = [vplan.split_unit("encode", "Llama text encoder", enc, i32(b, t), i32(b, t), None, method="layer",
+                                      index=htext.HIDDEN_INDEX, note=f"{b} prompt(s) x {t} tokens")]
+            text_len = htext.MAX_TEXT_TOKENS
+        else:
+            n_img = vis_cfg.grid ** 2
+            t += n_img - 1
+            k = {"latent_concat": 2, "token_replace": 4}.get(self.condition_type, 1)
+            text_len = -(-n_img // k) + htext.MAX_TEXT_TOKENS - 4
+            px = vplan.abstract((1, 3, vis_cfg.image_size, vis_cfg.image_size), np.float32)
+            units = [vplan.split_unit("encode", "LLaVA vision tower", clipmod.abstract(vis_cfg), px, method="penultimate"),
+                     vplan.split_unit("encode", "LLaVA language model", enc,
+                                      vplan.abstract((b, t, llm_cfg.hidden_size), np.float32), i32(b, t), i32(b, t),
+                                      method="hidden_states_embeds", note=f"{b} prompt(s) x {t} tokens (image spliced)")]
+        units.append(vplan.split_unit("encode", "CLIP-L text encoder", clip_text.abstract(clip_cfg), i32(b, htext.CLIP_TOKENS),
+                                      None, None, output_hidden_states=False, note=f"{b} x {htext.CLIP_TOKENS} tokens"))
+        cfg = self.dit_config()
+        runner = hdit.HunyuanVideoRunner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if float(request.options.get("true_cfg") or 1.0) > 1.0 else b
+        shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        tokens = int(np.prod(hdit.grid_of(cfg, shape)))
+        f32 = lambda *s: vplan.abstract(s, np.float32)  # noqa: E731
+        args = (runner.params, vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
+                vplan.abstract((nb, text_len, cfg.text_embed_dim), self.dtype), f32(nb, text_len),
+                vplan.abstract((nb, cfg.pooled_projection_dim), self.dtype), f32(nb) if cfg.guidance_embeds else None)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
+                                note=f"batch {nb} x {tokens:,} video + {text_len} text tokens"))
+        vcfg = self.vae_config()
+        vae = nn.Split(*nn.abstract_state(lambda: hvae._build(vcfg)), vcfg)
+        tiling = bool(request.options.get("vae_tiling", True))
+        a, e = self._tiles(shape[1], tiling)[0]
+        h, w = shape[2], shape[3]
+        til, s = self.tiling(tiling), vcfg.spatial_compression_ratio
+        if til.spatial and (h > til.min_h // s or w > til.min_w // s):
+            h, w = min(h, til.min_h // s), min(w, til.min_w // s)
+        z = vplan.abstract((b, e - a, h, w, vcfg.latent_channels), np.float32)
+        units.append(vplan.split_unit("decode", "VAE decode, one tile", vae, z, method="decode_tile",
+                                      note=f"{b} x {e - a} latent frames of {h}x{w}"))
+        return units
 
     # ------------------------------------------------------------------ the stage protocol
     def fingerprint(self, component: str) -> str:
@@ -567,6 +640,42 @@ class HunyuanVideoT2V(Pipeline):
 
     def describe(self) -> dict:
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
+
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        return self.encode_pixels(video)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        """The whole clip, decoded as :meth:`decode` does (tiled VAE); latent_concat's dropped leading
+        frames are kept so the reconstruction lines up with the probe's input frame for frame."""
+        return self.decode_video(latents, drop=False)
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000``
+        (the Euler scheduler's units) with the first prompt's LLM embeddings, mask and pooled CLIP
+        vector and, for guidance-distilled models, the embedded guidance ``request.guidance * 1000``
+        as in sampling (no true CFG). Image-to-video: the image latent enters as in sampling
+        (latent_concat: channel-concatenated with the frame-0 mask; token_replace: frame 0 of the
+        input replaced, and of the estimate too, as every step does)."""
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+        cond = {k: np.asarray(conditioning[f"prompt_{k}"])[:1] for k in ("embeds", "mask", "pooled")}
+        cc = text_inputs(cond, cfg, _dtype(params, runner), 6.0 if request is None else request.guidance)
+        img = conditioning.get("image_latents")
+        aux = None if img is None else {"image": jnp.asarray(np.asarray(img, np.float32).transpose(0, 2, 3, 4, 1))}
+        prep = self._model_input(self.condition_type) if aux is not None else None
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xi = jnp.asarray(x[i:i + 1])
+            xin = xi if prep is None else prep(xi, aux)
+            v = _dit_once(params, cfg, xin.astype(_dtype(params, runner)), jnp.full((1,), s * 1000.0, jnp.float32), cc)
+            x0 = xi - s * jnp.asarray(v, jnp.float32)
+            if aux is not None and self.condition_type == "token_replace":
+                x0 = x0.at[:, :1].set(aux["image"])
+            out.append(np.asarray(x0))
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
 
     # ------------------------------------------------------------------ one call
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int = 720, width: int = 1280,
@@ -690,3 +799,23 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
 
 def _dtype(p, runner):
     return runner.dtype if runner is not None else hdit.state_dtype(p)
+
+
+def text_inputs(c: dict, cfg: hdit.HunyuanVideoConfig, dt, guidance: float) -> dict:
+    """The DiT's text inputs from an :meth:`~HunyuanVideoT2V.encode_prompts` dict: embeddings and
+    pooled CLIP vector in the DiT's dtype, the mask in float32 and (guidance-distilled models) the
+    embedded guidance ``guidance * 1000`` per sample."""
+    out = {"ctx": jnp.asarray(c["embeds"], dt), "mask": jnp.asarray(c["mask"], jnp.float32),
+           "pooled": jnp.asarray(c["pooled"], dt)}
+    if cfg.guidance_embeds:
+        out["guidance"] = jnp.full((out["ctx"].shape[0],), float(guidance) * 1000.0, jnp.float32)
+    return out
+
+
+_forward = jax.jit(hdit.forward, static_argnums=1)
+
+
+def _dit_once(params, cfg, x, t, cc):
+    """One DiT evaluation (a state on one device or a runner) -> velocity."""
+    args = (x, t, cc["ctx"], cc["mask"], cc["pooled"], cc.get("guidance"))
+    return params(*args) if isinstance(params, hdit.HunyuanVideoRunner) else _forward(params, cfg, *args)

@@ -94,6 +94,23 @@ def resize_image(image, height: int, width: int, resample: str = "lanczos") -> n
     return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
 
 
+def first_frame_mask(grid) -> jnp.ndarray:
+    """Image-to-video's known-frame mask [1, F, H, W, 1] for a latent grid: 1 on the first latent frame."""
+    keep = np.zeros((1, *grid, 1), np.float32)
+    keep[:, 0] = 1.0
+    return jnp.asarray(keep)
+
+
+def _default_request(pipe, request=None):
+    """What a probe hook reads of a request (seed, fps, options): the request's, or the defaults."""
+    from types import SimpleNamespace
+
+    opts = {o.name: o.default for o in pipe.OPTIONS}
+    if request is not None:
+        opts.update({k: v for k, v in dict(request.options).items() if v is not None})
+    return SimpleNamespace(seed=getattr(request, "seed", 0), fps=getattr(request, "fps", None), options=opts)
+
+
 def _replicated(runner):
     """Place loop arrays replicated on a runner's mesh (what its programs return), so the first
     step and the later ones see the same argument shardings (one compile)."""
@@ -227,8 +244,31 @@ class _Tiles:
                                for _, r in sorted(rows.items())], axis=2)
 
 
+class _ProbeVAE:
+    """The probe's VAE hooks, shared by LTX-Video 0.9 and LTX-2 (same VAE code, same latent layout)."""
+
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels -> the posterior mean, normalised as the sampled latents are (the inverse of
+        ``decode_latents``' denormalisation)."""
+        state, cfg, stats = self.load_vae(encoder=True)
+        return lvae.normalize(stats, cfg, np.asarray(lvae.encode(state, cfg, np.asarray(video, np.float32))))
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        """As ``decode`` with the convolutional VAE at the default options (a timestep-conditioned
+        decoder's decode timestep and noise, the decoder's injected noise from seed 0), the whole
+        frame at once."""
+        return to_unit_range(self.decode_latents(latents, _default_request(self)))
+
+
+def _with_image(x, image_latents, keep):
+    """``x`` [1, F, H, W, C] with its known frame (``keep``) set to the image's latent [1, C, 1, H, W]."""
+    if keep is None:
+        return x
+    return jnp.asarray(np.asarray(image_latents, np.float32).transpose(0, 2, 3, 4, 1)) * keep + x * (1.0 - keep)
+
+
 # ----------------------------------------------------------------------------------- LTX-Video 0.9
-class LTXVideo(_Source, _Tiles, Pipeline):
+class LTXVideo(_ProbeVAE, _Source, _Tiles, Pipeline):
     """LTX-Video 0.9.x text-to-video (``LTXPipeline``); with ``image_to_video=True`` (or an
     ``LTXImageToVideoPipeline`` folder) image-to-video: the first latent frame is the image's VAE
     latent, kept through sampling with per-token timestep 0."""
@@ -315,6 +355,54 @@ class LTXVideo(_Source, _Tiles, Pipeline):
         state, cfg, stats = lvae.load_vae(self.folder / "vae", cfg, encoder=encoder)
         return jax.device_put(state), cfg, stats
 
+    def text_config(self) -> t5mod.T5Config:
+        """T5-XXL's config without its weights."""
+        return self.preset.text if self.preset else t5mod.T5Config.from_hf(self._config("text_encoder"))
+
+    def plan_units(self, request) -> list:
+        """T5 over the prompts with their mask (float32); one DiT call on the guidance batch (per-token
+        timesteps for image-to-video) on this pipeline's mesh; the VAE decode one decode stage runs
+        (the whole clip, or the first spatial tile with ``vae_tiling``)."""
+        from vidax.core import plan as vplan
+
+        b, n = len(request.prompts), self.MAX_TEXT
+        ids = vplan.abstract((b, n), np.int32)
+        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(self.text_config(), np.float32), ids, ids,
+                                  note=f"{b} prompt(s) x {n} tokens")]
+        cfg = self.dit_config()
+        runner = ldit.runner(ldit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance != 1.0 else b
+        grid = self.latent_grid(request.height, request.width, request.num_frames)
+        s = (grid[0] // cfg.patch_size_t) * (grid[1] // cfg.patch_size) * (grid[2] // cfg.patch_size)
+        cos, sin = self.rope(cfg, grid, float(request.fps or 25))
+        c = cfg.in_channels * cfg.patch_size_t * cfg.patch_size ** 2
+        args = (vplan.abstract((nb, s, c), self.dtype), vplan.abstract((nb, s) if self.image_to_video else (nb,), np.float32),
+                vplan.abstract((nb, n, cfg.caption_channels), self.dtype), vplan.abstract((nb, n), np.float32),
+                vplan.like(cos), vplan.like(sin))
+        inp = jax.eval_shape(lambda *a: ldit.model_inputs(cfg, *a), *args)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, inp), weights=runner.params,
+                                note=f"batch {nb} x {s:,} tokens"))
+        units.append(self._plan_vae_unit(request, b, grid))
+        return units
+
+    def _plan_vae_unit(self, request, b, grid):
+        from vidax.core import plan as vplan
+        from vidax.core import nn
+
+        vcfg = self.vae_config()
+        state = nn.abstract_state(lambda: lvae._build(vcfg, 0, np.float32, self.preset is not None))[1]
+        f, h, w = grid
+        what = "whole clip"
+        if self.tiling(request) is not None:
+            y0, y1, x0, x1 = self.tiling(request).grid(vcfg, h, w)[0][0]
+            h, w, what = y1 - y0, x1 - x0, "one spatial tile"
+        z = vplan.abstract((b, f, h, w, vcfg.latent_channels), np.float32)
+        temb = vplan.abstract((b,), np.float32) if vcfg.timestep_conditioning else None
+        key = jax.eval_shape(lambda: jax.random.key(0)) if any(vcfg.decoder_inject_noise) else None
+        return vplan.Unit("decode", f"VAE decode, {what}", lvae._decode,
+                          (state, vcfg, lvae._has_encoder(state), z, temb, key), weights=state,
+                          note=f"{b} x {f}x{h}x{w} latents")
+
     def fingerprint(self, component: str) -> str:
         files = {"text": ["text_encoder", "tokenizer"], "dit": ["transformer"], "vae": ["vae"],
                  "image": ["vae"]}[component]
@@ -376,11 +464,7 @@ class LTXVideo(_Source, _Tiles, Pipeline):
         b = cond.shape[0]
         seq = (grid[0] // cfg.patch_size_t) * (grid[1] // cfg.patch_size) * (grid[2] // cfg.patch_size)
         sched = make_scheduler(self.scheduler_config(), steps, seq)
-        keep = None
-        if image_latents is not None:
-            keep = np.zeros((1, *grid, 1), np.float32)
-            keep[:, 0] = 1.0
-            keep = jnp.asarray(keep)
+        keep = None if image_latents is None else first_frame_mask(grid)
         if latents is None:
             if start:
                 raise ValueError("resuming (start > 0) needs the latents saved at that step")
@@ -390,6 +474,20 @@ class LTXVideo(_Source, _Tiles, Pipeline):
                 x = init * keep + x * (1.0 - keep)
         else:
             x = jnp.asarray(latents, jnp.float32)
+        model, prm, jit_model, put = self.video_model(params, cfg, grid, fps)
+        x = put(x)
+        c = {"ctx": put(jnp.asarray(cond, jnp.float32)), "mask": put(jnp.asarray(cmask, jnp.float32))}
+        u = None if uncond is None else {"ctx": put(jnp.asarray(uncond, jnp.float32)),
+                                         "mask": put(jnp.asarray(umask, jnp.float32))}
+        x, _ = sample_video(model, sched, x, c, u, guidance=guidance, guidance_rescale=guidance_rescale, keep_first=keep,
+                            start=start, on_step=on_step, params=prm, jit_model=jit_model)
+        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+
+    def video_model(self, params, cfg, grid, fps: float):
+        """The DiT as the sampling loop calls it: ``(model(prm, x, t, ctx, mask) -> v`` on channels-last
+        latents of ``grid`` with timesteps [B] or per-token [B, S], ``prm`` (its first argument),
+        ``jit_model`` (False for an offloading runner, called from Python), ``put`` (places loop
+        arrays as the runner's programs expect))."""
         cos, sin = self.rope(cfg, grid, fps)
         cos, sin = jnp.asarray(cos), jnp.asarray(sin)
         p, pt = cfg.patch_size, cfg.patch_size_t
@@ -406,14 +504,7 @@ class LTXVideo(_Source, _Tiles, Pipeline):
 
         jit_model = runner is None or runner.offload is None
         prm = params if runner is None else (runner.params if runner.offload is None else None)
-        put = _replicated(runner)
-        x = put(x)
-        c = {"ctx": put(jnp.asarray(cond, jnp.float32)), "mask": put(jnp.asarray(cmask, jnp.float32))}
-        u = None if uncond is None else {"ctx": put(jnp.asarray(uncond, jnp.float32)),
-                                         "mask": put(jnp.asarray(umask, jnp.float32))}
-        x, _ = sample_video(model, sched, x, c, u, guidance=guidance, guidance_rescale=guidance_rescale, keep_first=keep,
-                            start=start, on_step=on_step, params=prm, jit_model=jit_model)
-        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+        return model, prm, jit_model, _replicated(runner)
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
@@ -469,6 +560,31 @@ class LTXVideo(_Source, _Tiles, Pipeline):
         frames, carry = self.finish_tile(px, span, carry, request, lat.shape[-2], lat.shape[-1], self.vae_config())
         return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                 {"tile": list(span.tile) if span.tile else None, "units": "uint8 RGB"})}, carry
+
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000`` (the
+        scheduler's units) with the first prompt's T5 embeddings and mask, the rotary grid at the
+        request's fps, no guidance. Image-to-video: the first latent frame is the image's, at
+        per-token timestep 0, and stays the image's in the estimate (as sampling keeps it)."""
+        params, cfg = self.load_dit()
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        grid = x.shape[1:4]
+        model, prm, jit_model, put = self.video_model(params, cfg, grid, getattr(request, "fps", None) or 25.0)
+        call = jax.jit(model) if jit_model else model
+        ctx = put(jnp.asarray(np.asarray(conditioning["prompt_embeds"], np.float32)[:1]))
+        mask = put(jnp.asarray(np.asarray(conditioning["prompt_mask"], np.float32)[:1]))
+        img = conditioning.get("image_latents")
+        keep = None if img is None else first_frame_mask(grid)
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xi = _with_image(jnp.asarray(x[i:i + 1]), img, keep)
+            t = jnp.float32(s * 1000.0)
+            tt = jnp.full((1,), t, jnp.float32) if keep is None else (t * (1.0 - keep[..., 0])).reshape(1, -1)
+            x0 = xi - s * jnp.asarray(call(prm, put(xi), put(tt), ctx, mask), jnp.float32)
+            out.append(np.asarray(_with_image(x0, img, keep)))
+        del params, prm
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
 
     def generate(self, prompt, negative_prompt=None, *, image=None, seed=0, height=512, width=704, num_frames=161,
                  steps=50, guidance=3.0, fps=25.0, **options):
@@ -575,7 +691,7 @@ def apply_crf(image_uint8: np.ndarray, crf: int) -> np.ndarray:
     return out
 
 
-class LTX2(_Source, _Tiles, Pipeline):
+class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
     """LTX-2.x audio + video (``LTX2Pipeline``; with ``image_to_video`` or an
     ``LTX2ImageToVideoPipeline`` folder, image-to-video). LTX-2.5 checkpoints load through the same
     class (their DiT / connector switches come from the configs)."""
@@ -739,6 +855,66 @@ class LTX2(_Source, _Tiles, Pipeline):
             return self.preset.vocoder.output_sampling_rate
         return laudio.vocoder_config(self._config("vocoder")).output_sampling_rate
 
+    def plan_units(self, request) -> list:
+        """Gemma 3's every-layer hidden states (float32, over tp as :meth:`load_text_encoder` shards
+        it on this pipeline's mesh) and the text connectors; one DiT call on a guidance group (2B with
+        CFG: video and audio streams together) on this pipeline's mesh; the video VAE's decode stage
+        (one spatial tile with ``vae_tiling``), the audio VAE and the vocoder."""
+        from flax import nnx
+
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+        from vidax.text import lm
+
+        b, n = len(request.prompts), self.max_text_len
+        tcfg = _tiny_gemma() if self.preset else lm.LMConfig.from_hf(self._config("text_encoder"))
+        enc = lm.abstract(tcfg, np.float32)
+        enc = lm.shard(enc, self.mesh) if self.mesh is not None and self.preset is None else enc
+        ids = vplan.abstract((b, n), np.int32)
+        ccfg = self.preset.connectors if self.preset else lconn.ConnectorsConfig.from_diffusers(self._config("connectors"))
+        conn = nn.Split(*nn.abstract_state(lambda: lconn._build(ccfg)), ccfg)
+        hs = vplan.abstract((b, n, tcfg.hidden_size, tcfg.num_layers + 1), np.float32)
+        units = [vplan.split_unit("encode", "Gemma 3 text encoder (all layers)", enc, ids, ids, None,
+                                  method="hidden_states", note=f"{b} prompt(s) x {n} tokens"),
+                 vplan.split_unit("encode", "text connectors", conn, hs, ids, padding_side="left")]
+        v, a, m = jax.eval_shape(lambda s, h, k: nnx.merge(conn.graphdef, s)(h, k, "left"), conn.state, hs, ids)
+        cfg = self.dit_config()
+        runner = ldit2.runner(ldit2.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        ag = request.options.get("audio_guidance")
+        use_cfg = request.guidance > 1.0 or float(7.0 if ag is None else ag) > 1.0
+        nb = 2 * b if use_cfg else b
+        grid = self.latent_grid(request.height, request.width, request.num_frames)
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        tg = (grid[0] // pt, grid[1] // p, grid[2] // p)
+        s, la, fps = tg[0] * tg[1] * tg[2], self.audio_frames(request.num_frames, float(request.fps or 24)), float(request.fps or 24)
+        ropes = vplan.like(ldit2.rope_tables(cfg, ldit2.video_coords(*tg, cfg, fps), ldit2.audio_coords(la, cfg)))
+        stg = tuple(int(x) for x in str(request.options.get("stg_blocks") or "28").split(",") if x.strip() and int(x) < cfg.num_layers)
+        vec = vplan.abstract((nb,), np.float32)
+
+        def inputs(vtok, atok, ctx, actx, vt, ropes, tb, mask):
+            return ldit2.model_inputs(cfg, vtok, atok, ctx, actx, vt, ropes, ta=tb, sigma=tb, mask=mask, amask=mask,
+                                      use_cross_timestep=bool(request.options.get("use_cross_timestep", True)),
+                                      perturb=tb, stg_blocks=stg, isolate=tb)
+
+        inp = jax.eval_shape(inputs, vplan.abstract((nb, s, cfg.in_channels * pt * p * p), self.dtype),
+                             vplan.abstract((nb, la, cfg.audio_in_channels), self.dtype),
+                             vplan.abstract((nb, n, v.shape[-1]), self.dtype), vplan.abstract((nb, n, a.shape[-1]), self.dtype),
+                             vplan.abstract((nb, s), np.float32) if self.image_to_video else vec, ropes, vec,
+                             vplan.abstract((nb, n), np.float32))
+        units.append(vplan.Unit("sample", "DiT step (video + audio)", jax.jit(runner.apply), (runner.params, inp),
+                                weights=runner.params, note=f"batch {nb} x ({s:,} video + {la} audio) tokens"))
+        units.append(LTXVideo._plan_vae_unit(self, request, b, grid))  # the same VAE decode program
+        acfg = self.audio_vae_config()
+        avae = nn.Split(*nn.abstract_state(lambda: laudio._build_vae(acfg, encoder=False)), acfg)
+        vcfg = self.preset.vocoder if self.preset else laudio.vocoder_config(self._config("vocoder"))
+        voc = nn.Split(*nn.abstract_state(lambda: laudio._build_vocoder(vcfg)), vcfg)
+        z = vplan.abstract((b, la, acfg.latent_mel_bins, acfg.latent_channels), np.float32)
+        mel = jax.eval_shape(lambda st, x: nnx.merge(avae.graphdef, st).decode(x), avae.state, z)  # [B, T, M, C]
+        units += [vplan.split_unit("decode", "audio VAE decode", avae, z, method="decode", note=f"{b} x {la} latent frames"),
+                  vplan.split_unit("decode", "vocoder", voc, vplan.abstract((b, mel.shape[1], mel.shape[2] * mel.shape[3]),
+                                                                           np.float32), note=f"{b} x {mel.shape[1]} mel frames")]
+        return units
+
     def fingerprint(self, component: str) -> str:
         files = {"text": ["text_encoder", "tokenizer", "connectors"], "dit": ["transformer", "scheduler"],
                  "vae": ["vae", "diffusion_decoder"], "image": ["vae"], "audio": ["audio_vae", "vocoder"]}[component]
@@ -811,11 +987,7 @@ class LTX2(_Source, _Tiles, Pipeline):
         seq = tgrid[0] * tgrid[1] * tgrid[2]
         la = self.audio_frames(num_frames, fps)
         sched = make_scheduler(self.scheduler_config(), steps, seq, defaults=(1024, 4096, 0.95, 2.05))
-        keep = None
-        if image_latents is not None:
-            keep = np.zeros((1, *grid, 1), np.float32)
-            keep[:, 0] = 1.0
-            keep = jnp.asarray(keep)
+        keep = None if image_latents is None else first_frame_mask(grid)
         if latents is None:
             if start:
                 raise ValueError("resuming (start > 0) needs the latents saved at that step")
@@ -826,12 +998,30 @@ class LTX2(_Source, _Tiles, Pipeline):
                 x = init * keep + x * (1.0 - keep)
         else:
             x, a = jnp.asarray(latents, jnp.float32), jnp.asarray(audio_latents, jnp.float32)
+        model, prm, jit_model, put, stg_blocks = self.av_model(params, cfg, grid, la, fps, keep, o)
+        x, a = put(x), put(a)
+        f = lambda d: {k: put(jnp.asarray(v, jnp.float32)) for k, v in d.items()}  # noqa: E731
+        x, a = sample_av(model, sched, x, a, f(cond), None if uncond is None else f(uncond), guidance=guidance,
+                         audio_guidance=float(o["audio_guidance"]), stg=float(o["stg_scale"]),
+                         audio_stg=float(o["audio_stg_scale"]), modality=float(o["modality_scale"]),
+                         audio_modality=float(o["audio_modality_scale"]), rescale_v=float(o["guidance_rescale"]),
+                         rescale_a=float(o["audio_guidance_rescale"]), perturbed_attn=cfg.perturbed_attn and bool(stg_blocks),
+                         keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model)
+        return np.asarray(x).transpose(0, 4, 1, 2, 3), np.asarray(a)
+
+    def av_model(self, params, cfg, grid, la: int, fps: float, keep, options: dict):
+        """The audio+video DiT as :func:`sample_av` calls it: ``(model(prm, x, a, t, ctx, actx, mask,
+        perturb, xmod) -> (video v, audio v)``, ``prm``, ``jit_model``, ``put``, the STG blocks)``
+        for video latents of ``grid``, ``la`` audio latent frames and the known-frame mask ``keep``
+        (image-to-video: those tokens at timestep 0)."""
+        p, pt = cfg.patch_size, cfg.patch_size_t
+        tgrid = (grid[0] // pt, grid[1] // p, grid[2] // p)
         vc = ldit2.video_coords(*tgrid, cfg, fps)
         ac = ldit2.audio_coords(la, cfg)
         ropes = {k: jnp.asarray(v) for k, v in ldit2.rope_tables(cfg, vc, ac).items()}
-        stg_blocks = tuple(int(s) for s in str(o.get("stg_blocks") or "").split(",") if s.strip() != ""
+        stg_blocks = tuple(int(s) for s in str(options.get("stg_blocks") or "").split(",") if s.strip() != ""
                            and int(s) < cfg.num_layers)
-        uct = bool(o.get("use_cross_timestep"))
+        uct = bool(options.get("use_cross_timestep"))
         ktok = None if keep is None else keep[0, ::pt, ::p, ::p, 0].reshape(1, -1)
         from vidax.models.ltx.runner import DiTRunner
 
@@ -852,16 +1042,7 @@ class LTX2(_Source, _Tiles, Pipeline):
 
         jit_model = runner is None or runner.offload is None
         prm = params if runner is None else (runner.params if runner.offload is None else None)
-        put = _replicated(runner)
-        x, a = put(x), put(a)
-        f = lambda d: {k: put(jnp.asarray(v, jnp.float32)) for k, v in d.items()}  # noqa: E731
-        x, a = sample_av(model, sched, x, a, f(cond), None if uncond is None else f(uncond), guidance=guidance,
-                         audio_guidance=float(o["audio_guidance"]), stg=float(o["stg_scale"]),
-                         audio_stg=float(o["audio_stg_scale"]), modality=float(o["modality_scale"]),
-                         audio_modality=float(o["audio_modality_scale"]), rescale_v=float(o["guidance_rescale"]),
-                         rescale_a=float(o["audio_guidance_rescale"]), perturbed_attn=cfg.perturbed_attn and bool(stg_blocks),
-                         keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model)
-        return np.asarray(x).transpose(0, 4, 1, 2, 3), np.asarray(a)
+        return model, prm, jit_model, _replicated(runner), stg_blocks
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
@@ -957,6 +1138,39 @@ class LTX2(_Source, _Tiles, Pipeline):
         frames, carry = self.finish_tile(px, span, carry, request, lat.shape[-2], lat.shape[-1], self.vae_config())
         return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                 {"tile": list(span.tile) if span.tile else None, "units": "uint8 RGB"})}, carry
+
+
+    # ------------------------------------------------------------------ probe hooks (``vidax probe``)
+    # The probe is about the video stream. The audio stream gets, at the same timestep, what
+    # sampling would hold at that sigma for the normalised mean audio latent (zero): ``sigma *
+    # noise`` from the run's audio noise stream; only the video estimate is returned.
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The video clean estimate ``x - sigma * v`` per row: the conditional pass of sampling (video
+        and audio connector embeddings of the first prompt, no CFG / STG / modality isolation) at
+        timestep ``sigma * 1000`` for both streams, the audio stream at ``sigma * noise`` (see above)
+        over the clip's duration at the request's fps. Image-to-video: the first latent frame is the
+        image's, at per-token timestep 0, and stays the image's in the estimate."""
+        r = _default_request(self, request)
+        params, cfg = self.load_dit()
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        grid = x.shape[1:4]
+        fps = r.fps or 24.0
+        la = self.audio_frames((grid[0] - 1) * self.vae_config().temporal_ratio + 1, fps)
+        img = conditioning.get("image_latents")
+        keep = None if img is None else first_frame_mask(grid)
+        model, prm, jit_model, put, _ = self.av_model(params, cfg, grid, la, fps, keep, r.options)
+        call = jax.jit(model) if jit_model else model
+        c = {k: put(jnp.asarray(np.asarray(conditioning[n], np.float32)[:1]))
+             for k, n in (("v", "video_embeds"), ("a", "audio_embeds"), ("mask", "prompt_mask"))}
+        noise_a = jax.random.normal(key_for(r.seed, _NOISE_AUDIO), (1, la, cfg.audio_in_channels), jnp.float32)
+        one = put(jnp.ones((1,), jnp.float32))
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xi = _with_image(jnp.asarray(x[i:i + 1]), img, keep)
+            v, _ = call(prm, put(xi), put(s * noise_a), jnp.float32(s * 1000.0), c["v"], c["a"], c["mask"], one, one)
+            out.append(np.asarray(_with_image(xi - s * jnp.asarray(v, jnp.float32), img, keep)))
+        del params, prm
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
 
 
 class LTX2I2V(LTX2):

@@ -13,6 +13,8 @@ parameter carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes 
 """
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass, fields
 from functools import partial
@@ -541,6 +543,21 @@ class WanDiTRunner:
         consts.update(cos=cos, sin=sin)
         h = self.offload.run("blocks", a["h"], consts)
         return self._post(self.rest, h, a["temb"], grid)
+
+    def program(self) -> "WanDiTRunner":
+        """A copy of this runner without its weights: what :meth:`apply` needs (config, mesh,
+        specs), safe to keep in a cache of compiled steps after the weights are dropped."""
+        spec = copy.copy(self)
+        spec.rest = spec.blocks = spec.offload = None
+        spec._fwd = spec._pre = spec._post = None  # jitted methods bound to this runner (and its weights)
+        spec._rope = {}
+        return spec
+
+    @property
+    def signature(self) -> tuple:
+        """What :meth:`apply`'s program depends on besides its inputs: equal signatures, one program."""
+        return (self.cfg, self.dtype.name, self.parallelism, tuple(self.mesh.shape.items()),
+                tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl)
 
     @property
     def params(self):

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # what the constructor, geometry() and the configs read: fetched alone for a remote checkpoint
 _CONFIG_FILES = ("model_index.json", "config.json", "*/config.json")
+#: the text encoder of every Wan release (google/umt5-xxl's encoder)
+UMT5_XXL = dict(model_type="umt5", d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128)
 
 
 @dataclass(frozen=True)
@@ -469,6 +472,8 @@ class WanT2V(Pipeline):
             def prepare(x, t, aux):
                 cc = jnp.broadcast_to(aux["cond"], x.shape[:-1] + aux["cond"].shape[-1:]).astype(x.dtype)
                 return jnp.concatenate([x, cc], axis=-1), t
+
+            prepare.key = ("concat",)  # what it computes (the compiled step is shared on it)
         elif image_cond.get("known") is not None:  # TI2V: substitution + per-token timesteps
             kn = np.asarray(image_cond["known"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, 1, h, w, z]
             m = np.asarray(image_cond["mask"], np.float32).transpose(0, 2, 3, 4, 1)  # [1, F, h, w, 1]
@@ -482,11 +487,15 @@ class WanT2V(Pipeline):
                 xin = (1.0 - mm) * aux["known"] + mm * x
                 tt = (mm[0, ::pf, ::ph, ::pw, 0] * t).reshape(1, -1)
                 return xin, tt
+
+            prepare.key = ("known", pf, ph, pw)
         elif self.expand_timesteps:  # TI2V text-to-video: per-token timesteps, all equal
             L = (x_shape[1] // pf) * (x_shape[2] // ph) * (x_shape[3] // pw)
 
             def prepare(x, t, aux):
                 return x, jnp.full((1, L), t, jnp.float32)
+
+            prepare.key = ("expand", L)
         else:
             prepare = None
         return (aux or None), prepare, known
@@ -494,13 +503,18 @@ class WanT2V(Pipeline):
     def _denoise(self, dit, x, cond, uncond, sched, guidance, seed, start, stop, state, on_step, aux, prepare):
         params, cfg = dit
         call = None
+        # the compiled step is shared by every call with the same model shape, mesh and schedule
+        # (later prompts, the other A14B expert, resumed segments): it holds no weights
+        key = ("wan", cfg, aux is None)
         if isinstance(params, wdit.WanDiTRunner):
             runner = params
             b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
             runner.check_inputs((b, *x.shape[1:-1], cfg.in_channels))
             dt = runner.dtype
             if runner.offload is None:
-                model, params = (runner.apply if aux is None else partial(_runner_apply_aux, runner)), runner.params
+                spec = runner.program()
+                model, params = (spec.apply if aux is None else partial(_runner_apply_aux, spec)), runner.params
+                key = ("wan-runner", spec.signature, aux is None)
             else:
                 model, params = None, None
                 call = runner if aux is None else partial(_runner_call_aux, runner)
@@ -508,7 +522,8 @@ class WanT2V(Pipeline):
             model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)
         return denoise(model, params, sched, x, jnp.asarray(cond, dt),
                        None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
-                       stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux)
+                       stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux,
+                       cache_key=key)
 
     # ------------------------------------------------------------------ image conditioning
     def size_for_image(self, image, area: int = 480 * 832) -> tuple[int, int]:
@@ -650,6 +665,50 @@ class WanT2V(Pipeline):
         frames, cache = self.decode_frames(latents["latents"], a, b, carry)
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
+
+    # ------------------------------------------------------------------ memory plan (``vidax plan``)
+    def text_config(self) -> t5mod.T5Config:
+        """The prompt encoder's config without its weights (UMT5-XXL for the original layout)."""
+        if self.preset:
+            return self.preset.text
+        path = self.config_folder / "text_encoder" / "config.json"
+        if self.layout == "diffusers" and path.is_file():
+            return t5mod.T5Config.from_hf(json.loads(path.read_text()))
+        return t5mod.T5Config.from_hf(UMT5_XXL)
+
+    def plan_units(self, request) -> list:
+        """UMT5 over the prompts (float32, as :meth:`encode_prompts` runs it); one DiT call on the
+        guidance batch on this pipeline's mesh (one unit for both A14B experts: same shapes); the
+        VAE's per-latent-frame decode program with its causal cache (what a decode stage repeats)."""
+        from vidax.core import plan as vplan
+
+        b = len(request.prompts)
+        enc = t5mod.abstract(self.text_config(), np.float32)
+        ids = vplan.abstract((b, self.max_text_len), np.int32)
+        units = [vplan.split_unit("encode", "UMT5 text encoder", enc, ids, ids,
+                                  note=f"{b} prompt(s) x {self.max_text_len} tokens")]
+        cfg = self.dit_config(1)
+        runner = wdit.WanDiTRunner(wdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if request.guidance > 1.0 else b
+        _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames, cfg)
+        pt, ph, pw = cfg.patch_size
+        tokens = (f // pt) * (h // ph) * (w // pw)
+        x = vplan.abstract((nb, f, h, w, cfg.in_channels), self.dtype)
+        t = vplan.abstract((nb, tokens) if self.expand_timesteps else (nb,), np.float32)
+        ctx = vplan.abstract((nb, self.max_text_len, cfg.text_dim), self.dtype)
+        img = vplan.abstract((nb, 257, cfg.image_dim), self.dtype) if cfg.image_dim else None
+        units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
+                                jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
+                                note=f"batch {nb} x {tokens:,} tokens"))
+        vcfg = self.vae_config()
+        state = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
+        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
+        conv = "native"  # the accelerators' path (CPU runs fold the time taps into channels)
+        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl=conv)
+        _, cache = jax.eval_shape(partial(fn, first=True), state, z, None)
+        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
+                                (state, z, cache), weights=state, note=f"{b} x {h}x{w} latents with the causal cache"))
+        return units
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:
