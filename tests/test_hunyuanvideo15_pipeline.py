@@ -225,3 +225,20 @@ def test_sampling_on_a_mesh_offloaded():
     one = hpipe.HunyuanVideo15T2V("tiny").sample_latents(cond, uncond, **kw)
     many = hpipe.HunyuanVideo15T2V("tiny", mesh="tp=2,sp=2", offload_chunk_size=1).sample_latents(cond, uncond, **kw)
     assert_parity(many, one, tol=1e-5, what="sampling on tp=2 x sp=2, offloaded")
+
+
+def test_denoise_once_is_one_euler_step():
+    """The probe's clean estimate at sigma 1 is where a 1-step run (no guidance) lands; I2V too."""
+    for cls, src in ((hpipe.HunyuanVideo15T2V, "tiny"), (hpipe.HunyuanVideo15I2V, "tiny-i2v")):
+        pipe = cls(src)
+        rng = np.random.default_rng(0)
+        cond = _cond(rng, 1, (6,), (2,))  # the tiny presets' widths: Qwen 24, ByT5 20, SigLIP 12
+        x = rng.standard_normal((1, 4, 2, 4, 4)).astype(np.float32)
+        kw, conditioning = {}, {f"prompt_{k}": v for k, v in cond.items()}
+        if pipe.image_to_video:
+            kw = dict(image_embeds=rng.standard_normal((1, 16, 12)).astype(np.float32),
+                      image_latents=rng.standard_normal((1, 4, 1, 4, 4)).astype(np.float32))
+            conditioning.update(kw)
+        ref = pipe.sample_latents(cond, latents=x, steps=1, guidance=1.0, **kw)
+        got = pipe.denoise_once(x, np.array([1.0]), conditioning)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

@@ -508,6 +508,43 @@ class HunyuanVideo15T2V(Pipeline):
         return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, None
 
+    # ------------------------------------------------------------------ probe hooks
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> latents as the DiT sees them (posterior mode x
+        scaling_factor), as the image-to-video pipeline encodes its image."""
+        vae = self.load_vae()
+        return (hvae.encode(vae, np.asarray(video, np.float32), self.tiling(True)) * vae.cfg.scaling_factor).astype(np.float32)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.decode_video(latents)
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000``
+        with the first prompt's Qwen and glyph conditioning, no guidance; the image tokens and the
+        image latent's channels enter as in sampling (meanflow models: ``timestep_r`` 0, the
+        average velocity to the end)."""
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        dt = runner.dtype if runner is not None else hdit.state_dtype(params)
+        c = {k: jnp.asarray(np.asarray(conditioning[f"prompt_{k}"])[:1]) for k in ("embeds", "mask", "embeds_2", "mask_2")}
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        extra = np.zeros(x.shape[1:-1] + (x.shape[-1] + 1,), np.float32)[None]
+        if conditioning.get("image_latents") is not None:
+            extra[:, :1, ..., :-1] = np.asarray(conditioning["image_latents"], np.float32).transpose(0, 2, 3, 4, 1)
+            extra[:, :1, ..., -1] = 1.0
+        img = conditioning.get("image_embeds")
+        img = np.zeros((1, self.image_tokens(), cfg.image_embed_dim), np.float32) if img is None else np.asarray(img)[:1]
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xin = jnp.asarray(np.concatenate([x[i:i + 1], extra], axis=-1), dt)
+            args = (xin, jnp.full((1,), s * 1000.0, jnp.float32), jnp.asarray(c["embeds"], dt), jnp.asarray(c["mask"], jnp.float32),
+                    jnp.asarray(c["embeds_2"], dt), jnp.asarray(c["mask_2"], jnp.float32), jnp.asarray(img, dt),
+                    jnp.zeros((1,), jnp.float32) if cfg.use_meanflow else None)
+            v = runner(*args) if runner is not None else _forward(params, cfg, *args)
+            out.append(x[i:i + 1] - s * np.asarray(v, np.float32))
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
     # ------------------------------------------------------------------ one call
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int | None = None,
                  width: int | None = None, num_frames: int = 121, steps: int = 50, guidance: float = 6.0,
@@ -552,6 +589,7 @@ class HunyuanVideo15I2V(HunyuanVideo15T2V):
 
 # ----------------------------------------------------------------------------------- the step
 _STEPS: dict = {}
+_forward = jax.jit(hdit.forward, static_argnums=1)
 
 
 def _cached_step(cfg, sched, schedule, use_cfg, runner=None):
