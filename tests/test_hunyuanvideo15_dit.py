@@ -166,3 +166,35 @@ def test_forward_compiles_once_over_ten_calls(scale_setup):
         for t in ts:
             fwd(params, SCFG, args[0], t, *args[2:]).block_until_ready()
     assert cc.count == 0
+
+
+def test_release_configs_map_every_tensor():
+    """The 8.3B release DiT (and the release VAE): every tensor of the reference built on the meta
+    device maps onto a vidax parameter of the right shape, and none is left over (shapes only)."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    from vidax.models.hunyuanvideo15 import vae as hvae
+    from vidax.weights import load_params
+
+    class Checked(Exception):
+        pass
+
+    class Shape:  # a tensor's shape; reading it means every name and shape matched
+        def __init__(self, shape):
+            self.shape = tuple(shape)
+
+        def __array__(self, *a, **k):
+            raise Checked
+
+    cfg = dit.PRESETS["720p-i2v"]
+    with torch.device("meta"):
+        ref = HunyuanVideo15Transformer3DModel(**cfg.to_diffusers())
+        ref_vae = AutoencoderKLHunyuanVideo15()
+    sd = {k: Shape(v.shape) for k, v in ref.state_dict().items()}
+    shapes = dit.param_shapes(cfg)
+    assert sum(int(np.prod(v.shape)) for v in sd.values()) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    with pytest.raises(Checked):
+        load_params(sd, dit.diffusers_keymap(cfg), shapes)
+    vc = hvae.HunyuanVideo15VAEConfig()
+    with pytest.raises(Checked):
+        load_params({k: Shape(v.shape) for k, v in ref_vae.state_dict().items()}, hvae.keymap(vc), hvae.param_shapes(vc))

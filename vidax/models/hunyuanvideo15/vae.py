@@ -449,6 +449,11 @@ def original_name(name: str) -> str:
     return name
 
 
+def param_shapes(cfg: HunyuanVideo15VAEConfig, dtype=np.float32) -> dict:
+    """Every parameter's shape, keyed as the key map's dotted paths address them."""
+    return h10._flat_shapes(nn.shapes(lambda: _build(cfg, dtype)))
+
+
 def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32) -> nn.Split:
     """A diffusers ``vae/`` folder (config.json + safetensors) or the original release's
     ``vae/diffusion_pytorch_model.safetensors`` (its own names) -> the split VAE."""
@@ -460,8 +465,7 @@ def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32)
     names = list(ckpt)
     if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
         ckpt = h10_view({original_name(n): ckpt[n] for n in names}, ckpt)
-    shapes = h10._flat_shapes(nn.shapes(lambda: _build(cfg, dtype)))
-    flat = load_params(ckpt, keymap(cfg), shapes, dtype=dtype,
+    flat = load_params(ckpt, keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo15 (channels {cfg.block_out_channels})")
     return nn.Split.from_pure(lambda: _build(cfg, dtype), h10._pure(flat))
 
