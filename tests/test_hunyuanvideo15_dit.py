@@ -61,6 +61,13 @@ def test_parity(refs, variant):
     assert_parity(out, ref, what=f"HunyuanVideo15Transformer3DModel {variant}")
 
 
+def test_parity_loaded_onto_a_mesh_offloaded(refs):
+    """load_pretrained(folder, mesh=, offload_chunk_size=): the runner behind the same calling convention."""
+    _, folder, kw, ref = refs["i2v"]
+    out = compat.load_pretrained(folder, mesh="tp=2", offload_chunk_size=1).forward(**kw)
+    assert_parity(out, ref, what="HunyuanVideo15Transformer3DModel i2v, tp=2, offloaded")
+
+
 def test_original_release_names(refs, tmp_path):
     """tencent/HunyuanVideo-1.5 names (``double_blocks``, ``byt5_in``, ``vision_in.proj.N``, the
     refiner's fused q/k/v, the final modulation as (shift, scale)): checked against diffusers' own
