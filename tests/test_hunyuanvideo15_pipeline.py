@@ -77,6 +77,12 @@ def test_t2v_pipeline_parity(models):
     p = hpipe.HunyuanVideo15T2V("tiny")
     lat = p.sample_latents(cond, uncond, latents=noise, steps=steps, guidance=g, shift=shift, dit=(state, cfg))
     assert_parity(lat, to_numpy(ref), what="HunyuanVideo15Pipeline latents")
+    from vidax.core.jit import CompileCounter
+
+    with CompileCounter() as cc:  # other prompts, other noise, another guidance: the same step program
+        p.sample_latents(_cond(rng, b, (2, 9), (6, 1)), uncond, latents=noise + 1, steps=steps, guidance=3.0,
+                         shift=shift, dit=(state, cfg))
+    assert cc.count == 0
     video = p.decode_video(lat, vae, tiling=False)  # [B, F, H, W, 3] in [0, 1]
     assert_parity(video, ref_video.transpose(0, 2, 3, 4, 1), what="HunyuanVideo15Pipeline decoded video")
 
@@ -243,3 +249,4 @@ def test_denoise_once_is_one_euler_step():
         ref = pipe.sample_latents(cond, latents=x, steps=1, guidance=1.0, **kw)
         got = pipe.denoise_once(x, np.array([1.0]), conditioning)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+

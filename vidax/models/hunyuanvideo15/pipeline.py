@@ -403,7 +403,7 @@ class HunyuanVideo15T2V(Pipeline):
                     "ctx2": jnp.asarray(c["embeds_2"], dt), "mask2": jnp.asarray(c["mask_2"], jnp.float32)}
 
         c, u = pack(cond), (pack(uncond) if use_cfg else None)
-        step = _cached_step(cfg, sched, (steps, float(shift)), use_cfg, runner)
+        step = _cached_step(cfg, sched, use_cfg, runner)
         if runner is not None and runner.offload is None:
             params = runner.params
         for i in range(start, n):
@@ -592,11 +592,14 @@ _STEPS: dict = {}
 _forward = jax.jit(hdit.forward, static_argnums=1)
 
 
-def _cached_step(cfg, sched, schedule, use_cfg, runner=None):
-    """The step for these settings, built once per process (one-device DiT) or per runner: a
+def _cached_step(cfg, sched, use_cfg, runner=None):
+    """The step for this model config, schedule contents (:func:`vidax.core.sampling.schedule_key`)
+    and guidance, built once per process (one-device DiT; it holds no weights) or per runner: a
     batch of runs with equal settings compiles it once."""
+    from vidax.core.sampling import schedule_key
+
     cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv15_steps", {})
-    key = (cfg, schedule, use_cfg)
+    key = (cfg, schedule_key(sched), use_cfg)
     if key not in cache:
         while len(cache) >= 8:
             cache.pop(next(iter(cache)))
