@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=25 tests
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan
+	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan && $(BIN)/python -m benchmarks.compile
 
 clean:
 	rm -rf $(VENV) vidax-runs benchmarks/results

@@ -233,8 +233,10 @@ def plan(model: str | None = None, *, preset: str | None = None, checkpoint: str
         name, mem = chip(accel)
         if hbm_all is not None:
             mem = hbm_all
-        sp = StagePlan(kind, accel, chips, name, mem, sample_mesh if kind == "sample" else None,
-                       [u for u in units if u.stage == kind])
+        mine = [u for u in units if u.stage == kind]
+        spread = max((u.devices for u in mine), default=1)
+        sp = StagePlan(kind, accel, chips, name, mem,
+                       sample_mesh if kind == "sample" else (f"tp={spread}" if spread > 1 else None), mine)
         if sp.fits is False:
             sp.knobs = knobs(sp, req, pipe, recipe, geo)
         stages.append(sp)

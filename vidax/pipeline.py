@@ -319,6 +319,26 @@ class Pipeline:
         """Details recorded with the sample stage (mesh, offloading...)."""
         return {"mesh": self.mesh, "offload_chunk_size": self.offload_chunk_size}
 
+    def text_mesh(self) -> str | None:
+        """The mesh a real checkpoint's text encoder is split over: tensor parallelism across every
+        device of this process (the encode slice), so an encoder larger than one chip fits; None on
+        one device."""
+        import jax
+
+        n = jax.device_count()
+        return f"tp={n}" if n > 1 else None
+
+    def pool_devices(self, request: RequestLike, kind: str) -> int:
+        """How many chips the recipe's pool gives stage ``kind`` (1 when it has none): what a plan
+        of that stage shards over."""
+        import jax
+
+        from vidax import registry
+
+        recipe = registry.MODELS.get(request.model)
+        jobs = recipe.job_variables(kind, None if request.checkpoint else request.preset) if recipe else {}
+        return max(1, min(int(jobs.get("tpu_chips") or 1), jax.device_count()))
+
     # -------------------------------------------------------------- memory plan (``vidax plan``)
     def plan_units(self, request: RequestLike) -> list:
         """The compiled unit of each stage at ``request``'s shapes, from abstract state (no weights

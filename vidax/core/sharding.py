@@ -113,6 +113,23 @@ def place(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+def shard_split(split, rules: Mapping[str, str | None], mesh):
+    """An :class:`vidax.core.nn.Split` (an encoder) with its state placed on ``mesh`` (a Mesh or a
+    spec like ``"tp=8"``) by logical-axis ``rules``; its calls then run partitioned by the compiler
+    (GSPMD), each device holding only its shard. An abstract state is placed on paper."""
+    from vidax.core.mesh import make_mesh
+
+    mesh = make_mesh(mesh)
+    specs = param_specs(split.state, rules)
+    check_param_divisibility(split.state, specs, mesh)
+    return split.replace(state=place(split.state, named_shardings(mesh, specs)))
+
+
+def divisible_rules(tp: int, **dims: int) -> dict[str, str]:
+    """``{logical axis: "tp"}`` for every named dimension that ``tp`` divides (the rest replicate)."""
+    return {axis: "tp" for axis, n in dims.items() if tp > 1 and n % tp == 0}
+
+
 def shard_bytes(shape, dtype, spec: P, mesh: Mesh | Mapping[str, int]) -> int:
     """Bytes one device holds of an array of ``shape`` laid out with ``spec``."""
     sizes = axis_sizes(mesh)

@@ -594,17 +594,11 @@ def tp_rules(cfg: LMConfig, tp: int) -> dict[str, str]:
     4, Gemma-3-12B 8), the k/v projections (1/G of the attention weights) are replicated and every
     device computes all kv heads; query heads stay sharded. Qwen2.5-7B's 28 query heads shard over
     tp = 2 or 4 (on tp = 8 its attention is replicated and only the MLP and vocabulary shard)."""
-    rules = {}
-    if tp <= 1:
-        return rules
-    if cfg.num_heads % tp == 0:
-        rules["heads"] = "tp"
-        if cfg.num_kv_heads % tp == 0:
-            rules["kv_heads"] = "tp"
-    if cfg.intermediate_size % tp == 0:
-        rules["ffn"] = "tp"
-    if cfg.vocab_size % tp == 0:
-        rules["vocab"] = "tp"
+    from vidax.core.sharding import divisible_rules
+
+    rules = divisible_rules(tp, heads=cfg.num_heads, ffn=cfg.intermediate_size, vocab=cfg.vocab_size)
+    if "heads" in rules and tp > 1 and cfg.num_kv_heads % tp == 0:
+        rules["kv_heads"] = "tp"
     return rules
 
 
@@ -624,10 +618,11 @@ def shardings(enc_or_state, cfg: LMConfig, mesh):
 def shard(enc: LMEncoder, mesh) -> LMEncoder:
     """``enc`` with its state placed on ``mesh`` (a Mesh or a spec like ``"tp=8"``) by
     :func:`tp_rules`; calls then run partitioned by the compiler (each device holds its shard)."""
-    from vidax.core import sharding as vsh
+    from vidax.core import mesh as vmesh
+    from vidax.core.sharding import shard_split
 
-    _, _, sh = shardings(enc, enc.cfg, mesh)
-    return enc.replace(state=vsh.place(enc.state, sh))
+    mesh = vmesh.make_mesh(mesh)
+    return shard_split(enc, tp_rules(enc.cfg, vmesh.axis_sizes(mesh)["tp"]), mesh)
 
 
 # ---------------------------------------------------------------------------------------------

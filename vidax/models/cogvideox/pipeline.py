@@ -261,7 +261,7 @@ class CogVideoX(Pipeline):
         folder = self.folder / "text_encoder"
         dts = {str(getattr(t, "dtype", "")) for _, t in zip(range(4), open_checkpoint(folder).values())}
         store = jnp.bfloat16 if dts == {"bfloat16"} else np.float32
-        return t5mod.load_t5(folder, dtype=store)
+        return t5mod.load_t5(folder, dtype=store, mesh=self.text_mesh())  # split over the encode slice (tp)
 
     @property
     def scaled(self) -> bool:
@@ -507,8 +507,8 @@ class CogVideoX(Pipeline):
 
         b, lt = len(request.prompts), self.max_text_len
         tcfg, tdt = self.text_config()
-        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(tcfg, tdt), vplan.abstract((b, lt), np.int32),
-                                  None, note=f"{b} prompt(s) x {lt} tokens")]
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
+        units = [t5mod.plan_unit(tcfg, b, lt, dtype=tdt, tp=tp, mask=False)]
         cfg = self.dit_config()
         runner = cdit.CogVideoXRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance > 1.0 else b

@@ -505,13 +505,7 @@ class CosmosPredict(Pipeline):
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx),
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
-        vcfg = self.vae_config()
-        state = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
-        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
-        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl="native")
-        _, cache = jax.eval_shape(partial(fn, first=True), state, z, None)
-        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
-                                (state, z, cache), weights=state, note=f"{b} x {h}x{w} latents with the causal cache"))
+        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w))
         return units
 
     def fingerprint(self, component: str) -> str:

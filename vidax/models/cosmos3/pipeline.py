@@ -547,11 +547,7 @@ class Cosmos3Omni(Pipeline):
                                 (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
                                  tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
-        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
-        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl="native")
-        _, cache = jax.eval_shape(partial(fn, first=True), vstate, z, None)
-        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
-                                (vstate, z, cache), weights=vstate, note=f"{b} x {h}x{w} latents with the causal cache"))
+        units.append(wvae.plan_decode_unit(vcfg, b, h, w))
         return units
 
     def fingerprint(self, component: str) -> str:

@@ -334,7 +334,7 @@ class LTXVideo(_ProbeVAE, _Source, _Tiles, Pipeline):
 
             g, st = seeded_split(t5mod._build(self.preset.text, 0, np.float32), self.preset.seed + 1)
             return t5mod.T5Encoder(g, jax.device_put(st), self.preset.text)
-        return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32)
+        return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32, mesh=self.text_mesh())  # tp over the slice
 
     def load_dit(self):
         """(state on device, cfg), or (a :class:`DiTRunner`, cfg) on a mesh / with offloading."""
@@ -366,9 +366,8 @@ class LTXVideo(_ProbeVAE, _Source, _Tiles, Pipeline):
         from vidax.core import plan as vplan
 
         b, n = len(request.prompts), self.MAX_TEXT
-        ids = vplan.abstract((b, n), np.int32)
-        units = [vplan.split_unit("encode", "T5 text encoder", t5mod.abstract(self.text_config(), np.float32), ids, ids,
-                                  note=f"{b} prompt(s) x {n} tokens")]
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
+        units = [t5mod.plan_unit(self.text_config(), b, n, tp=tp)]
         cfg = self.dit_config()
         runner = ldit.runner(ldit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance != 1.0 else b

@@ -229,12 +229,13 @@ class WanT2V(Pipeline):
         if self.preset:
             cfg = self.preset.text
             return t5mod.init(cfg, seed=self.preset.seed + 1)
+        # UMT5-XXL in float32 (21 GiB) is split over every device of the encode slice (tp)
         if self.layout == "diffusers":
-            return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32)
+            return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32, mesh=self.text_mesh())
         pth = sorted(self.folder.glob("models_t5_*.pth"))
         if not pth:
             raise FileNotFoundError(f"{self.folder}: no models_t5_*.pth text encoder")
-        return t5mod.load_t5(pth[0], dtype=np.float32)
+        return t5mod.load_t5(pth[0], dtype=np.float32, mesh=self.text_mesh())
 
     def _dit_folder(self, expert: int) -> str:
         if expert not in (1, 2) or (expert == 2 and not self.has_transformer_2):
@@ -683,10 +684,8 @@ class WanT2V(Pipeline):
         from vidax.core import plan as vplan
 
         b = len(request.prompts)
-        enc = t5mod.abstract(self.text_config(), np.float32)
-        ids = vplan.abstract((b, self.max_text_len), np.int32)
-        units = [vplan.split_unit("encode", "UMT5 text encoder", enc, ids, ids,
-                                  note=f"{b} prompt(s) x {self.max_text_len} tokens")]
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
+        units = [t5mod.plan_unit(self.text_config(), b, self.max_text_len, tp=tp, name="UMT5 text encoder")]
         cfg = self.dit_config(1)
         runner = wdit.WanDiTRunner(wdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance > 1.0 else b
@@ -700,14 +699,7 @@ class WanT2V(Pipeline):
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
                                 jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
                                 note=f"batch {nb} x {tokens:,} tokens"))
-        vcfg = self.vae_config()
-        state = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
-        z = vplan.abstract((b, vcfg.z_dim, 1, h, w), np.float32)
-        conv = "native"  # the accelerators' path (CPU runs fold the time taps into channels)
-        fn = partial(wvae._decode_chunk_jit, cfg=vcfg, attn_impl=None, conv_impl=conv)
-        _, cache = jax.eval_shape(partial(fn, first=True), state, z, None)
-        units.append(vplan.Unit("decode", "VAE decode, one latent frame", partial(fn, first=False),
-                                (state, z, cache), weights=state, note=f"{b} x {h}x{w} latents with the causal cache"))
+        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w))
         return units
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)

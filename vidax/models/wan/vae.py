@@ -926,7 +926,9 @@ def _state_dtype(state):
 # ----------------------------------------------------------------------------------- chunks
 # The programs take the config (cheap to hash) as their static argument and merge the state with its
 # graphdef inside the trace: one program per (config, first, impls) and input shape.
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
+# The causal cache is donated: each chunk's new cache takes the old one's buffers (at 720p the
+# cache is ~8 GiB, held once instead of twice).
+@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"), donate_argnames=("cache",))
 def _decode_chunk_jit(state, z, cache, *, cfg, first, attn_impl, conv_impl):
     ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
     x = nnx.merge(graphdef(cfg), state).decode(z.transpose(0, 2, 3, 4, 1), ctx)
@@ -1007,6 +1009,20 @@ def decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = No
         outs.append(px)
     pixels = np.concatenate([np.asarray(o) for o in outs], axis=2) if outs else None
     return (pixels, cache) if return_cache else pixels
+
+
+def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32):
+    """The program a decode stage repeats -- one latent frame with the causal cache (donated) --
+    at abstract shapes on the accelerators' conv path (``vidax plan``; latents ``height x width``)."""
+    from vidax.core import plan as vplan
+
+    state = state_from_pure(cfg, param_shapes(cfg, dtype))
+    z = vplan.abstract((batch, cfg.z_dim, 1, height, width), np.float32)
+    static = dict(cfg=cfg, attn_impl=None, conv_impl="native")
+    _, cache = jax.eval_shape(partial(_decode_chunk_jit, first=True, **static), state, z, None)
+    return vplan.Unit("decode", "VAE decode, one latent frame", _decode_chunk_jit, (state, z, cache),
+                      kwargs=dict(first=False, **static), weights=state,
+                      note=f"{batch} x {height}x{width} latents with the causal cache")
 
 
 def encode(state, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None, conv_impl=None):
