@@ -301,8 +301,11 @@ class RefinerBlock(nnx.Module):
 class TokenRefiner(nnx.Module):
     """diffusers ``HunyuanVideoTokenRefiner``: the text's masked mean + the timestep condition the
     refiner blocks over ``proj_in(text)``. Attention mask: token ``i`` sees token ``j`` when both
-    are valid, and every token sees token 0 (the reference's rule). Replicated over the mesh (it
-    runs once per step on a few hundred text tokens)."""
+    are valid, and every token sees token 0 (the reference's rule; ``SEE_FIRST = False`` drops
+    that last part, for HunyuanVideo 1.5's refiner). Replicated over the mesh (it runs once per
+    step on a few hundred text tokens)."""
+
+    SEE_FIRST = True
 
     def __init__(self, text_dim: int, dim: int, heads: int, num_layers: int, mlp_ratio: float = 4.0, *,
                  rngs: nnx.Rngs, param_dtype=F32):
@@ -322,7 +325,8 @@ class TokenRefiner(nnx.Module):
         temb = self.time_in(timestep_features(t).astype(dt)) + self.text_in(pooled)
         h = self.proj_in(x)
         am = m[:, None, :, None] & m[:, None, None, :]  # [B, 1, L, L]
-        am = am.at[..., 0].set(True)
+        if self.SEE_FIRST:
+            am = am.at[..., 0].set(True)
         return nn.scan(self.blocks, h, lambda blk, h: blk(h, temb, am))
 
 
@@ -686,10 +690,6 @@ def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, 
     return out
 
 
-def _rest(state) -> nnx.State:
-    return nnx.State({k: v for k, v in state.items() if k not in POOLS})
-
-
 class HunyuanVideoRunner:
     """The HunyuanVideo DiT on a ``(dp, tp, sp)`` mesh, with both block stacks resident or streamed.
 
@@ -699,6 +699,12 @@ class HunyuanVideoRunner:
     otherwise each stack (``double``, ``single``) streams from host memory through its own
     :class:`~vidax.core.offload.OffloadRunner` pool and compiled chunk program, chunk sizes per
     :func:`parse_chunk_sizes` (e.g. ``"double=5,single=8"``)."""
+
+    #: the block stacks streamed as offload pools, the unit graphdefs and the chunk-size parser: a
+    #: family with other stacks (HunyuanVideo 1.5: ``double`` only) sets these in a subclass
+    POOLS = POOLS
+    graphdefs = staticmethod(graphdefs)
+    chunk_sizes = staticmethod(parse_chunk_sizes)
 
     def __init__(self, state, cfg: HunyuanVideoConfig, mesh=None, parallelism: str | None = None, *,
                  offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
@@ -714,23 +720,26 @@ class HunyuanVideoRunner:
         self.specs = vsh.param_specs(state, mapping)
         vsh.check_param_divisibility(state, self.specs, self.mesh)
         self.dtype = state_dtype(state)
-        self.graphs = graphdefs(cfg, self.dtype.name)
-        self.rest_specs = _rest(self.specs)
-        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        pool_shardings = {k: vsh.named_shardings(self.mesh, self.specs[k]) for k in POOLS}
+        self.graphs = self.graphdefs(cfg, self.dtype.name)
+        self.rest_specs = self._rest(self.specs)
+        self.rest = vsh.place(self._rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        pool_shardings = {k: vsh.named_shardings(self.mesh, self.specs[k]) for k in self.POOLS}
         self._tables: dict = {}
         self.offload = None
         if offload_chunk_size is None:
-            self.pools = {k: vsh.place(state[k], pool_shardings[k]) for k in POOLS}
+            self.pools = {k: vsh.place(state[k], pool_shardings[k]) for k in self.POOLS}
             self._fwd = jax.jit(self._resident)
         else:
-            sizes = parse_chunk_sizes(offload_chunk_size, cfg)
+            sizes = self.chunk_sizes(offload_chunk_size, cfg)
             self.pools = None
             self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            for k in POOLS:
+            for k in self.POOLS:
                 self.offload.add_stack(k, state[k], partial(self._chunk, k), sizes[k], pool_shardings[k])
             self._pre = jax.jit(self._prologue)
             self._post = jax.jit(self._epilogue, static_argnums=(3,))
+
+    def _rest(self, state) -> nnx.State:
+        return nnx.State({k: v for k, v in state.items() if k not in self.POOLS})
 
     # ------------------------------------------------------------------ specs and checks
     def check_inputs(self, x_shape) -> None:

@@ -1,0 +1,553 @@
+"""HunyuanVideo 1.5 diffusion transformer (diffusers ``HunyuanVideo15Transformer3DModel``) as Flax NNX modules.
+
+:class:`HunyuanVideo15Transformer` = ``embed`` -> ``double`` (54 dual-stream blocks, stacked on
+one ``"layers"`` axis, one ``lax.scan``) -> ``head``. The blocks, the token refiner, the head,
+the joint attention, RoPE and the patchify rules are HunyuanVideo 1.0's
+(:mod:`vidax.models.hunyuanvideo.dit`), imported, not rewritten; what 1.5 adds is all in
+:class:`Embed`:
+
+- three condition streams, each projected to the model width and tagged by ``cond_type_embed``
+  (0 text, 1 glyph, 2 image): the Qwen2.5-VL hidden states through the token refiner (its mask
+  rule: valid tokens see valid tokens only), the ByT5 glyph embeddings through
+  ``context_embedder_2`` (LayerNorm, three linears, exact GELU), the SigLIP image tokens through
+  ``image_embedder``. **All-zero image embeddings (over the whole batch, the reference's test)
+  select the T2V branch**: the image tokens are zeroed and masked out;
+- the streams are **reordered so the valid tokens come first** -- ``[valid image, valid glyph,
+  valid text, invalid image, invalid glyph (zeroed), invalid text (zeroed)]`` per row, exactly
+  the reference's order (a stable per-row argsort: one gather, no Python loop) -- so the joint
+  attention's key mask is a prefix (``video tokens + valid count``), as in 1.0;
+- timestep modulation only (no pooled text, no embedded guidance; ``use_meanflow`` adds a second
+  timestep embedder for ``timestep_r``);
+- image-to-video conditioning is only more input channels (``[latents, image latent on frame 0,
+  frame-0 mask]``, 65 = 2 x 32 + 1), built by the pipeline.
+
+Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from vidax import compat
+from vidax.core import nn
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+from vidax.models.hunyuanvideo import dit as h10
+from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class HunyuanVideo15Config:
+    """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
+
+    in_channels: int = 65
+    out_channels: int = 32
+    num_heads: int = 16
+    head_dim: int = 128
+    num_layers: int = 54
+    num_refiner_layers: int = 2
+    mlp_ratio: float = 4.0
+    patch_size: int = 1
+    patch_size_t: int = 1
+    qk_norm: str = "rms_norm"
+    text_embed_dim: int = 3584
+    text_embed_2_dim: int = 1472
+    image_embed_dim: int = 1152
+    rope_theta: float = 256.0
+    rope_axes_dim: tuple = (16, 56, 56)
+    target_size: int = 640
+    task_type: str = "i2v"
+    use_meanflow: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
+        if self.qk_norm != "rms_norm":
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo 1.5 uses 'rms_norm')")
+        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
+            raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
+
+    # what the 1.0 blocks read
+    token_replace = False
+    num_single_layers = 0
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return (self.patch_size_t, self.patch_size, self.patch_size)
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15Config":
+        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for k, v in cfg.items():
+            k = ren.get(k, k)
+            if k in names:
+                kw[k] = tuple(v) if isinstance(v, list) else v
+        if kw.get("out_channels") is None:
+            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        return cls(**kw)
+
+    def to_diffusers(self) -> dict:
+        """The reference's constructor keywords (tests build the reference from them)."""
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels, num_attention_heads=self.num_heads,
+                    attention_head_dim=self.head_dim, num_layers=self.num_layers,
+                    num_refiner_layers=self.num_refiner_layers, mlp_ratio=self.mlp_ratio, patch_size=self.patch_size,
+                    patch_size_t=self.patch_size_t, qk_norm=self.qk_norm, text_embed_dim=self.text_embed_dim,
+                    text_embed_2_dim=self.text_embed_2_dim, image_embed_dim=self.image_embed_dim,
+                    rope_theta=self.rope_theta, rope_axes_dim=self.rope_axes_dim, target_size=self.target_size,
+                    task_type=self.task_type, use_meanflow=self.use_meanflow)
+
+
+_TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
+             text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64)
+PRESETS = {
+    "tiny": HunyuanVideo15Config(task_type="t2v", **_TINY),
+    "tiny-i2v": HunyuanVideo15Config(task_type="i2v", **_TINY),
+    "480p-t2v": HunyuanVideo15Config(task_type="t2v", target_size=640),
+    "480p-i2v": HunyuanVideo15Config(task_type="i2v", target_size=640),
+    "720p-t2v": HunyuanVideo15Config(task_type="t2v", target_size=960),
+    "720p-i2v": HunyuanVideo15Config(task_type="i2v", target_size=960),
+}
+
+
+# ----------------------------------------------------------------------------------- modules
+class TokenRefiner(h10.TokenRefiner):
+    """1.0's token refiner with 1.5's mask rule (token ``i`` sees token ``j`` iff both are valid)."""
+
+    SEE_FIRST = False
+
+
+class GlyphProjection(nnx.Module):
+    """``HunyuanVideo15ByT5TextProjection``: LayerNorm -> linear -> GELU -> linear -> GELU -> linear."""
+
+    def __init__(self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm = nn.LayerNorm(din, eps=1e-5, **kw)
+        self.l1, self.l2, self.l3 = nn.Linear(din, hidden, **kw), nn.Linear(hidden, hidden, **kw), nn.Linear(hidden, dout, **kw)
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = self.norm(x.astype(F32)).astype(dt)
+        h = nn.gelu_exact(self.l2(nn.gelu_exact(self.l1(h))))
+        return self.l3(h)
+
+
+class ImageProjection(nnx.Module):
+    """``HunyuanVideo15ImageProjection``: LayerNorm -> linear -> GELU -> linear -> LayerNorm."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm_in = nn.LayerNorm(din, eps=1e-5, **kw)
+        self.l1, self.l2 = nn.Linear(din, din, **kw), nn.Linear(din, dout, **kw)
+        self.norm_out = nn.LayerNorm(dout, eps=1e-5, **kw)
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = self.l2(nn.gelu_exact(self.l1(self.norm_in(x.astype(F32)).astype(dt))))
+        return self.norm_out(h.astype(F32)).astype(dt)
+
+
+def reorder(streams, masks):
+    """The reference's per-row reordering of the condition tokens: ``streams`` ([B, Li, D] each)
+    concatenated, then every row's valid tokens first (in stream order, then position), the
+    invalid ones after (same order). ``masks``: bool [B, Li] each. Returns ``(tokens [B, L, D],
+    valid count int32 [B])`` -- the joint attention's key mask is then a prefix."""
+    y = jnp.concatenate(streams, axis=1)
+    m = jnp.concatenate(masks, axis=1)
+    n = m.shape[1]
+    key = jnp.where(m, 0, n) + jnp.arange(n, dtype=jnp.int32)[None, :]
+    order = jnp.argsort(key, axis=1, stable=True)
+    return jnp.take_along_axis(y, order[..., None], axis=1), jnp.sum(m, axis=1).astype(jnp.int32)
+
+
+class Embed(nnx.Module):
+    """Everything before the blocks: patch embedding (per token), the timestep modulation vector
+    and the three condition streams, tagged, T2V-switched and reordered (module docstring)."""
+
+    def __init__(self, cfg: HunyuanVideo15Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        d = cfg.dim
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.cfg = cfg
+        self.patch = h10.PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
+        self.time_in = h10.MLP(256, d, d, "silu", **kw)
+        self.time_r = h10.MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
+        self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
+        self.glyph = GlyphProjection(cfg.text_embed_2_dim, 2048, d, **kw)
+        self.image = ImageProjection(cfg.image_embed_dim, d, **kw)
+        self.cond_type = nn.Embed(3, d, axes=(None, None), **kw)
+
+    def conditioning(self, t, t_r=None):
+        dt = self.patch.kernel[...].dtype
+        temb = self.time_in(h10.timestep_features(t).astype(dt))
+        if self.time_r is not None and t_r is not None:
+            temb = temb + self.time_r(h10.timestep_features(t_r).astype(dt))
+        return temb.astype(F32)
+
+    def context(self, t, ctx, mask, ctx2, mask2, image):
+        """``(tokens [B, Lt + L2 + Li, D], valid count [B])``."""
+        dt = self.patch.kernel[...].dtype
+        tag = self.cond_type.embedding[...].astype(dt)
+        m1, m2 = jnp.asarray(mask) != 0, jnp.asarray(mask2) != 0
+        y1 = self.refiner(ctx.astype(dt), t, mask) + tag[0]
+        y2 = self.glyph(ctx2.astype(dt)) + tag[1]
+        image = jnp.asarray(image)
+        t2v = jnp.all(image == 0)
+        y3 = jnp.where(t2v, 0.0, self.image(image.astype(dt))).astype(dt) + tag[2]
+        m3 = jnp.broadcast_to(~t2v, y3.shape[:2])
+        y1 = jnp.where(m1[..., None], y1, 0).astype(dt)
+        y2 = jnp.where(m2[..., None], y2, 0).astype(dt)
+        return reorder([y3, y2, y1], [m3, m2, m1])
+
+    def __call__(self, tokens, t, ctx, mask, ctx2, mask2, image, t_r=None):
+        y, n = self.context(t, ctx, mask, ctx2, mask2, image)
+        return self.patch(tokens), self.conditioning(t, t_r), y, n
+
+
+class HunyuanVideo15Transformer(nnx.Module):
+    """The HunyuanVideo 1.5 DiT: ``embed`` -> stacked ``double`` (1.0's dual-stream block) -> ``head``."""
+
+    def __init__(self, cfg: HunyuanVideo15Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.double = nn.stack(lambda r: h10.DoubleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = h10.Head(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+        """Velocity prediction. ``x``: [B, F, H, W, Cin] latents (channels-last, the I2V condition
+        already concatenated); ``t``: [B]; ``ctx``/``mask``: Qwen2.5-VL hidden states [B, Lt,
+        text_embed_dim] and mask; ``ctx2``/``mask2``: ByT5 glyph embeddings [B, L2, text_embed_2_dim]
+        and mask; ``image``: SigLIP tokens [B, Li, image_embed_dim] (all zero: text-to-video);
+        ``t_r``: meanflow's second timestep. Returns [B, F, H, W, Cout]."""
+        cfg = self.cfg
+        dt = self.embed.patch.kernel[...].dtype
+        tokens, grid = h10.patchify(cfg, x.astype(dt))
+        h, temb, y, n = self.embed(tokens, t, ctx, mask, ctx2, mask2, image, t_r)
+        cos, sin = h10.rope_tables(cfg, grid)
+        c = dict(temb=temb, cos=cos, sin=sin, text_len=n)
+        h, _ = nn.scan(self.double, (h, y), lambda blk, cy: blk(cy, c, par))
+        return h10.unpatchify(cfg, self.head(h, temb), grid)
+
+
+# ----------------------------------------------------------------------------------- state
+UNITS = ("embed", "double", "head")
+POOLS = ("double",)
+KIT = nn.ModelKit(HunyuanVideo15Transformer, units=UNITS, dtype_leaf=("embed", "patch", "kernel"))
+_build, abstract_state, param_shapes = KIT.build, KIT.abstract_state, KIT.param_shapes
+graphdefs, state_dtype, merge = KIT.graphdefs, KIT.state_dtype, KIT.merge
+
+
+def init_state(cfg: HunyuanVideo15Config, seed: int = 0, dtype=np.float32) -> nnx.State:
+    """A seeded random DiT's state in host memory (numpy leaves; presets, tests): nothing zero,
+    nothing one (:func:`vidax.models.hunyuanvideo.dit.seeded_state`)."""
+    return h10.seeded_state(lambda: _build(cfg, 0, dtype), seed)[1]
+
+
+def forward(state, cfg: HunyuanVideo15Config, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, attn_impl=None):
+    """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``)."""
+    return merge(state, cfg)(x, t, ctx, mask, ctx2, mask2, image, t_r, par=vsh.ParallelContext(attn_impl=attn_impl))
+
+
+# ----------------------------------------------------------------------------------- sharding
+#: Logical axis -> mesh axis per parallelism: 1.0's rules (TP splits heads, MLP width and the
+#: modulation columns; SP splits the video tokens, the condition tokens stay whole on every device).
+AXIS_RULES = h10.AXIS_RULES
+parallel_constraints = h10.parallel_constraints
+
+
+def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideo15Config) -> dict[str, int]:
+    """Chunk size of the one offload pool (``double``): an int dividing ``num_layers``, "all",
+    ``"double=N"`` or ``{"double": N}``."""
+    v = offload_chunk_size
+    if isinstance(v, str) and "=" in v:
+        k, _, v = v.replace(" ", "").partition("=")
+        if k != "double":
+            raise voff.OffloadConfigError(f"offload_chunk_size={offload_chunk_size!r}: the only pool is double")
+    if isinstance(v, dict):
+        bad = sorted(set(v) - {"double"})
+        if bad:
+            raise voff.OffloadConfigError(f"offload_chunk_size: unknown pools {bad}; the only pool is double")
+        v = v.get("double", "all")
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    return {"double": voff.resolve_chunk_size(v, cfg.num_layers)}
+
+
+class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
+    """The HunyuanVideo 1.5 DiT on a ``(dp, tp, sp)`` mesh, its block stack resident or streamed
+    from host memory in chunks (``offload_chunk_size``): 1.0's runner (the same blocks, the same
+    joint attention under Ulysses SP) with 1.5's embedding and a single pool. Call it like
+    :func:`forward` (channels-last latents)."""
+
+    POOLS = POOLS
+    graphdefs = staticmethod(graphdefs)
+    chunk_sizes = staticmethod(parse_chunk_sizes)
+
+    def _inputs(self, x, t, ctx, mask, extra, t_r):
+        dt = self.dtype
+        tokens, grid = h10.patchify(self.cfg, x.astype(dt))
+        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": jnp.asarray(ctx).astype(dt),
+             "mask": jnp.asarray(mask, F32), "ctx2": jnp.asarray(extra["ctx2"]).astype(dt),
+             "mask2": jnp.asarray(extra["mask2"], F32), "image": jnp.asarray(extra["image"]).astype(dt)}
+        if t_r is not None:
+            a["t_r"] = jnp.asarray(t_r, F32)
+        return a, grid
+
+    def _embed(self, rest, a):
+        embed = nnx.merge(self.graphs["embed"], rest["embed"])
+        h, temb, y, n = embed(a["tokens"], a["t"], a["ctx"], a["mask"], a["ctx2"], a["mask2"], a["image"], a.get("t_r"))
+        return {"h": h, "y": y, "temb": temb, "text_len": n}
+
+    def _resident(self, rest, pools, x, t, ctx, mask, extra, t_r, tables):
+        acts, grid = self._inputs(x, t, ctx, mask, extra, t_r)
+        acts.update(tables)
+
+        def inner(rest, pools, a):
+            e = self._embed(rest, a)
+            h, _ = self._stack("double", pools["double"], (e["h"], e["y"]), self._consts(e, {k: a[k] for k in tables}))
+            return self._head(rest, h, e["temb"])
+
+        specs = (self.rest_specs, {"double": self.specs["double"]}, self._act_specs(acts))
+        y = self._smap(inner, specs, P("dp", "sp", None))(rest, pools, acts)
+        return h10.unpatchify(self.cfg, vsh.with_constraint(y, self.mesh, P("dp", None, None)), grid)
+
+    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
+        extra = {"ctx2": ctx2, "mask2": mask2, "image": image}
+        if self.offload is None:
+            return super().__call__(x, t, ctx, mask, extra, t_r)
+        x = jnp.asarray(x)
+        self.check_inputs(x.shape)
+        grid = h10.grid_of(self.cfg, x.shape)
+        e = self._pre(self.rest, x, t, ctx, mask, extra, t_r)
+        h, _ = self.offload.run("double", (e["h"], e["y"]), self._consts(e, self.tables(grid)))
+        return self._post(self.rest, h, e["temb"], grid)
+
+    def apply(self, params, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
+        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`)."""
+        return super().apply(params, x, t, ctx, mask, {"ctx2": ctx2, "mask2": mask2, "image": image}, t_r)
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+_linear = h10._linear
+
+
+_SHARED = ("embed.patch.", "embed.refiner.", "double.", "head.")  # 1.0's names for 1.0's modules
+
+
+def diffusers_keymap(cfg: HunyuanVideo15Config) -> KeyMap:
+    """diffusers ``HunyuanVideo15Transformer3DModel`` names -> state paths: 1.0's rules for the
+    patch embedding, token refiner, dual-stream blocks and head (same names, same modules), plus
+    1.5's embedders."""
+    shared = [r for r in h10.diffusers_keymap(cfg).rules if r.dst.startswith(_SHARED)]
+    own = [*_linear("time_embed.timestep_embedder.linear_1", "embed.time_in.l1"),
+           *_linear("time_embed.timestep_embedder.linear_2", "embed.time_in.l2"),
+           ("context_embedder_2.norm.weight", "embed.glyph.norm.scale", "none"),
+           ("context_embedder_2.norm.bias", "embed.glyph.norm.bias", "none"),
+           *_linear("context_embedder_2.linear_1", "embed.glyph.l1"), *_linear("context_embedder_2.linear_2", "embed.glyph.l2"),
+           *_linear("context_embedder_2.linear_3", "embed.glyph.l3"),
+           ("image_embedder.norm_in.weight", "embed.image.norm_in.scale", "none"),
+           ("image_embedder.norm_in.bias", "embed.image.norm_in.bias", "none"),
+           *_linear("image_embedder.linear_1", "embed.image.l1"), *_linear("image_embedder.linear_2", "embed.image.l2"),
+           ("image_embedder.norm_out.weight", "embed.image.norm_out.scale", "none"),
+           ("image_embedder.norm_out.bias", "embed.image.norm_out.bias", "none"),
+           ("cond_type_embed.weight", "embed.cond_type.embedding", "none")]
+    if cfg.use_meanflow:
+        own += [*_linear("time_embed.timestep_embedder_r.linear_1", "embed.time_r.l1"),
+                *_linear("time_embed.timestep_embedder_r.linear_2", "embed.time_r.l2")]
+    return KeyMap(shared + [Rule(s, d, k) for s, d, k in own])
+
+
+# The original release (tencent/HunyuanVideo-1.5 ``transformer/<variant>/*.safetensors``) names:
+# plain renames of a name's prefix, per-block renames, the refiner's fused q/k/v split on the host
+# and the final modulation's (shift, scale) swapped to (scale, shift) when read.
+_ORIGINAL_RENAMES = (
+    ("time_in.mlp.0", "time_embed.timestep_embedder.linear_1"),
+    ("time_in.mlp.2", "time_embed.timestep_embedder.linear_2"),
+    ("time_r_in.mlp.0", "time_embed.timestep_embedder_r.linear_1"),
+    ("time_r_in.mlp.2", "time_embed.timestep_embedder_r.linear_2"),
+    ("txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+    ("txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+    ("txt_in.c_embedder.linear_1", "context_embedder.time_text_embed.text_embedder.linear_1"),
+    ("txt_in.c_embedder.linear_2", "context_embedder.time_text_embed.text_embedder.linear_2"),
+    ("txt_in.input_embedder", "context_embedder.proj_in"),
+    ("byt5_in.layernorm", "context_embedder_2.norm"),
+    ("byt5_in.fc1", "context_embedder_2.linear_1"),
+    ("byt5_in.fc2", "context_embedder_2.linear_2"),
+    ("byt5_in.fc3", "context_embedder_2.linear_3"),
+    ("vision_in.proj.0", "image_embedder.norm_in"),
+    ("vision_in.proj.1", "image_embedder.linear_1"),
+    ("vision_in.proj.3", "image_embedder.linear_2"),
+    ("vision_in.proj.4", "image_embedder.norm_out"),
+    ("img_in.proj", "x_embedder.proj"),
+    ("cond_type_embedding", "cond_type_embed"),
+    ("final_layer.linear", "proj_out"),
+)
+_ORIGINAL_DOUBLE = {
+    "img_mod.linear": "norm1.linear", "txt_mod.linear": "norm1_context.linear",
+    "img_attn_q": "attn.to_q", "img_attn_k": "attn.to_k", "img_attn_v": "attn.to_v",
+    "img_attn_q_norm": "attn.norm_q", "img_attn_k_norm": "attn.norm_k", "img_attn_proj": "attn.to_out.0",
+    "txt_attn_q": "attn.add_q_proj", "txt_attn_k": "attn.add_k_proj", "txt_attn_v": "attn.add_v_proj",
+    "txt_attn_q_norm": "attn.norm_added_q", "txt_attn_k_norm": "attn.norm_added_k", "txt_attn_proj": "attn.to_add_out",
+    "img_mlp.fc1": "ff.net.0.proj", "img_mlp.fc2": "ff.net.2", "txt_mlp.fc1": "ff_context.net.0.proj",
+    "txt_mlp.fc2": "ff_context.net.2"}
+_ORIGINAL_REFINER = {"self_attn_proj": "attn.to_out.0", "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2",
+                     "adaLN_modulation.1": "norm_out.linear"}
+
+
+def _is_original(names) -> bool:
+    return any(n.startswith(("double_blocks.", "img_in.", "byt5_in.")) for n in names)
+
+
+def _rename(name: str, table) -> str:
+    for a, b in table:
+        if name == a or name.startswith(a + "."):
+            return b + name[len(a):]
+    return name
+
+
+def original_to_diffusers(ckpt) -> h10._View:
+    """The original release's tensors under diffusers names (lazily)."""
+    out = {}
+    for name in ckpt:
+        t = ckpt[name]
+        head, _, wb = name.rpartition(".")
+        parts = head.split(".")
+        if parts[0] == "double_blocks":
+            out[f"transformer_blocks.{parts[1]}.{_ORIGINAL_DOUBLE.get('.'.join(parts[2:]), '.'.join(parts[2:]))}.{wb}"] = t
+        elif head.startswith("txt_in.individual_token_refiner.blocks."):
+            i, mid = parts[3], ".".join(parts[4:])
+            base = f"context_embedder.token_refiner.refiner_blocks.{i}"
+            if mid == "self_attn_qkv":
+                n3 = t.shape[0] // 3
+                for j, nm in enumerate(("to_q", "to_k", "to_v")):
+                    key = f"{base}.attn.{nm}.{wb}"
+                    out[key] = h10._Derived(key, (n3, *t.shape[1:]), lambda a, j=j, n3=n3: a[j * n3:(j + 1) * n3], t)
+            else:
+                out[f"{base}.{_ORIGINAL_REFINER.get(mid, mid)}.{wb}"] = t
+        elif head == "final_layer.adaLN_modulation.1":
+            key = f"norm_out.linear.{wb}"
+            half = t.shape[0] // 2
+            out[key] = h10._Derived(key, t.shape, lambda a, h=half: np.concatenate([a[h:], a[:h]], axis=0), t)
+        else:
+            out[_rename(name, _ORIGINAL_RENAMES)] = t
+    return h10._View(out, getattr(ckpt, "source", "checkpoint"))
+
+
+def diffusers_to_original_names(sd: dict) -> dict:
+    """A diffusers state dict (numpy) under the original release's names (the inverse of
+    :func:`original_to_diffusers`; tests build original-format files with it)."""
+    inv_top = tuple((b, a) for a, b in _ORIGINAL_RENAMES)
+    inv_double = {v: k for k, v in _ORIGINAL_DOUBLE.items()}
+    inv_ref = {v: k for k, v in _ORIGINAL_REFINER.items()}
+    out = {}
+    for name, a in sd.items():
+        head, _, wb = name.rpartition(".")
+        parts = head.split(".")
+        if parts[0] == "transformer_blocks":
+            mid = ".".join(parts[2:])
+            out[f"double_blocks.{parts[1]}.{inv_double.get(mid, mid)}.{wb}"] = a
+        elif head.startswith("context_embedder.token_refiner.refiner_blocks."):
+            i, mid = parts[3], ".".join(parts[4:])
+            base = f"txt_in.individual_token_refiner.blocks.{i}"
+            if mid in ("attn.to_q", "attn.to_k", "attn.to_v"):
+                if mid == "attn.to_q":
+                    p = f"context_embedder.token_refiner.refiner_blocks.{i}.attn"
+                    out[f"{base}.self_attn_qkv.{wb}"] = np.concatenate([sd[f"{p}.{n}.{wb}"] for n in ("to_q", "to_k", "to_v")])
+            else:
+                out[f"{base}.{inv_ref.get(mid, mid)}.{wb}"] = a
+        elif head == "norm_out.linear":
+            h = a.shape[0] // 2
+            out[f"final_layer.adaLN_modulation.1.{wb}"] = np.concatenate([a[h:], a[:h]], axis=0)
+        else:
+            out[_rename(name, inv_top)] = a
+    return out
+
+
+def config_from_original(ckpt) -> HunyuanVideo15Config:
+    """The DiT config from an original-release checkpoint's tensor shapes (head_dim 128, as every
+    release; ``target_size`` / ``task_type`` are not in the weights: pass the config for 720p)."""
+    sh = {k: tuple(v.shape) for k, v in ckpt.items()}
+    d, cin, pt, ph, _ = sh["img_in.proj.weight"]
+    head_dim = sh["double_blocks.0.img_attn_q_norm.weight"][0]
+    if head_dim != 128:
+        raise ValueError(f"original checkpoint with head_dim {head_dim}: its rope_axes_dim cannot be inferred; pass the config")
+    n = 1 + max(int(k.split(".")[1]) for k in sh if k.startswith("double_blocks."))
+    n_ref = 1 + max(int(k.split(".")[3]) for k in sh if k.startswith("txt_in.individual_token_refiner.blocks."))
+    return HunyuanVideo15Config(
+        in_channels=cin, out_channels=sh["final_layer.linear.weight"][0] // (pt * ph * ph), num_heads=d // head_dim,
+        head_dim=head_dim, num_layers=n, num_refiner_layers=n_ref, mlp_ratio=sh["double_blocks.0.img_mlp.fc1.weight"][0] / d,
+        patch_size=ph, patch_size_t=pt, text_embed_dim=sh["txt_in.input_embedder.weight"][1],
+        text_embed_2_dim=sh["byt5_in.fc1.weight"][1], image_embed_dim=sh["vision_in.proj.1.weight"][1],
+        use_meanflow="time_r_in.mlp.0.weight" in sh)
+
+
+def load_dit(path, cfg: HunyuanVideo15Config | None = None, dtype=np.float32):
+    """DiT weights from a diffusers folder (config.json + safetensors) or the original release
+    (a folder or file of safetensors with its names). Returns ``(state, cfg)``."""
+    path = Path(path)
+    if cfg is None and path.is_dir() and (path / "config.json").exists():
+        cfg = HunyuanVideo15Config.from_diffusers(compat.read_config(path))
+    ckpt = open_checkpoint(path)
+    if _is_original(list(ckpt)):
+        if cfg is None:
+            cfg = config_from_original(ckpt)
+        ckpt = original_to_diffusers(ckpt)
+    elif cfg is None:
+        raise ValueError(f"{path}: no config.json; pass the model config")
+    what = f"HunyuanVideo15Transformer3DModel (dim {cfg.dim}, {cfg.num_layers} blocks)"
+    pure = load_params(ckpt, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
+    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+
+
+# ----------------------------------------------------------------------------------- compat
+class _Compat(compat.CompatModel):
+    def __init__(self, config, state, cfg, runner=None):
+        super().__init__("HunyuanVideo15Transformer3DModel", config, state, cfg)
+        self.runner = runner
+        self._fwd = jax.jit(lambda state, *a: forward(state, cfg, *a)) if runner is None else None
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, timestep_r=None,
+                encoder_hidden_states_2=None, encoder_attention_mask_2=None, image_embeds=None, **_):
+        cfg = self.model_config
+        x = jnp.asarray(np.asarray(hidden_states, np.float32)).transpose(0, 2, 3, 4, 1)
+        b = x.shape[0]
+        vec = lambda v: jnp.broadcast_to(jnp.asarray(np.asarray(v), F32), (b,))  # noqa: E731
+        if encoder_hidden_states_2 is None:
+            encoder_hidden_states_2 = np.zeros((b, 1, cfg.text_embed_2_dim), np.float32)
+            encoder_attention_mask_2 = np.zeros((b, 1), np.float32)
+        if image_embeds is None:
+            image_embeds = np.zeros((b, 1, cfg.image_embed_dim), np.float32)
+        args = (x, vec(timestep), jnp.asarray(np.asarray(encoder_hidden_states), F32),
+                jnp.asarray(np.asarray(encoder_attention_mask), F32),
+                jnp.asarray(np.asarray(encoder_hidden_states_2), F32), jnp.asarray(np.asarray(encoder_attention_mask_2), F32),
+                jnp.asarray(np.asarray(image_embeds), F32), None if timestep_r is None else vec(timestep_r))
+        y = self.runner(*args) if self.runner is not None else self._fwd(self.params, *args)
+        return np.asarray(y).transpose(0, 4, 1, 2, 3)
+
+
+@compat.register("HunyuanVideo15Transformer3DModel", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
+    cfg = HunyuanVideo15Config.from_diffusers(config)
+    state, cfg = load_dit(folder, cfg, dtype=dtype)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        return _Compat(config, jax.device_put(state), cfg)
+    runner = HunyuanVideo15Runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                                  attn_impl=attn_impl)
+    return _Compat(config, None, cfg, runner)

@@ -1,0 +1,652 @@
+"""HunyuanVideo 1.5 text-to-video and image-to-video: prompt encode (Qwen2.5-VL + ByT5 glyphs,
+SigLIP image; fp32) -> DiT sampling (flow-matching Euler, classifier-free guidance as a batch of
+two) -> VAE decode in persisted frame-range stages.
+
+Sources: a preset (``tiny`` text-to-video, ``tiny-i2v``: seeded random weights, seconds on a CPU)
+or a diffusers pipeline folder (``HunyuanVideo15Pipeline`` / ``HunyuanVideo15ImageToVideoPipeline``:
+``text_encoder/`` Qwen2.5-VL, ``tokenizer/``, ``text_encoder_2/`` Glyph-ByT5, ``tokenizer_2/``,
+``transformer/``, ``vae/``, ``scheduler/``; I2V also ``image_encoder/`` SigLIP and
+``feature_extractor/``), local or at any fsspec URL.
+
+Sampling follows the reference pipelines: ``sigmas = linspace(1, 0, steps + 1)[:-1]`` shifted by
+the release's ``shift`` (480p: 5, 720p T2V: 9, 720p I2V: 7), the DiT input is ``[latents,
+condition latents, mask]`` on channels (text-to-video: zeros; image-to-video: the image's latent
+on frame 0 and a frame-0 mask), text-to-video passes all-zero image embeddings, guidance
+``uncond + g * (cond - uncond)`` when ``g != 1``; meanflow checkpoints get ``timestep_r`` (the next
+timestep, 0 at the end) as the image-to-video pipeline gives it.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vidax.core.sampling import StepInfo
+from vidax.models.hunyuanvideo15 import dit as hdit
+from vidax.models.hunyuanvideo15 import text as htext
+from vidax.models.hunyuanvideo15 import vae as hvae
+from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, temporal_spans,
+                            to_uint8, to_unit_range, unpack_state)
+from vidax.schedulers import make_scheduler
+from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.source import is_url, resolve_source
+
+log = logging.getLogger(__name__)
+
+_CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json", "guider/*.json",
+                 "*/preprocessor_config.json")
+_EMB_DIMS = ("batch", "token", "channel")
+_LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
+_T2V, _I2V = "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """A complete seeded random-weight HunyuanVideo-1.5-shaped model that runs on a laptop CPU."""
+
+    dit: hdit.HunyuanVideo15Config = field(default_factory=lambda: hdit.PRESETS["tiny"])
+    vae: hvae.HunyuanVideo15VAEConfig = field(default_factory=lambda: hvae.PRESETS["tiny"])
+    llm: object = None  # vidax.text.lm.LMConfig (the Qwen2.5-VL text tower's shape)
+    byt5: object = None  # vidax.text.t5.T5Config
+    siglip: object = None  # vidax.text.siglip.SiglipVisionConfig
+    pipeline_class: str = _T2V
+    max_text_tokens: int = 32
+    glyph_tokens: int = 16
+    seed: int = 0
+
+
+def _tiny_presets() -> dict:
+    from vidax.text.lm import LMConfig
+    from vidax.text.siglip import SiglipVisionConfig
+    from vidax.text.t5 import T5Config
+
+    llm = LMConfig(vocab_size=264, hidden_size=24, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=6, rms_norm_eps=1e-6, qkv_bias=True, model_type="qwen2")
+    byt5 = T5Config(vocab_size=384, d_model=20, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                    feed_forward_proj="gated-gelu")
+    siglip = SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_layers=2, num_heads=2, image_size=32,
+                                patch_size=8, use_head=False)
+    base = TinyPreset(llm=llm, byt5=byt5, siglip=siglip)
+    return {"tiny": base, "tiny-i2v": replace(base, dit=hdit.PRESETS["tiny-i2v"], pipeline_class=_I2V)}
+
+
+PRESET_SOURCES = _tiny_presets()
+
+
+def bucket_size(image_height: int, image_width: int, target_size: int, multiple: int = 16) -> tuple[int, int]:
+    """The image-to-video pipeline's size for an image (``calculate_default_height_width``): the
+    ``(height, width)`` of the bucket list for ``target_size`` (``wp * hp <= (target/16)^2``
+    patches, aspect at most 4) whose aspect ratio is closest to the image's, on the image's side
+    of square."""
+    n = round((target_size / multiple) ** 2)
+    sizes, wp, hp = [], n, 1
+    while wp > 0:
+        if max(wp, hp) / min(wp, hp) <= 4.0:
+            sizes.append((wp * multiple, hp * multiple))
+        if (hp + 1) * wp <= n:
+            hp += 1
+        else:
+            wp -= 1
+    ratios = np.array([round(float(h) / float(w), 5) for h, w in sizes])
+    ar = float(image_height) / float(image_width)
+    diff = ratios - ar
+    idx = [i for i, d in enumerate(diff) if (d <= 0 if ar >= 1 else d >= 0)]
+    best = min(idx, key=lambda i: abs(diff[i]))
+    return int(sizes[best][0]), int(sizes[best][1])
+
+
+def resize_crop(image_uint8: np.ndarray, height: int, width: int) -> np.ndarray:
+    """``VaeImageProcessor.resize(image, height, width, resize_mode="crop")``: Lanczos resize
+    covering (height, width) with the aspect kept, centred, the excess cropped. uint8 [H, W, 3]."""
+    import PIL.Image
+
+    im = PIL.Image.fromarray(np.asarray(image_uint8, np.uint8)).convert("RGB")
+    ratio, src_ratio = width / height, im.width / im.height
+    src_w = width if ratio > src_ratio else im.width * height // im.height
+    src_h = height if ratio <= src_ratio else im.height * width // im.width
+    resized = im.resize((src_w, src_h), resample=PIL.Image.Resampling.LANCZOS)
+    out = PIL.Image.new("RGB", (width, height))
+    out.paste(resized, box=(width // 2 - src_w // 2, height // 2 - src_h // 2))
+    return np.asarray(out)
+
+
+@dataclass(frozen=True)
+class BucketGeometry(Geometry):
+    """The geometry with the image-to-video pipeline's size rule: an image-conditioned request
+    without a size gets the image's bucket at the model's ``target_size`` (:func:`bucket_size`;
+    ``area`` is not used), or -- when sequence parallelism needs a token count the bucket does not
+    give -- the generic rule at the bucket's area."""
+
+    target_size: int | None = None
+
+    def fit_size(self, image_height: int, image_width: int, area: int, sp: int = 1) -> tuple[int, int]:
+        if self.target_size is None:
+            return super().fit_size(image_height, image_width, area, sp)
+        h, w = bucket_size(image_height, image_width, self.target_size, self.size_multiple)
+        if sp <= 1 or ((h // self.size_multiple) * (w // self.size_multiple)) % sp == 0:
+            return h, w
+        return super().fit_size(image_height, image_width, h * w, sp)
+
+
+class HunyuanVideo15T2V(Pipeline):
+    """HunyuanVideo 1.5 text-to-video (and, from an image-to-video source, image-to-video; see
+    :class:`HunyuanVideo15I2V`). ``source``: a preset name or a checkpoint folder / URL."""
+
+    FAMILY = "hunyuanvideo15"
+    GUIDANCE = "cfg"
+    OPTIONS = (
+        Option("shift", float, 5.0, "flow-matching timestep shift (the releases: 480p 5, 720p T2V 9, 720p I2V 7)",
+               minimum=0.0, maximum=100.0),
+        Option("vae_tiling", bool, True, "decode (and encode the image) in overlapping 256-px spatial tiles, as the "
+                                         "reference examples enable", stages=("encode", "decode")),
+    )
+    COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
+    CODE_DEPS = ("vidax.models.hunyuanvideo",)
+
+    def __init__(self, source: str | Path = "tiny", *, dtype=np.float32, mesh=None, parallelism: str | None = None,
+                 offload_chunk_size=None, prefetch: bool = True):
+        self.dtype = np.dtype(dtype)
+        self.mesh, self.parallelism = mesh, parallelism
+        self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
+        remote = is_url(source)
+        self.source = str(source)
+        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
+        self.preset_name = self.source if self.preset is not None else None
+        self._folder = None
+        if self.preset is None:
+            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
+            if not remote:
+                self._folder = self.config_folder
+            if not (self.config_folder / "model_index.json").exists():
+                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a "
+                                 f"diffusers HunyuanVideo 1.5 pipeline folder (model_index.json)")
+            index = json.loads((self.config_folder / "model_index.json").read_text())
+            self.pipeline_class = index.get("_class_name", _T2V)
+        else:
+            self.config_folder = None
+            self.pipeline_class = self.preset.pipeline_class
+        if self.pipeline_class not in (_T2V, _I2V):
+            raise ValueError(f"{source}: {self.pipeline_class} is not a HunyuanVideo 1.5 pipeline")
+        self.image_to_video = self.pipeline_class == _I2V
+
+    @property
+    def folder(self) -> Path | None:
+        if self._folder is None and self.preset is None:
+            self._folder = resolve_source(self.source)
+        return self._folder
+
+    # ------------------------------------------------------------------ configs
+    def _json(self, rel: str) -> dict:
+        p = self.config_folder / rel
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    def dit_config(self) -> hdit.HunyuanVideo15Config:
+        return self.preset.dit if self.preset else hdit.HunyuanVideo15Config.from_diffusers(self._json("transformer/config.json"))
+
+    def vae_config(self) -> hvae.HunyuanVideo15VAEConfig:
+        return self.preset.vae if self.preset else hvae.HunyuanVideo15VAEConfig.from_diffusers(self._json("vae/config.json"))
+
+    def latent_channels(self) -> int:
+        return self.vae_config().latent_channels
+
+    def geometry(self) -> Geometry:
+        dc, vc = self.dit_config(), self.vae_config()
+        return BucketGeometry(spatial=vc.spatial_compression_ratio, temporal=vc.temporal_compression_ratio,
+                              latent_channels=vc.latent_channels, patch=dc.patch, num_heads=dc.num_heads,
+                              target_size=dc.target_size if self.image_to_video else None)
+
+    def size_for_image(self, image_height: int, image_width: int) -> tuple[int, int]:
+        """The reference pipelines' output size: the image's bucket (:func:`bucket_size`) at the
+        model's ``target_size``; text-to-video uses the 16:9 bucket."""
+        return bucket_size(image_height, image_width, self.dit_config().target_size, self.geometry().size_multiple)
+
+    @property
+    def text_tokens(self) -> int:
+        return self.preset.max_text_tokens if self.preset else htext.MAX_TEXT_TOKENS
+
+    @property
+    def glyph_tokens(self) -> int:
+        return self.preset.glyph_tokens if self.preset else htext.GLYPH_TOKENS
+
+    def crop_start(self, tok) -> int:
+        return htext.template_prefix_tokens(tok) if self.preset else htext.CROP_START
+
+    # ------------------------------------------------------------------ checks
+    def _required_files(self) -> list[tuple[str, list[str]]]:
+        req = [("the text encoder (text_encoder/*.safetensors)", ["text_encoder/*.safetensors"]),
+               ("the tokenizer (tokenizer/tokenizer.json)", ["tokenizer/tokenizer.json"]),
+               ("the ByT5 encoder (text_encoder_2/*.safetensors)", ["text_encoder_2/*.safetensors"]),
+               ("the ByT5 tokenizer (tokenizer_2/)", ["tokenizer_2/tokenizer_config.json", "tokenizer_2/added_tokens.json"]),
+               ("the DiT (transformer/*.safetensors)", ["transformer/*.safetensors"]),
+               ("the VAE (vae/*.safetensors)", ["vae/*.safetensors"])]
+        if self.image_to_video:
+            req.append(("the SigLIP image encoder (image_encoder/*.safetensors)", ["image_encoder/*.safetensors"]))
+        return req
+
+    def _check_prompts(self, request) -> None:
+        try:
+            tok = self.load_tokenizers()[0]
+        except (OSError, ValueError) as e:
+            raise OptionError("checkpoint", f"{self.folder}: the tokenizer cannot be loaded ({e})") from None
+        neg = request.negative_prompt or ""
+        for name, texts in (("prompt", request.prompts), ("negative_prompt", [neg])):
+            for i, n in enumerate(htext.prompt_tokens(tok, texts, self.crop_start(tok))):
+                if n > self.text_tokens:
+                    which = f" {i + 1}" if len(texts) > 1 else ""
+                    raise OptionError(name, f"prompt{which} is {n} tokens long; the text encoder reads at most "
+                                            f"{self.text_tokens}: shorten it")
+
+    # ------------------------------------------------------------------ component loaders
+    def load_tokenizers(self):
+        """(Qwen tokenizer, ByT5 tokenizer)."""
+        from vidax.text.byt5 import ByT5Tokenizer
+
+        if self.preset:
+            return htext.PresetQwenTokenizer(), ByT5Tokenizer()
+        from vidax.text.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.folder / "tokenizer"), ByT5Tokenizer.from_folder(self.folder / "tokenizer_2")
+
+    def load_text_encoders(self):
+        """(the Qwen2.5-VL text tower, the ByT5 encoder), float32."""
+        from vidax.text import lm, t5
+
+        if self.preset:
+            p = self.preset
+            return lm.init(p.llm, seed=p.seed + 1), t5.init(p.byt5, seed=p.seed + 4)
+        n = jax.device_count()
+        mesh = f"tp={n}" if n > 1 else None  # the 7B tower in float32 (30 GB) over every visible device
+        return (lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh),
+                t5.load_t5(self.folder / "text_encoder_2", dtype=np.float32))
+
+    def load_image_encoder(self):
+        from vidax.text import siglip
+
+        if self.preset:
+            return siglip.init(self.preset.siglip, seed=self.preset.seed + 5)
+        return siglip.load_siglip(self.folder / "image_encoder", dtype=np.float32)
+
+    def load_dit(self):
+        """DiT state + config on one device, or (mesh / offloading) a :class:`HunyuanVideo15Runner`."""
+        cfg = self.dit_config()
+        if self.preset:
+            state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
+        else:
+            state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+        if self.mesh is None and self.offload_chunk_size is None:
+            return jax.device_put(state), cfg
+        return hdit.HunyuanVideo15Runner(state, cfg, self.mesh, self.parallelism,
+                                          offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
+
+    def check(self, request) -> None:
+        v = getattr(request, "offload_chunk_size", None)
+        if v is not None:
+            try:
+                hdit.parse_chunk_sizes(v, self.dit_config())
+            except ValueError as e:
+                raise OptionError("offload_chunk_size", str(e)) from None
+        if self.preset is None and self.folder is not None:
+            missing = [w for w, globs in self._required_files() if not any(any(self.folder.glob(g)) for g in globs)]
+            if missing:
+                raise OptionError("checkpoint", f"{self.folder}: missing {'; '.join(missing)}")
+        self._check_prompts(request)
+
+    def load_vae(self):
+        if self.preset:
+            return hvae.init(self.preset.vae, seed=self.preset.seed + 3)
+        return hvae.load_vae(self.folder / "vae", self.vae_config())
+
+    def tiling(self, enabled: bool = True) -> hvae.Tiling:
+        return hvae.Tiling(spatial=bool(enabled))
+
+    # ------------------------------------------------------------------ conditioning
+    def encode_prompts(self, prompts, encoders=None, tokenizers=None) -> dict:
+        """``{"embeds", "mask", "embeds_2", "mask_2"}`` (float32 / int32 numpy)."""
+        tok, tok2 = tokenizers or self.load_tokenizers()
+        llm, byt5 = encoders or self.load_text_encoders()
+        emb, mask = htext.qwen_embeds(tok, llm, list(prompts), self.crop_start(tok), self.text_tokens)
+        emb2, mask2 = htext.glyph_embeds(tok2, byt5, list(prompts), byt5.cfg.d_model, self.glyph_tokens)
+        return {"embeds": emb, "mask": mask, "embeds_2": emb2, "mask_2": mask2}
+
+    def image_tokens(self) -> int:
+        return self.preset.siglip.grid ** 2 if self.preset else htext.IMAGE_TOKENS
+
+    def encode_image(self, image, height: int, width: int, vae=None, tiling: bool = True):
+        """``(SigLIP tokens [1, N, D], image latent [1, C, 1, h, w] scaled)`` of the image resized
+        and centre-cropped to (height, width) as the reference does."""
+        from vidax.text import siglip
+        from vidax.text.clip import _to_rgb_uint8
+
+        rgb = resize_crop(_to_rgb_uint8(image), height, width)
+        emb = np.asarray(self.load_image_encoder()(siglip.preprocess(rgb, **self._siglip_preprocess()))["last_hidden_state"],
+                         np.float32)
+        vae = vae or self.load_vae()
+        px = ((rgb.astype(np.float32) / 255.0) * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
+        z = hvae.encode(vae, px, self.tiling(tiling))
+        return emb, (z * vae.cfg.scaling_factor).astype(np.float32)
+
+    def _siglip_preprocess(self) -> dict:
+        """``SiglipImageProcessor`` settings from ``feature_extractor/`` (size, mean, std)."""
+        if self.preset:
+            return {"size": self.preset.siglip.image_size}
+        c = self._json("feature_extractor/preprocessor_config.json")
+        s = c.get("size", 384)
+        out = {"size": int(s.get("height", s.get("shortest_edge", 384)) if isinstance(s, dict) else s)}
+        if c.get("image_mean") is not None:
+            out.update(mean=tuple(c["image_mean"]), std=tuple(c["image_std"]))
+        return out
+
+    # ------------------------------------------------------------------ sampling
+    def scheduler(self, steps: int, shift: float = 5.0):
+        """Flow-matching Euler on the pipelines' sigmas ``linspace(1, 0, steps + 1)[:-1]`` with ``shift``."""
+        return make_scheduler("flow_euler", steps, sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], shift=float(shift),
+                              num_train_timesteps=1000)
+
+    def latent_shape(self, batch: int, height: int, width: int, num_frames: int):
+        """Channels-last [B, F, h, w, C]."""
+        g = self.geometry()
+        return (batch, g.latent_frames(num_frames), height // g.spatial, width // g.spatial, self.latent_channels())
+
+    def initial_noise(self, shape, seed: int):
+        return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
+
+    def sample_latents(self, cond: dict, uncond: dict | None = None, *, latents=None, seed: int = 0, height: int = 480,
+                       width: int = 848, num_frames: int = 121, steps: int = 50, guidance: float = 6.0,
+                       shift: float = 5.0, image_embeds=None, image_latents=None, dit=None, start: int = 0,
+                       state=None, on_step=None) -> np.ndarray:
+        """Denoise. ``cond`` / ``uncond``: :meth:`encode_prompts` dicts (``uncond`` used when
+        ``guidance != 1``); ``latents``: the starting noise [B, C, F, h, w] (drawn from ``seed``
+        when omitted), or the latents saved after step ``start - 1`` with the scheduler ``state``.
+        ``image_embeds`` [1, N, D] / ``image_latents`` [1, C, 1, h, w]: image-to-video. Returns the
+        final latents [B, C, F, h, w] (float32 numpy)."""
+        if self.image_to_video and (image_latents is None or image_embeds is None):
+            raise ValueError("this is an image-to-video model: pass image_embeds and image_latents (encode_image)")
+        sched = self.scheduler(steps, shift)
+        n = len(sched.timesteps)
+        if not 0 <= start < n:
+            raise ValueError(f"start={start} outside [0, {n})")
+        b = cond["embeds"].shape[0]
+        if latents is None:
+            if start:
+                raise ValueError("resuming (start > 0) needs the latents saved at that step")
+            x = self.initial_noise(self.latent_shape(b, height, width, num_frames), seed)
+        else:
+            x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
+        state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
+        params, cfg = dit if dit is not None else self.load_dit()
+        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        dt = runner.dtype if runner is not None else hdit.state_dtype(params)
+        use_cfg = uncond is not None and float(guidance) != 1.0
+        # the DiT's extra input channels: [condition latents, mask] (zeros for text-to-video)
+        cond_lat = jnp.zeros(x.shape, jnp.float32)
+        mask = jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
+        if image_latents is not None:
+            img = jnp.asarray(np.asarray(image_latents, np.float32).transpose(0, 2, 3, 4, 1))
+            if img.shape[2:] != x.shape[2:]:
+                raise ValueError(f"image latent {img.shape} does not match the latents {x.shape}")
+            cond_lat = cond_lat.at[:, :1].set(jnp.broadcast_to(img, (b,) + img.shape[1:]))
+            mask = mask.at[:, :1].set(1.0)
+        if image_embeds is None:
+            image_embeds = np.zeros((1, self.image_tokens(), cfg.image_embed_dim), np.float32)
+        aux = {"extra": jnp.concatenate([cond_lat, mask], axis=-1),
+               "image": jnp.broadcast_to(jnp.asarray(image_embeds, dt), (b,) + np.shape(image_embeds)[1:])}
+
+        def pack(c):
+            return {"ctx": jnp.asarray(c["embeds"], dt), "mask": jnp.asarray(c["mask"], jnp.float32),
+                    "ctx2": jnp.asarray(c["embeds_2"], dt), "mask2": jnp.asarray(c["mask_2"], jnp.float32)}
+
+        c, u = pack(cond), (pack(uncond) if use_cfg else None)
+        step = _cached_step(cfg, sched, use_cfg, runner)
+        if runner is not None and runner.offload is None:
+            params = runner.params
+        for i in range(start, n):
+            t0 = time.perf_counter()
+            x, state = step(params, x, state, jnp.int32(i), c, u, jnp.float32(guidance), aux)
+            if on_step is not None:
+                x.block_until_ready()
+                on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
+        del params
+        gc.collect()
+        return np.asarray(x).transpose(0, 4, 1, 2, 3)
+
+    # ------------------------------------------------------------------ decode
+    def decode_video(self, latents, vae=None, tiling: bool = True) -> np.ndarray:
+        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]."""
+        vae = vae or self.load_vae()
+        return to_unit_range(hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling)))
+
+    def decode_plan(self, request) -> list[DecodeSpan]:
+        """Contiguous latent frame ranges (up to 4). The decoder is causal: a stage's frames are
+        cut from a decode that holds them, so no stage carries anything to the next and any one
+        reruns alone."""
+        spans = temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
+        return [replace(s, carry_from=None) for s in spans]
+
+    # ------------------------------------------------------------------ the stage protocol
+    def fingerprint(self, component: str) -> str:
+        if self.preset is not None:
+            return f"preset:{self.preset_name}:{component}:{self.dtype.name}"
+        files = {"text": ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"], "dit": ["transformer"],
+                 "vae": ["vae"], "image": ["vae", "image_encoder", "feature_extractor"]}[component]
+        return f"{component}:{self.dtype.name}:" + files_fingerprint(self.folder, files)
+
+    def _dt(self, request):
+        return np.dtype(np.float32) if request.dtype == "float32" else np.dtype(jnp.bfloat16)
+
+    def encode(self, request, image: np.ndarray | None = None) -> dict[str, Named]:
+        """Qwen embeddings + mask, ByT5 glyph embeddings + mask (computed in float32, stored in the
+        request's dtype, masks int32), the negative prompt's when guidance != 1, and for
+        image-to-video the SigLIP tokens and the image latent."""
+        self._check_prompts(request)
+        if self.image_to_video and image is None:
+            raise OptionError("image", "this is an image-to-video model: give an image")
+        toks, encs = self.load_tokenizers(), self.load_text_encoders()
+        dt = self._dt(request)
+        attrs = dict(model=request.model, computed_in="float32", stored_as=str(dt))
+        out = {}
+
+        def put(prefix, c):
+            for k in ("embeds", "embeds_2"):
+                out[f"{prefix}_{k}"] = Named(c[k].astype(dt), _EMB_DIMS, attrs)
+            for k in ("mask", "mask_2"):
+                out[f"{prefix}_{k}"] = Named(c[k].astype(np.int32), ("batch", "token"), {"role": "text mask"})
+
+        put("prompt", self.encode_prompts(request.prompts, encs, toks))
+        if float(request.guidance) != 1.0:
+            neg = request.negative_prompt if request.negative_prompt is not None else ""
+            put("negative", self.encode_prompts([neg] * len(request.prompts), encs, toks))
+        del encs
+        if image is not None and self.image_to_video:
+            emb, lat = self.encode_image(image, request.height, request.width,
+                                         tiling=bool(request.options.get("vae_tiling", True)))
+            out["image_embeds"] = Named(emb.astype(dt), _EMB_DIMS, attrs)
+            out["image_latents"] = Named(lat, _LATENT_DIMS, {"role": "image latent (scaled)"})
+        return out
+
+    def sample(self, conditioning: dict, request, *, resume: dict | None = None, on_step=None) -> dict[str, Named]:
+        o = request.options
+        keys = ("embeds", "mask", "embeds_2", "mask_2")
+        cond = {k: np.asarray(conditioning[f"prompt_{k}"]) for k in keys}
+        uncond = None
+        if float(request.guidance) != 1.0:
+            uncond = {k: np.asarray(conditioning[f"negative_{k}"]) for k in keys}
+        shift = o.get("shift") or 5.0
+        start, latents, state = 0, None, None
+        sched = self.scheduler(request.steps, shift)
+        if resume is not None:
+            start = int(resume["step"])
+            shape = self.latent_shape(cond["embeds"].shape[0], request.height, request.width, request.num_frames)
+            latents, state = unpack_state(resume["arrays"], sched.init_state(jnp.zeros(shape, jnp.float32)))
+
+        def step_cb(info, x, st):
+            on_step(info, lambda: pack_state(np.asarray(x).transpose(0, 4, 1, 2, 3), st))
+
+        img = conditioning.get("image_embeds")
+        lat = self.sample_latents(cond, uncond, latents=latents, seed=request.seed, height=request.height,
+                                  width=request.width, num_frames=request.num_frames, steps=request.steps,
+                                  guidance=request.guidance, shift=shift,
+                                  image_embeds=None if img is None else np.asarray(img, np.float32),
+                                  image_latents=conditioning.get("image_latents"), start=start, state=state,
+                                  on_step=None if on_step is None else step_cb)
+        return {"latents": Named(lat, _LATENT_DIMS, {"model": request.model, "layout": "reference [B, C, F, H, W]",
+                                                     "scaled": True})}
+
+    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
+        """Latent frames ``span.frames`` -> uint8 frames (cut from the causal decode)."""
+        vae = self.load_vae()
+        a, b = span.frames
+        z = np.asarray(latents["latents"], np.float32) / vae.cfg.scaling_factor
+        px = hvae.decode_frames(vae, z, a, b, self.tiling(bool(request.options.get("vae_tiling", True))))
+        frames = to_uint8(to_unit_range(px))
+        return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
+                                {"latent_frames": [a, b], "units": "uint8 RGB"})}, None
+
+    # ------------------------------------------------------------------ probe hooks
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        """Pixels [B, 3, F, H, W] in [-1, 1] -> latents as the DiT sees them (posterior mode x
+        scaling_factor), as the image-to-video pipeline encodes its image."""
+        vae = self.load_vae()
+        return (hvae.encode(vae, np.asarray(video, np.float32), self.tiling(True)) * vae.cfg.scaling_factor).astype(np.float32)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.decode_video(latents)
+
+    def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
+        """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000``
+        with the first prompt's Qwen and glyph conditioning, no guidance; the image tokens and the
+        image latent's channels enter as in sampling (meanflow models: ``timestep_r`` 0, the
+        average velocity to the end)."""
+        params, cfg = self.load_dit()
+        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        dt = runner.dtype if runner is not None else hdit.state_dtype(params)
+        c = {k: jnp.asarray(np.asarray(conditioning[f"prompt_{k}"])[:1]) for k in ("embeds", "mask", "embeds_2", "mask_2")}
+        x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)
+        extra = np.zeros(x.shape[1:-1] + (x.shape[-1] + 1,), np.float32)[None]
+        if conditioning.get("image_latents") is not None:
+            extra[:, :1, ..., :-1] = np.asarray(conditioning["image_latents"], np.float32).transpose(0, 2, 3, 4, 1)
+            extra[:, :1, ..., -1] = 1.0
+        img = conditioning.get("image_embeds")
+        img = np.zeros((1, self.image_tokens(), cfg.image_embed_dim), np.float32) if img is None else np.asarray(img)[:1]
+        out = []
+        for i, s in enumerate(np.asarray(sigmas, np.float32)):
+            xin = jnp.asarray(np.concatenate([x[i:i + 1], extra], axis=-1), dt)
+            args = (xin, jnp.full((1,), s * 1000.0, jnp.float32), jnp.asarray(c["embeds"], dt), jnp.asarray(c["mask"], jnp.float32),
+                    jnp.asarray(c["embeds_2"], dt), jnp.asarray(c["mask_2"], jnp.float32), jnp.asarray(img, dt),
+                    jnp.zeros((1,), jnp.float32) if cfg.use_meanflow else None)
+            v = runner(*args) if runner is not None else _forward(params, cfg, *args)
+            out.append(x[i:i + 1] - s * np.asarray(v, np.float32))
+        del params
+        return np.concatenate(out).transpose(0, 4, 1, 2, 3)
+
+    # ------------------------------------------------------------------ one call
+    def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int | None = None,
+                 width: int | None = None, num_frames: int = 121, steps: int = 50, guidance: float = 6.0,
+                 shift: float = 5.0, vae_tiling: bool = True, on_step=None) -> np.ndarray:
+        """Prompt(s) (+ image) -> uint8 frames [B, F, H, W, 3]. The size defaults to the reference's
+        (16:9 bucket for text-to-video, the image's bucket for image-to-video)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if height is None or width is None:
+            if self.image_to_video:
+                from vidax.text.clip import _to_rgb_uint8
+
+                ih, iw = _to_rgb_uint8(image).shape[:2]
+                height, width = self.size_for_image(ih, iw)
+            else:
+                height, width = self.size_for_image(9, 16)
+        self.geometry().check(height, width, num_frames)
+        toks, encs = self.load_tokenizers(), self.load_text_encoders()
+        cond = self.encode_prompts(prompts, encs, toks)
+        uncond = None
+        if guidance != 1.0:
+            neg = negative_prompt if negative_prompt is not None else ""
+            uncond = self.encode_prompts([neg] * len(prompts), encs, toks)
+        del encs
+        vae = self.load_vae()
+        emb = lat = None
+        if self.image_to_video:
+            emb, lat = self.encode_image(image, height, width, vae, vae_tiling)
+        out = self.sample_latents(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames,
+                                  steps=steps, guidance=guidance, shift=shift, image_embeds=emb, image_latents=lat,
+                                  on_step=on_step)
+        return to_uint8(self.decode_video(out, vae, vae_tiling))
+
+
+class HunyuanVideo15I2V(HunyuanVideo15T2V):
+    """HunyuanVideo 1.5 image-to-video (``HunyuanVideo15ImageToVideoPipeline`` folders, ``tiny-i2v``)."""
+
+    def __init__(self, source: str | Path = "tiny-i2v", **kw):
+        super().__init__(source, **kw)
+        if not self.image_to_video:
+            raise ValueError(f"{source}: not an image-to-video model ({self.pipeline_class}); use HunyuanVideo15T2V")
+
+
+# ----------------------------------------------------------------------------------- the step
+_STEPS: dict = {}
+_forward = jax.jit(hdit.forward, static_argnums=1)
+
+
+def _cached_step(cfg, sched, use_cfg, runner=None):
+    """The step for this model config, schedule contents (:func:`vidax.core.sampling.schedule_key`)
+    and guidance, built once per process (one-device DiT; it holds no weights) or per runner: a
+    batch of runs with equal settings compiles it once."""
+    from vidax.core.sampling import schedule_key
+
+    cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv15_steps", {})
+    key = (cfg, schedule_key(sched), use_cfg)
+    if key not in cache:
+        while len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        cache[key] = _make_step(cfg, sched, use_cfg, runner)
+    return cache[key]
+
+
+def _make_step(cfg: hdit.HunyuanVideo15Config, sched, use_cfg: bool, runner=None):
+    """One sampling step ``(params, x, state, i, cond, uncond, guidance, aux) -> (x, state)``:
+    model (a batch of two with CFG) + guidance + Euler update, jitted whole for a resident DiT
+    (one device, or a runner's ``apply``); for a streaming (offloading) runner the model call runs
+    between a jitted input and a jitted update. ``x`` channels-last."""
+    timesteps = jnp.asarray(np.asarray(sched.timesteps, np.float32))
+    n = len(sched.timesteps)
+    k = 2 if use_cfg else 1
+
+    def inputs(x, i, cond, uncond, aux, dt):
+        cc = cond if not use_cfg else jax.tree.map(lambda a, u: jnp.concatenate([a, u], axis=0), cond, uncond)
+        xin = jnp.concatenate([jnp.concatenate([x, aux["extra"]], axis=-1).astype(dt)] * k, axis=0)
+        t = jnp.full((xin.shape[0],), timesteps[i], jnp.float32)
+        t_r = None
+        if cfg.use_meanflow:  # the next timestep, 0 after the last
+            t_r = jnp.full(t.shape, jnp.where(i + 1 < n, timesteps[jnp.minimum(i + 1, n - 1)], 0.0), jnp.float32)
+        img = jnp.concatenate([aux["image"]] * k, axis=0)
+        return (xin, t, cc["ctx"], cc["mask"], cc["ctx2"], cc["mask2"], img, t_r)
+
+    def update(x, state, v, i, guidance):
+        b = x.shape[0]
+        v = v.astype(jnp.float32)
+        if use_cfg:
+            v = v[b:] + guidance * (v[:b] - v[b:])
+        return sched.step(state, v, i, x)
+
+    if runner is None or runner.offload is None:
+        model = (lambda p, *a: hdit.forward(p, cfg, *a)) if runner is None else runner.apply  # noqa: E731
+        dtype = (lambda p: hdit.state_dtype(p)) if runner is None else (lambda p: runner.dtype)  # noqa: E731
+
+        @jax.jit
+        def step(p, x, state, i, cond, uncond, guidance, aux):
+            return update(x, state, model(p, *inputs(x, i, cond, uncond, aux, dtype(p))), i, guidance)
+
+        return step
+
+    pre = jax.jit(lambda x, i, cond, uncond, aux: inputs(x, i, cond, uncond, aux, runner.dtype))
+    upd = jax.jit(update)
+
+    def streamed(p, x, state, i, cond, uncond, guidance, aux):
+        return upd(x, state, runner(*pre(x, i, cond, uncond, aux)), i, guidance)
+
+    return streamed

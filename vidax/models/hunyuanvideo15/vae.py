@@ -1,0 +1,508 @@
+"""HunyuanVideo 1.5 causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo15``) as Flax NNX modules.
+
+32 latent channels, 16x spatial and 4x temporal compression. Every conv is causal in time
+(replicate padding), the norms are per-position RMS norms over channels and the mid-block
+attention is frame-causal, so the decoder is **causal**: the frames decoded from latent frames
+``[0, b)`` are the first frames of the whole video's decode. The resamplers are DC-AE style
+(space/time to channels and back, with an averaged / repeated shortcut), the first latent frame
+resampled in space only.
+
+- :func:`decode` / :func:`encode`: the reference's ``decode`` / ``encode`` (posterior mean), with
+  its spatial tiling when :class:`Tiling` ``.spatial`` is on (the reference's ``enable_tiling``:
+  tiles of ``sample // 16`` latents every ``(1 - overlap)`` of that, cross-faded linearly over
+  ``overlap`` of the sample tile) -- equal to the reference's tiled decode / encode;
+- the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
+  one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
+  whole decoder at full resolution;
+- :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
+  cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
+
+Channels-last inside (``[B, T, H, W, C]``); the public functions take and return the reference
+layout ``[B, C, T, H, W]``. The causal conv, the plain conv, the frame-causal attention and the
+tile cross-fade are HunyuanVideo 1.0's (:mod:`vidax.models.hunyuanvideo.vae`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vidax import compat
+from vidax.core import nn
+from vidax.models.hunyuanvideo import vae as h10
+from vidax.models.hunyuanvideo.vae import CausalConv3d, Conv3d
+from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class HunyuanVideo15VAEConfig:
+    """Mirrors diffusers' ``AutoencoderKLHunyuanVideo15`` config (defaults = the release)."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 32
+    block_out_channels: tuple = (128, 256, 512, 1024, 1024)
+    layers_per_block: int = 2
+    spatial_compression_ratio: int = 16
+    temporal_compression_ratio: int = 4
+    downsample_match_channel: bool = True
+    upsample_match_channel: bool = True
+    scaling_factor: float = 1.03682
+
+    def __post_init__(self):
+        object.__setattr__(self, "block_out_channels", tuple(int(c) for c in self.block_out_channels))
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15VAEConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in names})
+
+    def to_diffusers(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def down_levels(self) -> list[tuple[int, int | None, bool]]:
+        """Per encoder level: ``(out channels, downsample out channels or None, temporal)``."""
+        ch, out = self.block_out_channels, []
+        ls, lt = math.log2(self.spatial_compression_ratio), math.log2(self.spatial_compression_ratio // self.temporal_compression_ratio)
+        for i, c in enumerate(ch):
+            if i < ls:
+                out.append((c, ch[i + 1] if self.downsample_match_channel else c, i >= lt))
+            else:
+                out.append((c, None, False))
+        return out
+
+    def up_levels(self) -> list[tuple[int, int | None, bool]]:
+        """Per decoder level: ``(out channels, upsample out channels or None, temporal)``."""
+        ch, out = self.block_out_channels[::-1], []
+        ls, lt = math.log2(self.spatial_compression_ratio), math.log2(self.temporal_compression_ratio)
+        for i, c in enumerate(ch):
+            if i < ls or i < lt:
+                out.append((c, ch[i + 1] if self.upsample_match_channel else c, i < lt))
+            else:
+                out.append((c, None, False))
+        return out
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The reference's ``enable_tiling`` settings (square tiles). ``spatial``: diffusers'
+    ``use_tiling`` (off there by default; the pipelines' examples turn it on)."""
+
+    spatial: bool = False
+    sample: int = 256  # tile_sample_min_height / width
+    latent: int | None = None  # tile_latent_min_height / width (default sample // 16)
+    overlap: float = 0.25  # tile_overlap_factor
+
+    def latent_tile(self, s: int) -> int:
+        return self.latent if self.latent is not None else self.sample // s
+
+
+PRESETS = {
+    "tiny": HunyuanVideo15VAEConfig(latent_channels=4, block_out_channels=(8, 16, 16), layers_per_block=1,
+                                    spatial_compression_ratio=4),
+    "release": HunyuanVideo15VAEConfig(),
+}
+
+
+# ----------------------------------------------------------------------------------- modules
+def _p(rngs, init, shape, dtype):
+    return nn.param(rngs, init, shape, *([None] * len(shape)), dtype=dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``HunyuanVideo15RMS_norm``: ``x / max(|x|, 1e-12) * sqrt(C) * gamma`` over the channels
+    (float32 statistics)."""
+
+    def __init__(self, c: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.gamma = _p(rngs, nnx.initializers.ones_init(), (c,), param_dtype)
+
+    def __call__(self, x):
+        xf = x.astype(F32)
+        n = jnp.sqrt(jnp.sum(jnp.square(xf), axis=-1, keepdims=True))
+        y = xf / jnp.maximum(n, 1e-12) * math.sqrt(x.shape[-1]) * self.gamma[...].astype(F32)
+        return y.astype(x.dtype)
+
+
+class Resnet(nnx.Module):
+    def __init__(self, cin: int, cout: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm1, self.conv1 = RMSNorm(cin, **kw), CausalConv3d(cin, cout, 3, **kw)
+        self.norm2, self.conv2 = RMSNorm(cout, **kw), CausalConv3d(cout, cout, 3, **kw)
+        self.conv_shortcut = Conv3d(cin, cout, 1, **kw) if cin != cout else None
+
+    def __call__(self, x):
+        h = self.conv1(jax.nn.silu(self.norm1(x)))
+        h = self.conv2(jax.nn.silu(self.norm2(h)))
+        return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
+
+
+class Attention(nnx.Module):
+    """The mid block's single-head frame-causal attention over every token (1x1x1 conv q/k/v/out)."""
+
+    def __init__(self, c: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm = RMSNorm(c, **kw)
+        self.to_q, self.to_k, self.to_v, self.proj_out = (Conv3d(c, c, 1, **kw) for _ in range(4))
+
+    def __call__(self, x):
+        b, t, h, w, c = x.shape
+        n = self.norm(x)
+        flat = lambda a: a.reshape(b, t * h * w, c)  # noqa: E731
+        o = h10.frame_causal_attention(flat(self.to_q(n)), flat(self.to_k(n)), flat(self.to_v(n)), h * w)
+        return x + self.proj_out(o.reshape(x.shape))
+
+
+class MidBlock(nnx.Module):
+    def __init__(self, c: int, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.resnets = nnx.List([Resnet(c, c, **kw) for _ in range(2)])
+        self.attentions = nnx.List([Attention(c, **kw)])
+
+    def __call__(self, x):
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+
+
+def to_space(x, r1: int, r2: int = 2, r3: int = 2):
+    """``_dcae_upsample_rearrange`` channels-last: [B, F, H, W, (r1 r2 r3 c)] -> [B, F r1, H r2, W r3, c]."""
+    b, f, h, w, pc = x.shape
+    c = pc // (r1 * r2 * r3)
+    x = x.reshape(b, f, h, w, r1, r2, r3, c).transpose(0, 1, 4, 2, 5, 3, 6, 7)
+    return x.reshape(b, f * r1, h * r2, w * r3, c)
+
+
+def to_channels(x, r1: int, r2: int = 2, r3: int = 2):
+    """``_dcae_downsample_rearrange`` channels-last: [B, F r1, H r2, W r3, c] -> [B, F, H, W, (r1 r2 r3 c)]."""
+    b, pf, ph, pw, c = x.shape
+    f, h, w = pf // r1, ph // r2, pw // r3
+    x = x.reshape(b, f, r1, h, r2, w, r3, c).transpose(0, 1, 3, 5, 2, 4, 6, 7)
+    return x.reshape(b, f, h, w, r1 * r2 * r3 * c)
+
+
+def _group_mean(x, groups: int):
+    """Channel ``i * groups + j`` averaged over ``j`` (the reference's ``view(B, C, g, ...).mean(2)``)."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // groups, groups).mean(axis=-1)
+
+
+class Upsample(nnx.Module):
+    def __init__(self, cin: int, cout: int, temporal: bool, *, rngs: nnx.Rngs, param_dtype=F32):
+        factor = 8 if temporal else 4
+        self.temporal = temporal
+        self.conv = CausalConv3d(cin, cout * factor, 3, rngs=rngs, param_dtype=param_dtype)
+        self.repeats = factor * cout // cin
+
+    def __call__(self, x):
+        h = self.conv(x)
+        if not self.temporal:
+            return to_space(h, 1) + to_space(jnp.repeat(x, self.repeats, axis=-1), 1)
+        hf = to_space(h[:, :1], 1)
+        hf = hf[..., : hf.shape[-1] // 2]
+        h = jnp.concatenate([hf, to_space(h[:, 1:], 2)], axis=1)
+        xf = jnp.repeat(to_space(x[:, :1], 1), self.repeats // 2, axis=-1)
+        xn = jnp.repeat(to_space(x[:, 1:], 2), self.repeats, axis=-1)
+        return h + jnp.concatenate([xf, xn], axis=1)
+
+
+class Downsample(nnx.Module):
+    def __init__(self, cin: int, cout: int, temporal: bool, *, rngs: nnx.Rngs, param_dtype=F32):
+        factor = 8 if temporal else 4
+        self.temporal = temporal
+        self.conv = CausalConv3d(cin, cout // factor, 3, rngs=rngs, param_dtype=param_dtype)
+        self.group = factor * cin // cout
+
+    def __call__(self, x):
+        h = self.conv(x)
+        if not self.temporal:
+            return to_channels(h, 1) + _group_mean(to_channels(x, 1), self.group)
+        hf = to_channels(h[:, :1], 1)
+        h = jnp.concatenate([jnp.concatenate([hf, hf], axis=-1), to_channels(h[:, 1:], 2)], axis=1)
+        xf = _group_mean(to_channels(x[:, :1], 1), self.group // 2)
+        xn = _group_mean(to_channels(x[:, 1:], 2), self.group)
+        return h + jnp.concatenate([xf, xn], axis=1)
+
+
+class Block(nnx.Module):
+    """``HunyuanVideo15DownBlock3D`` / ``...UpBlock3D``: resnets, then the resampler."""
+
+    def __init__(self, cin: int, cout: int, n: int, down=None, up=None, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.resnets = nnx.List([Resnet(cin if i == 0 else cout, cout, **kw) for i in range(n)])
+        self.downsamplers = nnx.List([Downsample(cout, down[0], down[1], **kw)]) if down is not None else None
+        self.upsamplers = nnx.List([Upsample(cout, up[0], up[1], **kw)]) if up is not None else None
+
+    def __call__(self, x):
+        for r in self.resnets:
+            x = r(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+class Encoder(nnx.Module):
+    def __init__(self, cfg: HunyuanVideo15VAEConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        ch = cfg.block_out_channels
+        self.conv_in = CausalConv3d(cfg.in_channels, ch[0], 3, **kw)
+        blocks, cin = [], ch[0]
+        for c, dout, temporal in cfg.down_levels():
+            blocks.append(Block(cin, c, cfg.layers_per_block, down=None if dout is None else (dout, temporal), **kw))
+            cin = c if dout is None else dout
+        self.down_blocks = nnx.List(blocks)
+        self.mid_block = MidBlock(ch[-1], **kw)
+        self.norm_out = RMSNorm(ch[-1], **kw)
+        self.conv_out = CausalConv3d(ch[-1], 2 * cfg.latent_channels, 3, **kw)
+        self.group = ch[-1] // (2 * cfg.latent_channels)
+
+    def __call__(self, x):
+        x = self.conv_in(x)
+        for b in self.down_blocks:
+            x = b(x)
+        x = self.mid_block(x)
+        return self.conv_out(jax.nn.silu(self.norm_out(x))) + _group_mean(x, self.group)
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: HunyuanVideo15VAEConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        ch = cfg.block_out_channels[::-1]
+        self.repeat = ch[0] // cfg.latent_channels
+        self.conv_in = CausalConv3d(cfg.latent_channels, ch[0], 3, **kw)
+        self.mid_block = MidBlock(ch[0], **kw)
+        blocks, cin = [], ch[0]
+        for c, uout, temporal in cfg.up_levels():
+            blocks.append(Block(cin, c, cfg.layers_per_block + 1, up=None if uout is None else (uout, temporal), **kw))
+            cin = c if uout is None else uout
+        self.up_blocks = nnx.List(blocks)
+        self.norm_out = RMSNorm(ch[-1], **kw)
+        self.conv_out = CausalConv3d(ch[-1], cfg.out_channels, 3, **kw)
+
+    def level(self, x, level: int):
+        """Decoder stage ``level``: 0 = conv_in + mid block, 1..n = up block n-1, n+1 = the output."""
+        if level == 0:
+            return self.mid_block(self.conv_in(x) + jnp.repeat(x, self.repeat, axis=-1))
+        if level <= len(self.up_blocks):
+            return self.up_blocks[level - 1](x)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)))
+
+    @property
+    def levels(self) -> int:
+        return len(self.up_blocks) + 2
+
+    def __call__(self, z):
+        for i in range(self.levels):
+            z = self.level(z, i)
+        return z
+
+
+class HunyuanVideo15VAE(nnx.Module):
+    """``encoder`` (-> mean, logvar) and ``decoder``; the methods below are the units the tiling
+    loops call (one jitted program per tile shape, per decoder level)."""
+
+    def __init__(self, cfg: HunyuanVideo15VAEConfig, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.encoder = Encoder(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.decoder = Decoder(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def encode_tile(self, x):
+        """[B, T, H, W, 3] -> the posterior's moments [B, t, h, w, 2z] (mean, logvar), float32."""
+        dt = self.encoder.conv_in.conv.kernel[...].dtype
+        return self.encoder(x.astype(dt)).astype(F32)
+
+    def decode_level(self, x, level: int):
+        dt = self.decoder.conv_in.conv.kernel[...].dtype
+        y = self.decoder.level(x.astype(dt), level)
+        return y.astype(F32) if level == self.decoder.levels - 1 else y
+
+
+def _build(cfg, dtype=np.float32):
+    return HunyuanVideo15VAE(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(dtype))
+
+
+def init(cfg: HunyuanVideo15VAEConfig, seed: int = 0, dtype=np.float32) -> nn.Split:
+    """A seeded random VAE (presets, tests), split once (host-drawn weights)."""
+    from vidax.models.hunyuanvideo.dit import seeded_state
+
+    graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
+    return nn.Split(graphdef, jax.device_put(state), cfg)
+
+
+# ----------------------------------------------------------------------------------- decode / encode
+def decode_tile(vae: nn.Split, z):
+    """One tile through the staged decoder: each level its own compiled call. Channels-last."""
+    x = jax.device_put(np.ascontiguousarray(z))  # (jnp.asarray of host data builds a program per shape)
+    for i in range(len(vae.cfg.block_out_channels) + 2):
+        x = vae.apply("decode_level", x, level=i)
+    return np.asarray(x)
+
+
+def _decode_spatial(vae: nn.Split, z, tiling: Tiling):
+    """The reference's ``_decode`` of channels-last latents (spatially tiled when on and larger than a tile)."""
+    s = vae.cfg.spatial_compression_ratio
+    lt = tiling.latent_tile(s)
+    if tiling.spatial and (z.shape[2] > lt or z.shape[3] > lt):
+        blend = int(tiling.sample * tiling.overlap)
+        return h10._spatial_tiled(lambda zz: decode_tile(vae, zz), z, lt, int(lt * (1 - tiling.overlap)), tiling.sample,
+                                  tiling.sample - blend, z.shape[2] * s, z.shape[3] * s)
+    return decode_tile(vae, z)
+
+
+def decode(vae: nn.Split, z, tiling: Tiling = Tiling()) -> np.ndarray:
+    """The reference's ``decode``: latents [B, C, T, h, w] (divided by ``scaling_factor``) ->
+    pixels [B, 3, F, H, W] (float32, not clipped)."""
+    z = np.ascontiguousarray(np.asarray(z, np.float32).transpose(0, 2, 3, 4, 1))
+    return _decode_spatial(vae, z, tiling).transpose(0, 4, 1, 2, 3)
+
+
+def frame_range(a: int, b: int, temporal: int = 4) -> tuple[int, int]:
+    """The pixel frames ``[start, stop)`` decoded from latent frames ``[a, b)`` (latent 0 -> one
+    frame, every later latent -> ``temporal`` frames)."""
+    f = lambda k: 0 if k == 0 else 1 + temporal * (k - 1)  # noqa: E731
+    return f(a), f(b)
+
+
+def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), prefix_only: bool = False) -> np.ndarray:
+    """The pixels of latent frames ``[a, b)`` ([B, 3, F_ab, H, W]). The decoder is causal, so
+    they are the same decoded from any prefix that holds them: by default the whole latent
+    sequence is decoded (every range runs the same compiled programs, and the ranges concatenate
+    bitwise to :func:`decode`); ``prefix_only`` decodes just ``[0, b)`` (less compute, one compile
+    per range length)."""
+    z = np.asarray(z, np.float32)
+    px = decode(vae, z[:, :, :b] if prefix_only else z, tiling)
+    start, stop = frame_range(a, b, vae.cfg.temporal_compression_ratio)
+    return px[:, :, start:stop]
+
+
+def encode_moments(vae: nn.Split, x, tiling: Tiling = Tiling()) -> np.ndarray:
+    """The reference's ``_encode``: video [B, 3, F, H, W] in [-1, 1] -> moments [B, 2z, T, h, w]."""
+    s = vae.cfg.spatial_compression_ratio
+    x = np.ascontiguousarray(np.asarray(x, np.float32).transpose(0, 2, 3, 4, 1))
+    fn = lambda xx: np.asarray(vae.apply("encode_tile", jax.device_put(np.ascontiguousarray(xx))))  # noqa: E731
+    if tiling.spatial and (x.shape[2] > tiling.sample or x.shape[3] > tiling.sample):
+        lt = tiling.latent_tile(s)
+        blend = int(lt * tiling.overlap)
+        m = h10._spatial_tiled(fn, x, tiling.sample, int(tiling.sample * (1 - tiling.overlap)), lt, lt - blend,
+                               x.shape[2] // s, x.shape[3] // s)
+    else:
+        m = fn(x)
+    return m.transpose(0, 4, 1, 2, 3)
+
+
+def encode(vae: nn.Split, x, tiling: Tiling = Tiling()) -> np.ndarray:
+    """Posterior mean (the reference's ``latent_dist.mode()``): [B, 3, F, H, W] -> [B, z, T, h, w]."""
+    return encode_moments(vae, x, tiling)[:, : vae.cfg.latent_channels]
+
+
+# ----------------------------------------------------------------------------------- weights
+def _ref_name(path: str) -> tuple[str, str]:
+    """A state path -> (diffusers tensor name, layout kind)."""
+    mods, _, leaf = path.rpartition(".")
+    if leaf == "kernel":
+        return f"{mods}.weight", "conv3d"
+    if leaf == "gamma":
+        return f"{mods}.gamma", "flat"
+    return f"{mods}.{leaf}", "none"
+
+
+def keymap(cfg: HunyuanVideo15VAEConfig) -> KeyMap:
+    from vidax.core.sharding import tree_paths
+
+    state = nn.abstract_state(lambda: _build(cfg))[1]
+    rules = []
+    for p in tree_paths(state):
+        ref, kind = _ref_name(p)
+        rules.append(Rule(ref, p, kind))
+    return KeyMap(rules)
+
+
+_ORIG_RES = re.compile(r"(encoder|decoder)\.(down|up)\.(\d+)\.block\.(\d+)\.(.+)")
+_ORIG_RESAMPLE = re.compile(r"(encoder|decoder)\.(down|up)\.(\d+)\.(downsample|upsample)\.(.+)")
+_ORIG_MID = re.compile(r"(encoder|decoder)\.mid\.(block_1|block_2|attn_1)\.(.+)")
+_ATTN = {"q": "to_q", "k": "to_k", "v": "to_v"}
+
+
+def original_name(name: str) -> str:
+    """The original release's VAE name (``encoder.down.0.block.1...``) -> diffusers'."""
+    m = _ORIG_RES.fullmatch(name)
+    if m:
+        part, kind, i, j, rest = m.groups()
+        return f"{part}.{kind}_blocks.{i}.resnets.{j}.{rest}"
+    m = _ORIG_RESAMPLE.fullmatch(name)
+    if m:
+        part, kind, i, which, rest = m.groups()
+        return f"{part}.{kind}_blocks.{i}.{which}rs.0.{rest}"
+    m = _ORIG_MID.fullmatch(name)
+    if m:
+        part, which, rest = m.groups()
+        if which == "attn_1":
+            mod, _, leaf = rest.partition(".")
+            return f"{part}.mid_block.attentions.0.{_ATTN.get(mod, mod)}.{leaf}"
+        return f"{part}.mid_block.resnets.{0 if which == 'block_1' else 1}.{rest}"
+    return name
+
+
+def param_shapes(cfg: HunyuanVideo15VAEConfig, dtype=np.float32) -> dict:
+    """Every parameter's shape, keyed as the key map's dotted paths address them."""
+    return h10._flat_shapes(nn.shapes(lambda: _build(cfg, dtype)))
+
+
+def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32) -> nn.Split:
+    """A diffusers ``vae/`` folder (config.json + safetensors) or the original release's
+    ``vae/diffusion_pytorch_model.safetensors`` (its own names) -> the split VAE."""
+    path = Path(path)
+    if cfg is None:
+        cfg = (HunyuanVideo15VAEConfig.from_diffusers(compat.read_config(path))
+               if path.is_dir() and (path / "config.json").exists() else HunyuanVideo15VAEConfig())
+    ckpt = open_checkpoint(path)
+    names = list(ckpt)
+    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
+        ckpt = h10_view({original_name(n): ckpt[n] for n in names}, ckpt)
+    flat = load_params(ckpt, keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
+                       what=f"AutoencoderKLHunyuanVideo15 (channels {cfg.block_out_channels})")
+    return nn.Split.from_pure(lambda: _build(cfg, dtype), h10._pure(flat))
+
+
+def h10_view(items: dict, ckpt):
+    from vidax.models.hunyuanvideo.dit import _View
+
+    return _View(items, getattr(ckpt, "source", "checkpoint"))
+
+
+# ----------------------------------------------------------------------------------- compat
+class _Compat(compat.CompatModel):
+    def __init__(self, config, vae: nn.Split):
+        super().__init__("AutoencoderKLHunyuanVideo15", config, vae.state, vae.cfg)
+        self.vae, self.tiling = vae, Tiling()
+
+    def enable_tiling(self, tile_sample_min_height=None, tile_sample_min_width=None, tile_latent_min_height=None,
+                      tile_latent_min_width=None, tile_overlap_factor=None):
+        """diffusers' ``enable_tiling`` (same keywords; square tiles)."""
+        t = self.tiling
+        sh, sw = tile_sample_min_height or t.sample, tile_sample_min_width or t.sample
+        s = self.vae.cfg.spatial_compression_ratio
+        lh, lw = tile_latent_min_height or t.latent_tile(s), tile_latent_min_width or t.latent_tile(s)
+        if sh != sw or lh != lw:
+            raise ValueError("AutoencoderKLHunyuanVideo15 port: spatial tiles must be square")
+        self.tiling = Tiling(True, int(sh), int(lh), float(tile_overlap_factor or t.overlap))
+
+    def disable_tiling(self):
+        self.tiling = Tiling(False, self.tiling.sample, self.tiling.latent, self.tiling.overlap)
+
+    def encode(self, x):
+        return encode(self.vae, x, self.tiling)
+
+    def decode(self, z):
+        return decode(self.vae, z, self.tiling)
+
+
+@compat.register("AutoencoderKLHunyuanVideo15")
+def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
+    return _Compat(config, load_vae(folder, HunyuanVideo15VAEConfig.from_diffusers(config), dtype))
