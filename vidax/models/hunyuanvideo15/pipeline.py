@@ -261,10 +261,21 @@ class HunyuanVideo15T2V(Pipeline):
         if self.preset:
             p = self.preset
             return lm.init(p.llm, seed=p.seed + 1), t5.init(p.byt5, seed=p.seed + 4)
-        n = jax.device_count()
-        mesh = f"tp={n}" if n > 1 else None  # the 7B tower in float32 (30 GB) over every visible device
+        mesh = self.text_mesh()  # the 7B tower in float32 (30 GB) split over the encode slice (tp)
         return (lm.load_lm(self.folder / "text_encoder", dtype=np.float32, mesh=mesh),
                 t5.load_t5(self.folder / "text_encoder_2", dtype=np.float32))
+
+    def text_config(self):
+        """(Qwen2.5-VL text tower's ``LMConfig``, ByT5's ``T5Config``, SigLIP's config or None for
+        text-to-video), read without weights."""
+        from vidax.text import lm, siglip, t5
+
+        if self.preset:
+            p = self.preset
+            return p.llm, p.byt5, p.siglip if self.image_to_video else None
+        vis = siglip.SiglipVisionConfig.from_hf(self._json("image_encoder/config.json")) if self.image_to_video else None
+        return (lm.LMConfig.from_hf(self._json("text_encoder/config.json")),
+                t5.T5Config.from_hf(self._json("text_encoder_2/config.json")), vis)
 
     def load_image_encoder(self):
         from vidax.text import siglip
@@ -428,6 +439,65 @@ class HunyuanVideo15T2V(Pipeline):
         reruns alone."""
         spans = temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
         return [replace(s, carry_from=None) for s in spans]
+
+    # ------------------------------------------------------------------ memory plan
+    def plan_units(self, request) -> list:
+        """Encode: the Qwen2.5-VL tower to ``hidden_states[-3]`` over the templated prompts (float32,
+        tensor-parallel over the encode pool's chips as :meth:`load_text_encoders` splits it), the
+        ByT5 glyph encoder, and for image-to-video SigLIP and the image's VAE encode (one 256-px
+        tile with ``vae_tiling``). Sample: one DiT call on the CFG batch on this pipeline's mesh,
+        inputs as the step passes them. Decode: one spatial tile (``vae_tiling``) or the whole
+        frame, all latent frames, one unit per decoder level (each level is its own compiled call)."""
+        from functools import partial
+
+        from vidax.core import nn
+        from vidax.core import plan as vplan
+        from vidax.text import lm, siglip, t5
+
+        b = len(request.prompts)
+        llm_cfg, byt5_cfg, vis_cfg = self.text_config()
+        tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoders splits it
+        enc = lm.abstract(llm_cfg, np.float32)
+        enc = lm.shard(enc, f"tp={tp}") if tp > 1 else enc
+        t = self.text_tokens + (htext.template_prefix_tokens(htext.PresetQwenTokenizer()) if self.preset else htext.CROP_START)
+        ids = vplan.abstract((b, t), np.int32)
+        units = [vplan.split_unit("encode", "Qwen2.5-VL text encoder", enc, ids, ids, None, method="layer",
+                                  index=htext.HIDDEN_INDEX, note=f"{b} prompt(s) x {t} tokens" + (f", tp={tp}" if tp > 1 else "")),
+                 t5.plan_unit(byt5_cfg, 1, self.glyph_tokens, name="ByT5 glyph encoder")]  # glyphs: one prompt a call
+        vcfg, tiling = self.vae_config(), bool(request.options.get("vae_tiling", True))
+        vae = nn.Split(*nn.abstract_state(lambda: hvae._build(vcfg)), vcfg)
+        s, til = vcfg.spatial_compression_ratio, self.tiling(tiling)
+        whole = jax.jit(nn._apply.__wrapped__, static_argnums=(0, 1, 2), keep_unused=True)
+
+        def vae_unit(*a, **k):  # the whole VAE stays resident while one of its programs runs
+            return replace(vplan.split_unit(*a, **k), fn=whole)
+        if vis_cfg is not None:
+            px = vplan.abstract((1, 3, vis_cfg.image_size, vis_cfg.image_size), np.float32)
+            ih, iw = (min(request.height, til.sample), min(request.width, til.sample)) if tiling else (request.height, request.width)
+            units += [vplan.split_unit("encode", "SigLIP image encoder", siglip.abstract(vis_cfg), px),
+                      vae_unit("encode", "VAE image encode", vae, vplan.abstract((1, 1, ih, iw, 3), np.float32),
+                                       method="encode_tile", note=f"1 frame of {ih}x{iw}")]
+        cfg = self.dit_config()
+        runner = hdit.HunyuanVideo15Runner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        nb = 2 * b if float(request.guidance) != 1.0 else b
+        shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
+        f32, dt = (lambda *a: vplan.abstract(a, np.float32)), (lambda *a: vplan.abstract(a, self.dtype))  # noqa: E731
+        args = (runner.params, dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
+                f32(nb, self.text_tokens), dt(nb, self.glyph_tokens, cfg.text_embed_2_dim), f32(nb, self.glyph_tokens),
+                dt(nb, self.image_tokens(), cfg.image_embed_dim), f32(nb) if cfg.use_meanflow else None)
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
+                                note=f"batch {nb} x {int(np.prod(shape[1:4])):,} video + {self.text_tokens} text + "
+                                     f"{self.glyph_tokens} glyph + {self.image_tokens()} image tokens"))
+        _, f, h, w, c = shape
+        lt = til.latent_tile(s)
+        if til.spatial and (h > lt or w > lt):
+            h, w = min(h, lt), min(w, lt)
+        x = vplan.abstract((b, f, h, w, c), np.float32)
+        for i in range(len(vcfg.block_out_channels) + 2):
+            units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, method="decode_level", level=i,
+                                          note=f"{b} x {f} latent frames of {h}x{w}" + (" (one tile)" if (h, w) != shape[2:4] else "")))
+            x = jax.eval_shape(partial(nn._apply, vae._graph, "decode_level", (("level", i),)), vae.state, x)
+        return units
 
     # ------------------------------------------------------------------ the stage protocol
     def fingerprint(self, component: str) -> str:
