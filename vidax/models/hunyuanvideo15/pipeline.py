@@ -459,10 +459,11 @@ class HunyuanVideo15T2V(Pipeline):
         tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoders splits it
         enc = lm.abstract(llm_cfg, np.float32)
         enc = lm.shard(enc, f"tp={tp}") if tp > 1 else enc
-        t = self.text_tokens + (htext.template_prefix_tokens(htext.PresetQwenTokenizer()) if self.preset else htext.CROP_START)
+        crop = htext.template_prefix_tokens(htext.PresetQwenTokenizer()) if self.preset else htext.CROP_START
+        t = self.text_tokens + crop  # the chat template's prefix is encoded, then cropped
         ids = vplan.abstract((b, t), np.int32)
         units = [vplan.split_unit("encode", "Qwen2.5-VL text encoder", enc, ids, ids, None, method="layer",
-                                  index=htext.HIDDEN_INDEX, note=f"{b} prompt(s) x {t} tokens" + (f", tp={tp}" if tp > 1 else "")),
+                                  index=htext.HIDDEN_INDEX, note=f"{b} prompt(s) x {t} tokens" + (f", tp={tp}" * (tp > 1))),
                  t5.plan_unit(byt5_cfg, 1, self.glyph_tokens, name="ByT5 glyph encoder")]  # glyphs: one prompt a call
         vcfg, tiling = self.vae_config(), bool(request.options.get("vae_tiling", True))
         vae = nn.Split(*nn.abstract_state(lambda: hvae._build(vcfg)), vcfg)
@@ -471,12 +472,14 @@ class HunyuanVideo15T2V(Pipeline):
 
         def vae_unit(*a, **k):  # the whole VAE stays resident while one of its programs runs
             return replace(vplan.split_unit(*a, **k), fn=whole)
+
         if vis_cfg is not None:
             px = vplan.abstract((1, 3, vis_cfg.image_size, vis_cfg.image_size), np.float32)
-            ih, iw = (min(request.height, til.sample), min(request.width, til.sample)) if tiling else (request.height, request.width)
+            ih, iw = request.height, request.width
+            ih, iw = (min(ih, til.sample), min(iw, til.sample)) if tiling else (ih, iw)  # encode_moments' tile
             units += [vplan.split_unit("encode", "SigLIP image encoder", siglip.abstract(vis_cfg), px),
                       vae_unit("encode", "VAE image encode", vae, vplan.abstract((1, 1, ih, iw, 3), np.float32),
-                                       method="encode_tile", note=f"1 frame of {ih}x{iw}")]
+                               method="encode_tile", note=f"1 frame of {ih}x{iw}")]
         cfg = self.dit_config()
         runner = hdit.HunyuanVideo15Runner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if float(request.guidance) != 1.0 else b
@@ -492,10 +495,10 @@ class HunyuanVideo15T2V(Pipeline):
         lt = til.latent_tile(s)
         if til.spatial and (h > lt or w > lt):
             h, w = min(h, lt), min(w, lt)
-        x = vplan.abstract((b, f, h, w, c), np.float32)
+        x, what = vplan.abstract((b, f, h, w, c), np.float32), " (one tile)" * ((h, w) != shape[2:4])
         for i in range(len(vcfg.block_out_channels) + 2):
             units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, method="decode_level", level=i,
-                                          note=f"{b} x {f} latent frames of {h}x{w}" + (" (one tile)" if (h, w) != shape[2:4] else "")))
+                                  note=f"{b} x {f} latent frames of {h}x{w}{what}"))
             x = jax.eval_shape(partial(nn._apply, vae._graph, "decode_level", (("level", i),)), vae.state, x)
         return units
 
