@@ -289,9 +289,11 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
         out.append(f"a pool with larger chips (this stage runs its {unit.name} on {on}: "
                    f"{fmt_bytes(unit.peak)} needed per device, {fmt_bytes(sp.budget)} usable per {sp.chip})")
     if sp.kind == "decode":
-        opts = [o.flag for o in recipe.options if "til" in o.name]
-        out.append(f"decode in spatial tiles ({', '.join(opts)})" if opts else
-                   "this family decodes whole frames: spatial tiling is not built for it yet")
+        opts = [o for o in recipe.options if "til" in o.name]
+        if not opts:
+            out.append("this family decodes whole frames: spatial tiling is not built for it yet")
+        elif not any(req.options.get(o.name) for o in opts):
+            out.append(f"decode in spatial tiles ({', '.join(f'{o.flag} true' for o in opts)})")
     return out
 
 

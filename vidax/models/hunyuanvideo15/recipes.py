@@ -10,34 +10,37 @@ from vidax.pipeline import Recipe, tpu
 _T2V = "vidax.models.hunyuanvideo15.pipeline:HunyuanVideo15T2V"
 _I2V = "vidax.models.hunyuanvideo15.pipeline:HunyuanVideo15I2V"
 _V5E = "tpu-v5-lite-podslice"
+_V5P = "tpu-v5p-slice"
 _OPTS = ("shift", "vae_tiling")
 # encode: the Qwen2.5-VL-7B text tower in float32 (30 GB) sharded over 8 chips; sample: the 8.3B DiT
 # (17 GB in bf16) with CFG on dp=2 and its 16 heads over 4; decode: the 32-channel VAE in 256-px tiles
-_POOLS = {None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8), "decode": tpu(_V5E, "2x2", 4)}}
+# (on by default), each tile's 121 frames at once: its largest level needs ~24 GiB on one chip
+# (`vidax plan`), more than a v5e holds, so decode runs on v5p chips
+_POOLS = {None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8), "decode": tpu(_V5P, "2x2x1", 4)}}
 _I2V_TINY = {("tiny", True): "tiny-i2v"}
 
 RECIPES = [
     Recipe(
         "hunyuanvideo1.5-480p-t2v", _T2V, ("tiny",),
-        dict(height=480, width=848, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
+        dict(vae_tiling=True, height=480, width=848, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 text-to-video, 8.3B (480p, 121 frames)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-480p-i2v", _I2V, ("tiny",),
-        dict(area=640 * 640, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
+        dict(vae_tiling=True, area=640 * 640, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 image-to-video, 8.3B (480p; SigLIP tokens + first-frame latent)",
         prefer_axis="tp", image="required", preset_sources=_I2V_TINY, stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-720p-t2v", _T2V, ("tiny",),
-        dict(height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0, fps=24),
+        dict(vae_tiling=True, height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 text-to-video, 8.3B (720p, 121 frames)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-720p-i2v", _I2V, ("tiny",),
-        dict(area=960 * 960, num_frames=121, steps=50, guidance=6.0, shift=7.0, fps=24),
+        dict(vae_tiling=True, area=960 * 960, num_frames=121, steps=50, guidance=6.0, shift=7.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 image-to-video, 8.3B (720p; SigLIP tokens + first-frame latent)",
         prefer_axis="tp", image="required", preset_sources=_I2V_TINY, stage_jobs=_POOLS,
     ),
