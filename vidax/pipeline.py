@@ -278,6 +278,54 @@ class Pipeline:
     # configuration
     mesh: Any = None
     offload_chunk_size: Any = None
+    #: the model source: ``preset`` (its preset object) or ``config_folder`` (local; a remote
+    #: checkpoint's configs are fetched alone, its weights on first use through :attr:`folder`)
+    source: str = ""
+    preset: Any = None
+    preset_name: str | None = None
+    config_folder: Any = None
+    _folder: Any = None
+
+    def open_source(self, source, presets: Mapping, include: Sequence[str], what: str | None = None) -> dict:
+        """Resolve ``source`` -- a preset name of ``presets``, a local folder or a URL -- and set
+        :attr:`source`, :attr:`preset`, :attr:`preset_name` and :attr:`config_folder` (only the
+        files matching ``include`` are fetched for a remote source). Returns the folder's
+        ``model_index.json`` ({} for a preset). ``what``: the diffusers pipeline the folder must be
+        (its ``model_index.json`` required); None: any folder (the family reads other layouts)."""
+        import json
+        from pathlib import Path
+
+        from vidax.weights.source import is_url, resolve_source
+
+        remote = is_url(source)
+        self.source = str(source)
+        self.preset = presets.get(self.source) if not remote and not Path(self.source).exists() else None
+        self.preset_name = self.source if self.preset is not None else None
+        self._folder = self.config_folder = None
+        if self.preset is not None:
+            return {}
+        self.config_folder = resolve_source(source, include=include)
+        if not remote:
+            self._folder = self.config_folder
+        index = self.config_folder / "model_index.json"
+        if index.exists():
+            return json.loads(index.read_text())
+        if what is not None:
+            raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a diffusers "
+                             f"{what} folder (model_index.json)")
+        if not self.config_folder.is_dir():
+            raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a folder")
+        return {}
+
+    @property
+    def folder(self):
+        """The checkpoint folder on local disk (a remote source is fetched into the cache on first
+        use); None for a preset."""
+        if self._folder is None and self.preset is None:
+            from vidax.weights.source import resolve_source
+
+            self._folder = resolve_source(self.source)
+        return self._folder
 
     def geometry(self) -> Geometry:
         raise NotImplementedError

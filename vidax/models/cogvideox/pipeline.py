@@ -51,7 +51,6 @@ from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
 
 _CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json")
 _EMB_DIMS = ("batch", "token", "channel")
@@ -176,32 +175,11 @@ class CogVideoX(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        self.source = str(source)
-        remote = is_url(source)
-        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        if self.preset is None:
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            if not (self.config_folder / "model_index.json").exists():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a "
-                                 f"diffusers CogVideoX folder (model_index.json)")
-            index = json.loads((self.config_folder / "model_index.json").read_text())
-            self.pipeline_class = index.get("_class_name", T2V)
-        else:
-            self.config_folder = None
-            self.pipeline_class = self.preset.pipeline_class
+        index = self.open_source(source, PRESET_SOURCES, _CONFIG_FILES, "CogVideoX pipeline")
+        self.pipeline_class = self.preset.pipeline_class if self.preset else index.get("_class_name", T2V)
         if self.pipeline_class not in (T2V, I2V):
             raise ValueError(f"{source}: {self.pipeline_class} is not a CogVideoX text- or image-to-video pipeline")
         self.image_to_video = self.pipeline_class == I2V
-
-    @property
-    def folder(self) -> Path | None:
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
 
     def _read(self, rel: str) -> dict:
         return json.loads((self.config_folder / rel).read_text())

@@ -49,7 +49,7 @@ from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text import lm
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
+from vidax.weights.source import is_url
 
 log = logging.getLogger(__name__)
 
@@ -206,31 +206,10 @@ class CosmosPredict(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        self.source = str(source)
-        remote = is_url(self.source)
-        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        if self.preset is None:
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            if not (self.config_folder / "model_index.json").exists():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a "
-                                 "diffusers Cosmos2_5_PredictBasePipeline folder (model_index.json)")
-            index = json.loads((self.config_folder / "model_index.json").read_text())
-            if index.get("_class_name") not in (None, "Cosmos2_5_PredictBasePipeline"):
-                raise ValueError(f"{source}: a {index.get('_class_name')} folder, not Cosmos2_5_PredictBasePipeline")
-            self.max_text_len = ctext.MAX_LENGTH
-        else:
-            self.config_folder = None
-            self.max_text_len = self.preset.max_text_len
-
-    @property
-    def folder(self) -> Path | None:
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
+        index = self.open_source(source, PRESET_SOURCES, _CONFIG_FILES, "Cosmos2_5_PredictBasePipeline")
+        if index.get("_class_name") not in (None, "Cosmos2_5_PredictBasePipeline"):
+            raise ValueError(f"{source}: a {index.get('_class_name')} folder, not Cosmos2_5_PredictBasePipeline")
+        self.max_text_len = self.preset.max_text_len if self.preset else ctext.MAX_LENGTH
 
     # ------------------------------------------------------------------ configs
     def dit_config(self) -> cdit.CosmosDiTConfig:

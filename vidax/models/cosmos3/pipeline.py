@@ -46,7 +46,6 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
 from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -214,33 +213,11 @@ class Cosmos3Omni(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        self.source = str(source)
-        remote = is_url(self.source)
-        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        self.index = {}
-        if self.preset is None:
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            p = self.config_folder / "model_index.json"
-            if not p.exists():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a "
-                                 "diffusers Cosmos3OmniPipeline folder (model_index.json)")
-            self.index = json.loads(p.read_text())
-            if self.index.get("_class_name") not in (None, "Cosmos3OmniPipeline"):
-                raise ValueError(f"{source}: a {self.index.get('_class_name')} folder, not Cosmos3OmniPipeline")
-        else:
-            self.config_folder = None
+        self.index = self.open_source(source, PRESET_SOURCES, _CONFIG_FILES, "Cosmos3OmniPipeline")
+        if self.index.get("_class_name") not in (None, "Cosmos3OmniPipeline"):
+            raise ValueError(f"{source}: a {self.index.get('_class_name')} folder, not Cosmos3OmniPipeline")
         cfg = self.model_config()
         self.warn_short_prompts = (cfg.hidden_act == "relu2") if warn_short_prompts is None else warn_short_prompts
-
-    @property
-    def folder(self) -> Path | None:
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
 
     # ------------------------------------------------------------------ configs
     def model_config(self) -> mot.Cosmos3Config:

@@ -36,7 +36,6 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
                             to_uint8, to_unit_range, unpack_state)
 from vidax.schedulers import make_scheduler
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -155,32 +154,11 @@ class HunyuanVideo15T2V(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        remote = is_url(source)
-        self.source = str(source)
-        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        if self.preset is None:
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            if not (self.config_folder / "model_index.json").exists():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a "
-                                 f"diffusers HunyuanVideo 1.5 pipeline folder (model_index.json)")
-            index = json.loads((self.config_folder / "model_index.json").read_text())
-            self.pipeline_class = index.get("_class_name", _T2V)
-        else:
-            self.config_folder = None
-            self.pipeline_class = self.preset.pipeline_class
+        index = self.open_source(source, PRESET_SOURCES, _CONFIG_FILES, "HunyuanVideo 1.5 pipeline")
+        self.pipeline_class = self.preset.pipeline_class if self.preset else index.get("_class_name", _T2V)
         if self.pipeline_class not in (_T2V, _I2V):
             raise ValueError(f"{source}: {self.pipeline_class} is not a HunyuanVideo 1.5 pipeline")
         self.image_to_video = self.pipeline_class == _I2V
-
-    @property
-    def folder(self) -> Path | None:
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
 
     # ------------------------------------------------------------------ configs
     def _json(self, rel: str) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,6 @@ from vidax.schedulers import from_diffusers_config
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
 
 _CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json")
 _EMB = ("batch", "token", "channel")
@@ -158,27 +156,7 @@ class _Source:
     """A preset name or a checkpoint folder (local or fsspec URL), configs read at construction."""
 
     def _init_source(self, source, presets: dict):
-        remote = is_url(source)
-        self.source = str(source)
-        self.preset = presets.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        if self.preset is None:
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            if not (self.config_folder / "model_index.json").exists():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a diffusers "
-                                 f"pipeline folder (no model_index.json)")
-            self.index = json.loads((self.config_folder / "model_index.json").read_text())
-        else:
-            self.config_folder, self.index = None, {}
-
-    @property
-    def folder(self) -> Path | None:
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
+        self.index = self.open_source(source, presets, _CONFIG_FILES, "LTX pipeline")
 
     def _config(self, sub: str) -> dict:
         return json.loads((self.config_folder / sub / "config.json").read_text())

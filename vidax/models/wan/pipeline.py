@@ -47,7 +47,6 @@ from vidax.schedulers import SCHEDULERS, load_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.weights.source import is_url, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -150,28 +149,14 @@ class WanT2V(Pipeline):
         self.dtype = np.dtype(dtype)
         self.mesh, self.parallelism = mesh, parallelism
         self.offload_chunk_size, self.prefetch = offload_chunk_size, prefetch
-        remote = is_url(source)
-        self.source = str(source)
-        self.preset = PRESET_SOURCES.get(self.source) if not remote and not Path(self.source).exists() else None
-        self.preset_name = self.source if self.preset is not None else None
-        self._folder = None
-        if self.preset is None:
-            # the configs alone decide the recipe and geometry; a remote checkpoint's weights are
-            # fetched (once, into the cache) when a phase or a fingerprint first needs them
-            self.config_folder = resolve_source(source, include=_CONFIG_FILES)
-            if not remote:
-                self._folder = self.config_folder
-            if not self.config_folder.is_dir():
-                raise ValueError(f"model source {source!r} is neither a preset ({sorted(PRESET_SOURCES)}) nor a folder")
-            self.layout = "diffusers" if (self.config_folder / "model_index.json").exists() else "original"
+        # the configs alone decide the recipe and geometry (diffusers or the original release layout);
+        # a remote checkpoint's weights are fetched (once, into the cache) when a phase first needs them
+        index = self.open_source(source, PRESET_SOURCES, _CONFIG_FILES)
+        if self.preset is not None:
+            self.layout, index = "preset", dict(getattr(self.preset, "index", None) or {})
         else:
-            self.config_folder, self.layout = None, "preset"
+            self.layout = "diffusers" if (self.config_folder / "model_index.json").exists() else "original"
         self.max_text_len = self.preset.max_text_len if self.preset else 512
-        index = {}
-        if self.layout == "diffusers":
-            index = json.loads((self.config_folder / "model_index.json").read_text())
-        elif self.preset is not None:
-            index = dict(getattr(self.preset, "index", None) or {})
 
         def present(name):
             v = index.get(name)
@@ -207,14 +192,6 @@ class WanT2V(Pipeline):
                 ("the tokenizer (google/umt5-xxl/)", ["google/umt5-xxl/tokenizer.json", "google/umt5-xxl/spiece.model",
                                                       "tokenizer/tokenizer.json", "tokenizer/spiece.model"]),
                 ("the VAE (Wan2.1_VAE.pth)", ["Wan2.*_VAE.pth"])]
-
-    @property
-    def folder(self) -> Path | None:
-        """The checkpoint folder on local disk (a remote source is fetched into the cache on first
-        use); None for a preset."""
-        if self._folder is None and self.preset is None:
-            self._folder = resolve_source(self.source)
-        return self._folder
 
     # ------------------------------------------------------------------ component loaders
     def load_tokenizer(self):
