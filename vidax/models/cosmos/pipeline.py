@@ -50,6 +50,7 @@ from vidax.text import lm
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.weights.source import is_url
+from vidax.models.wan import vae as wvae
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ class CosmosPredict(Pipeline):
                choices=(1, 2), stages=("encode", "sample")),
         Option("cond_timestep", float, 1e-4, "the timestep the DiT sees on conditioning frames", minimum=0.0,
                maximum=1.0, stages=("sample",)),
+        wvae.tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.wan.vae",)
@@ -444,8 +446,8 @@ class CosmosPredict(Pipeline):
         """Latents [B, C, F, H, W] (normalised) -> video in [0, 1], [B, F, H, W, 3]."""
         return to_unit_range(cvae.decode(vae or self.load_vae(), latents))
 
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None):
-        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache)
+    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
+        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
         return to_uint8(to_unit_range(px)), cache
 
     def text_config(self) -> lm.LMConfig:
@@ -459,7 +461,6 @@ class CosmosPredict(Pipeline):
         encode pool's chips as :meth:`load_text_encoder` shards it); one DiT call on the guidance
         batch on this pipeline's mesh; the Wan2.1 VAE's per-latent-frame decode with its causal cache."""
         from vidax.core import plan as vplan
-        from vidax.models.wan import vae as wvae
 
         b = len(request.prompts)
         n = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
@@ -481,7 +482,7 @@ class CosmosPredict(Pipeline):
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx),
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
-        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w))
+        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling"))))
         return units
 
     def fingerprint(self, component: str) -> str:
@@ -536,7 +537,7 @@ class CosmosPredict(Pipeline):
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
         a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry)
+        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
 

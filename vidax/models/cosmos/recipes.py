@@ -5,7 +5,8 @@ _P = "vidax.models.cosmos.pipeline:CosmosPredict"
 _V5E = "tpu-v5-lite-podslice"
 _V5P = "tpu-v5p-slice"
 # the reference's defaults: 704x1280, 93 frames (24 latent frames), 36 steps, guidance 7, 16 fps
-_NATIVE = dict(height=704, width=1280, area=704 * 1280, num_frames=93, steps=36, guidance=7.0, fps=16)
+# 704p decodes in 256-px tiles by default (whole frames need ~18 GiB on one chip: `vidax plan`)
+_NATIVE = dict(vae_tiling=True, height=704, width=1280, area=704 * 1280, num_frames=93, steps=36, guidance=7.0, fps=16)
 
 RECIPES = [
     Recipe(

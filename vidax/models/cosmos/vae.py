@@ -66,11 +66,14 @@ def decode(vae, latents: np.ndarray) -> np.ndarray:
     return np.asarray(wvae.decode(params, cfg, z), np.float32)
 
 
-def decode_frames(vae, latents: np.ndarray, start: int, stop: int, cache=None):
+def decode_frames(vae, latents: np.ndarray, start: int, stop: int, cache=None, tiling: bool = False):
     """Latent frames ``start .. stop-1`` (normalised) -> (pixels [B, 3, T, H, W] in [-1, 1], the
-    causal cache for the next span as numpy)."""
+    causal cache for the next span as numpy); ``tiling``: in overlapping spatial tiles."""
     params, cfg = vae
     z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
+    if tiling:
+        px, cache = wvae.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
+        return np.asarray(px, np.float32), {k: np.asarray(v) for k, v in cache.items()}
     if cache is not None:
         cache = {k: jnp.asarray(v) for k, v in cache.items()}
     px, cache = wvae.decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)

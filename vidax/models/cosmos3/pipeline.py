@@ -46,6 +46,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
 from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.models.wan import vae as wvae
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class Cosmos3Omni(Pipeline):
                stages=("encode",)),
         Option("metadata", bool, True, "append the duration and resolution sentences to the prompts",
                stages=("encode",)),
+        wvae.tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.wan.vae", "vidax.models.cosmos.vae", "vidax.models.cosmos.chat",
@@ -477,8 +479,8 @@ class Cosmos3Omni(Pipeline):
     def decode_video(self, latents: np.ndarray, vae=None) -> np.ndarray:
         return to_unit_range(cvae.decode(vae or self.load_vae(), latents))
 
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None):
-        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache)
+    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
+        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
         return to_uint8(to_unit_range(px)), cache
 
     #: the prompt length a plan assumes (the structured JSON prompts run to several hundred tokens)
@@ -493,7 +495,6 @@ class Cosmos3Omni(Pipeline):
         from jax.sharding import NamedSharding
 
         from vidax.core import plan as vplan
-        from vidax.models.wan import vae as wvae
 
         b, lu = len(request.prompts), self.PLAN_TEXT_TOKENS
         vcfg = self.vae_config()
@@ -524,7 +525,7 @@ class Cosmos3Omni(Pipeline):
                                 (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
                                  tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
-        units.append(wvae.plan_decode_unit(vcfg, b, h, w))
+        units.append(wvae.plan_decode_unit(vcfg, b, h, w, tiled=bool(request.options.get("vae_tiling"))))
         return units
 
     def fingerprint(self, component: str) -> str:
@@ -586,7 +587,7 @@ class Cosmos3Omni(Pipeline):
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
         a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry)
+        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
                                  {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
 

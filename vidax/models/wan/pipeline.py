@@ -136,8 +136,7 @@ class WanT2V(Pipeline):
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
         Option("guidance_2", float, None, "the low-noise expert's guidance (two-expert models; default: --guidance)",
                minimum=0.0, maximum=100.0),
-        Option("vae_tiling", bool, False, "decode in overlapping 256-pixel spatial tiles (the reference's "
-               "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip", stages=("decode",)),
+        wvae.tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
 
@@ -682,14 +681,7 @@ class WanT2V(Pipeline):
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
                                 jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
                                 note=f"batch {nb} x {tokens:,} tokens"))
-        vcfg = self.vae_config()
-        if request.options.get("vae_tiling"):
-            lt = wvae.TILE // (vcfg.scale_factor_spatial or vcfg.spatial_ratio)
-            unit = wvae.plan_decode_unit(vcfg, b, min(h, lt), min(w, lt))
-            unit.name = f"VAE decode, one latent frame of one {wvae.TILE}-px tile"
-        else:
-            unit = wvae.plan_decode_unit(vcfg, b, h, w)
-        return units + [unit]
+        return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling")))]
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:

@@ -1094,11 +1094,25 @@ def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | Non
     return (pixels, new_cache) if return_cache else pixels
 
 
-def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32):
+#: the ``vae_tiling`` request option of the families decoding with this VAE (Wan, Cosmos, Cosmos3)
+def tiling_option():
+    from vidax.pipeline import Option
+
+    return Option("vae_tiling", bool, False, f"decode in overlapping {TILE}-pixel spatial tiles (the reference's "
+                  "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip", stages=("decode",))
+
+
+def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32, tiled: bool = False):
     """The program a decode stage repeats -- one latent frame with the causal cache (donated) --
-    at abstract shapes on the accelerators' conv path (``vidax plan``; latents ``height x width``)."""
+    at abstract shapes on the accelerators' conv path (``vidax plan``; latents ``height x width``;
+    ``tiled``: one tile of :func:`tiled_decode`)."""
     from vidax.core import plan as vplan
 
+    if tiled:
+        lt = TILE // (cfg.scale_factor_spatial or cfg.spatial_ratio)
+        unit = plan_decode_unit(cfg, batch, min(height, lt), min(width, lt), dtype)
+        unit.name = f"VAE decode, one latent frame of one {TILE}-px tile"
+        return unit
     state = state_from_pure(cfg, param_shapes(cfg, dtype))
     z = vplan.abstract((batch, cfg.z_dim, 1, height, width), np.float32)
     static = dict(cfg=cfg, attn_impl=None, conv_impl="native")
