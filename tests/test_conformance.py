@@ -23,11 +23,13 @@ ALL_CASES = [(m, img) for m in sorted(registry.MODELS) for img in IMAGE_CASES[re
 
 
 def _code_path(model: str, with_image: bool) -> tuple:
-    """What a case exercises: recipes that share the pipeline class, the tiny preset they resolve to
-    and their option set run the very same code through the stages (they differ only in real-size
-    defaults), so one case covers them."""
+    """What a case exercises: recipes that share the pipeline class, the tiny preset they resolve to,
+    their option set and the defaults of their switches (bool options, e.g. a tiled decode) run the
+    very same code through the stages (they differ only in real-size defaults and numeric
+    parameters), so one case covers them."""
     r = registry.MODELS[model]
-    return r.pipeline, r.source("tiny", None, with_image), tuple(sorted(r.option_names or ())), with_image
+    switches = tuple(sorted((o.name, r.settings("tiny").get(o.name)) for o in r.options if o.type is bool))
+    return r.pipeline, r.source("tiny", None, with_image), tuple(sorted(r.option_names or ())), switches, with_image
 
 
 CASES = list({_code_path(m, i): (m, i) for m, i in reversed(ALL_CASES)}.values())[::-1]
