@@ -101,7 +101,9 @@ def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
     g.add_argument("--fps", type=float)
     g.add_argument("--decode-stages", type=int, help="number of persisted decode stages (default: the model's plan)")
     g.add_argument("--checkpoint-every", type=int, default=5, help="write a sampling checkpoint every K steps")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the DiT's dtype (default: the model's: bfloat16 for the large releases, float32 for the "
+                        "small ones and every tiny preset)")
     g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
     g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all; "
                                                         "per block stack: double=4,single=8)")

@@ -174,7 +174,7 @@ def _mesh_size(sizes) -> int:
 # ------------------------------------------------------------------ the plan
 def plan(model: str | None = None, *, preset: str | None = None, checkpoint: str | None = None,
          height: int | None = None, width: int | None = None, num_frames: int | None = None, prompts: int = 1,
-         guidance: float | None = None, dtype: str = "float32", mesh: str | None = None, pools=None,
+         guidance: float | None = None, dtype: str | None = None, mesh: str | None = None, pools=None,
          hbm: int | str | None = None, options: dict | None = None, request: Request | None = None,
          log=None) -> Plan:
     """The memory plan of a request (see the module docstring). Without ``preset`` and
@@ -201,7 +201,7 @@ def plan(model: str | None = None, *, preset: str | None = None, checkpoint: str
     # an image-to-video plan has no image: build the recipe's image-to-video preset, not its text-to-video one
     rec = registry.MODELS.get(request.model)
     i2v = rec is not None and (request.image is not None or rec.image == "required")
-    pipe_v = rec.build(request.preset, None, True, dtype=request.dtype) if (
+    pipe_v = rec.build(request.preset, None, True, dtype=request.resolved().dtype) if (
         i2v and request.checkpoint is None and request.preset in rec.presets) else None
     req = validate(request, pipe_v, plan=True)
     recipe = registry.get(req.model)
@@ -351,7 +351,8 @@ def add_parser(sub, model: str | None = None):
     p.add_argument("--frames", type=int)
     p.add_argument("--prompts", type=int, default=1, help="prompts per run (the batch)")
     p.add_argument("--guidance", type=float)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="the DiT's dtype (default: the recipe's: bfloat16 for the large releases, float32 otherwise)")
     p.add_argument("--mesh", help="the sampling mesh (default: what --mesh auto picks on the sample pool)")
     p.add_argument("--pool", action="append", default=[], metavar="STAGE=ACCELERATOR:CHIPS",
                    help="route a stage elsewhere, e.g. sample=tpu-v5p-slice:8 (repeatable)")

@@ -50,7 +50,7 @@ class Request:
     fps: float | None = None
     decode_stages: int | None = None  # None: the family's default decode plan
     checkpoint_every: int = 5  # sampling step checkpoint interval
-    dtype: str = "float32"
+    dtype: str | None = None  # the DiT's weights/activations; None: the recipe's (bfloat16 for large releases)
     image: str | None = None  # conditioning image (path or fsspec URL) for image-to-video models
     mesh: str | None = None  # e.g. "dp=2,tp=2,sp=2", "auto" (the recipe's default for the devices), None: one device
     offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
@@ -72,6 +72,7 @@ class Request:
         return dataclasses.replace(
             self, height=None if from_image else s.get("height"), width=None if from_image else s.get("width"),
             num_frames=s["num_frames"], steps=s["steps"], guidance=s["guidance"], fps=s["fps"], preset=preset,
+            dtype=self.dtype or s.get("dtype", "float32"),
             options={o.name: s.get(o.name) for o in recipe.options},
         )
 

@@ -52,7 +52,7 @@ def test_real_plan_on_its_pool_shards_the_dit_and_names_what_does_not_fit():
     from vidax.models.wan.pipeline import UMT5_XXL
     from vidax.text import t5
 
-    p = plan("wan2.1-t2v-14b")
+    p = plan("wan2.1-t2v-14b", dtype="float32")
     assert (p.height, p.width, p.num_frames) == (720, 1280, 81) and p.source == "release configs"
     enc, sample, dec = p.stages
     assert sample.mesh == "dp=2,tp=4" and sample.chip == "v5e" and sample.hbm == 16 * GiB
@@ -66,20 +66,41 @@ def test_real_plan_on_its_pool_shards_the_dit_and_names_what_does_not_fit():
     assert any(k.startswith("--dtype bfloat16") for k in sample.knobs)
     assert any("tp=8" in k for k in sample.knobs) and any("offload" in k for k in sample.knobs)
     assert not p.fits and sample in p.failing()
-    bf = plan("wan2.1-t2v-14b", dtype="bfloat16")
+    bf = plan("wan2.1-t2v-14b")  # the release's default dtype: bfloat16
+    assert bf.dtype == "bfloat16"
     assert bf.stages[1].units[0].weights == pytest.approx(w / 2, rel=0.01) and bf.stages[1].fits
+
+
+def test_dtype_defaults_to_the_release_s():
+    """A request without --dtype: bfloat16 for the large releases' checkpoints (their float32 DiT does
+    not fit the pool), float32 for the small ones and for every tiny preset; an explicit dtype wins."""
+    from stages.request import Request, validate
+
+    def dtype(model, **kw):
+        return Request(model=model, prompt="x", **kw).resolved().dtype
+
+    assert dtype("wan2.1-t2v-14b", preset=None, checkpoint="/ckpt") == "bfloat16"
+    assert dtype("wan2.1-t2v-14b", preset="14b") == "bfloat16"  # a real-size preset: the release's
+    assert dtype("wan2.1-t2v-1.3b", preset=None, checkpoint="/ckpt") == "float32"
+    assert dtype("wan2.1-t2v-14b") == "float32"  # tiny
+    assert dtype("wan2.1-t2v-14b", preset=None, checkpoint="/ckpt", dtype="float32") == "float32"
+    assert validate(Request(model="wan2.1-t2v-14b", prompt="x")).dtype == "float32"
+    with pytest.raises(RequestError, match="^dtype: 'float16'"):
+        validate(Request(model="wan2.1-t2v-14b", prompt="x", dtype="float16"))
 
 
 @pytest.mark.parametrize("model", REAL)
 def test_every_real_recipe_plans_on_its_pool(model):
-    p = plan(model, dtype="bfloat16")
+    """At its default size and dtype, every stage of every release fits the pool it is routed to."""
+    p = plan(model)
     recipe = registry.get(model)
     for s in p.stages:  # (a family without a prompt encoder, Cosmos3, has no encode unit)
         assert s.units or (s.kind == "encode" and recipe.family == "cosmos3"), (s.kind, s.units)
         assert all(u.peak > 0 and u.weights > 0 for u in s.units), (s.kind, s.units)
         pool = recipe.job_variables(s.kind, None)
         assert pool, f"{model}: no pool for its {s.kind} stage"
-        assert s.chips == pool["tpu_chips"] and s.hbm is not None and s.fits is not None
+        assert s.chips == pool["tpu_chips"] and s.hbm is not None
+        assert s.fits, f"{model} ({p.dtype}): {s.kind} needs {s.peak / GiB:.1f} GiB per {s.chip} chip"
 
 
 def test_cli_plan_json_and_exit_codes(tmp_path, capsys):

@@ -432,7 +432,11 @@ def _tpu(accelerator: str, topology: str, chips: int) -> dict:
 tpu = _tpu
 
 #: small sizes for the seeded random-weight presets, so a first run takes seconds
-PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8, area=64 * 64)}
+#: a preset's defaults over the recipe's; tiny presets run in float32 (the parity dtype), whatever the
+#: release's default ``dtype`` (``bfloat16`` for the large releases, whose float32 DiT weights do not fit
+#: their pools)
+PRESET_DEFAULTS = {"tiny": dict(height=64, width=64, num_frames=9, steps=6, guidance=5.0, fps=8, area=64 * 64,
+                                dtype="float32")}
 
 
 @dataclass(frozen=True)
@@ -443,7 +447,7 @@ class Recipe:
     model_id: str
     pipeline: str  # "module:Class" (a Pipeline subclass)
     presets: tuple[str, ...]
-    defaults: dict = field(default_factory=dict)  # request fields and option defaults
+    defaults: dict = field(default_factory=dict)  # request fields (dtype too) and option defaults
     description: str = ""
     stage_jobs: dict = field(default_factory=dict)  # preset (None: real) -> stage kind -> job variables
     prefer_axis: str = "sp"  # what --mesh auto spreads the DiT over besides CFG's dp

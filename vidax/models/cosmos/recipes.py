@@ -18,7 +18,7 @@ RECIPES = [
                            "decode": tpu(_V5E, "2x2", 4)}},
     ),
     Recipe(
-        "cosmos2.5-14b", _P, ("tiny",), dict(_NATIVE),
+        "cosmos2.5-14b", _P, ("tiny",), dict(_NATIVE, dtype="bfloat16"),
         description="Cosmos-Predict2.5 14B: text/image/video-to-world; offload the DiT blocks to fit 93 frames",
         image="optional", prefer_axis="tp",
         stage_jobs={None: {"encode": tpu(_V5E, "2x2", 4), "sample": tpu(_V5P, "2x2x1", 4),

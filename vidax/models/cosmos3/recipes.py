@@ -10,7 +10,8 @@ RECIPES = [
         "cosmos3-nano", _P, ("tiny",),
         # the reference's defaults: 189 frames (~7.9 s at 24 fps), 720x1280, 35 steps, guidance 6
         # 720p decodes in 256-px tiles by default (whole frames need ~19 GiB on one chip: `vidax plan`)
-        dict(vae_tiling=True, height=720, width=1280, area=720 * 1280, num_frames=189, steps=35, guidance=6.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, height=720, width=1280, area=720 * 1280, num_frames=189, steps=35,
+             guidance=6.0, fps=24),
         description="Cosmos3 Nano: Mixture-of-Transformers (causal text + full-attention vision pathways), "
                     "text/image/video-to-video, Wan2.2 VAE; give structured JSON prompts",
         image="optional", prefer_axis="tp",

@@ -13,19 +13,19 @@ _POOLS = {None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8), "
 RECIPES = [
     Recipe(
         "hunyuanvideo-t2v", _T2V, ("tiny",),
-        dict(height=720, width=1280, num_frames=129, steps=50, guidance=6.0, shift=7.0, fps=24),
+        dict(dtype="bfloat16", height=720, width=1280, num_frames=129, steps=50, guidance=6.0, shift=7.0, fps=24),
         description="HunyuanVideo 1.0 text-to-video, 13B (720p, 129 frames; embedded guidance)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo-i2v", _I2V, ("tiny",),
-        dict(area=720 * 1280, num_frames=129, steps=50, guidance=6.0, shift=7.0, fps=24),
+        dict(dtype="bfloat16", area=720 * 1280, num_frames=129, steps=50, guidance=6.0, shift=7.0, fps=24),
         description="HunyuanVideo-I2V 13B: first-frame token replacement, LLaVA prompt with the image (720p)",
         prefer_axis="tp", image="required", preset_sources={("tiny", True): "tiny-i2v"}, stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo-i2v-33ch", _I2V, ("tiny",),
-        dict(area=720 * 1280, num_frames=129, steps=50, guidance=1.0, shift=7.0, fps=24),
+        dict(dtype="bfloat16", area=720 * 1280, num_frames=129, steps=50, guidance=1.0, shift=7.0, fps=24),
         description="HunyuanVideo-I2V-33ch 13B: image latent concatenated on channels, first 4 frames dropped (720p)",
         prefer_axis="tp", image="required", preset_sources={("tiny", True): "tiny-i2v-33ch"}, stage_jobs=_POOLS,
     ),

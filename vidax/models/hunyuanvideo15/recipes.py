@@ -22,25 +22,25 @@ _I2V_TINY = {("tiny", True): "tiny-i2v"}
 RECIPES = [
     Recipe(
         "hunyuanvideo1.5-480p-t2v", _T2V, ("tiny",),
-        dict(vae_tiling=True, height=480, width=848, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, height=480, width=848, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 text-to-video, 8.3B (480p, 121 frames)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-480p-i2v", _I2V, ("tiny",),
-        dict(vae_tiling=True, area=640 * 640, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, area=640 * 640, num_frames=121, steps=50, guidance=6.0, shift=5.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 image-to-video, 8.3B (480p; SigLIP tokens + first-frame latent)",
         prefer_axis="tp", image="required", preset_sources=_I2V_TINY, stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-720p-t2v", _T2V, ("tiny",),
-        dict(vae_tiling=True, height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 text-to-video, 8.3B (720p, 121 frames)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),
     Recipe(
         "hunyuanvideo1.5-720p-i2v", _I2V, ("tiny",),
-        dict(vae_tiling=True, area=960 * 960, num_frames=121, steps=50, guidance=6.0, shift=7.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, area=960 * 960, num_frames=121, steps=50, guidance=6.0, shift=7.0, fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 image-to-video, 8.3B (720p; SigLIP tokens + first-frame latent)",
         prefer_axis="tp", image="required", preset_sources=_I2V_TINY, stage_jobs=_POOLS,
     ),

@@ -31,7 +31,7 @@ _LTX2 = ("audio", "audio_guidance", "stg_scale", "audio_stg_scale", "stg_blocks"
 RECIPES += [
     Recipe(
         "ltx2-t2v", "vidax.models.ltx.pipeline:LTX2", ("tiny",),
-        dict(height=704, width=1216, num_frames=121, steps=30, guidance=3.0, fps=24),
+        dict(dtype="bfloat16", height=704, width=1216, num_frames=121, steps=30, guidance=3.0, fps=24),
         option_names=_LTX2, prefer_axis="tp",
         description="LTX-2.x text-to-audio+video (Gemma 3, audio and video streams, mp4 with sound; LTX-2.5 too)",
         stage_jobs={None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8),
@@ -39,7 +39,7 @@ RECIPES += [
     ),
     Recipe(
         "ltx2-i2v", "vidax.models.ltx.pipeline:LTX2I2V", ("tiny",),
-        dict(height=704, width=1216, area=704 * 1216, num_frames=121, steps=30, guidance=3.0, fps=24),
+        dict(dtype="bfloat16", height=704, width=1216, area=704 * 1216, num_frames=121, steps=30, guidance=3.0, fps=24),
         option_names=_LTX2 + ("image_crf",), image="required", prefer_axis="tp",
         description="LTX-2.x image-to-audio+video (first latent frame from the image, per-token timesteps)",
         stage_jobs={None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8),
