@@ -70,3 +70,73 @@ def test_warm_process_reads_every_program_from_the_persistent_cache(tmp_path):
         w = next(v for k, v in warm.items() if k.endswith(stage))
         assert c["compiled"] >= 1 and c["cache_hits"] == 0, (stage, c)
         assert w["compiled"] == 0 and w["cache_hits"] == c["compiled"], (stage, w, c)
+
+
+def test_latents_and_scheduler_state_are_donated_step_to_step():
+    """``denoise`` copies the caller's latents and state once, then every step updates them in place
+    (donated buffers), with results bitwise equal to a step that copies."""
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.schedulers import UniPCMultistep
+
+    sched = UniPCMultistep(4, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    model = lambda params, x, t, ctx: x * params + ctx.mean() + t[:, None, None, None, None] / 1000  # noqa: E731
+    rng = np.random.default_rng(0)
+    x0 = jnp.asarray(rng.standard_normal((1, 2, 4, 4, 3)), jnp.float32)
+    cond = jnp.asarray(rng.standard_normal((1, 5, 3)), jnp.float32)
+    params = jnp.float32(0.5)
+    donating = sampling.make_step(model, sched, False, donate=True)
+    x, state = jnp.array(x0, copy=True), sched.init_state(x0)
+    leaves = [x, *jax.tree.leaves(state)]
+    x1, s1 = donating(params, x, state, jnp.int32(0), cond, cond, jnp.float32(1), jax.random.key(0))
+    assert all(a.is_deleted() for a in leaves)  # the step took them over
+    plain = sampling.make_step(model, sched, False)
+    x2, s2 = plain(params, x0, sched.init_state(x0), jnp.int32(0), cond, cond, jnp.float32(1), jax.random.key(0))
+    assert np.asarray(x1).tobytes() == np.asarray(x2).tobytes()
+    # denoise: the caller's arrays survive, the run equals one that never donated
+    out, _ = sampling.denoise(model, params, sched, x0, cond)
+    assert not x0.is_deleted()
+    ref, st = x0, sched.init_state(x0)
+    for i in range(4):
+        ref, st = plain(params, ref, st, jnp.int32(i), cond, cond, jnp.float32(1), jax.random.key(0))
+    assert np.asarray(out).tobytes() == np.asarray(ref).tobytes()
+
+
+def _constant_bytes(lowered) -> int:
+    """Bytes of the array constants (not scalars) compiled into a lowered program."""
+    import re
+
+    total = 0
+    for m in re.finditer(r"stablehlo\.constant dense<[^>]*>\s*:\s*tensor<([0-9x]+)x(f32|bf16|i32)>", lowered.as_text()):
+        total += int(np.prod([int(d) for d in m.group(1).split("x")])) * (2 if m.group(2) == "bf16" else 4)
+    return total
+
+
+@pytest.mark.parametrize("mesh", [None, "tp=2"])
+def test_rope_tables_are_arguments_of_the_step_not_constants(mesh):
+    """The sampling step gets the RoPE tables as arguments (~38 MB at 720p would otherwise be compiled
+    into the executable), on one device and on a mesh, with the same result."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.models.wan import dit as wdit
+    from vidax.models.wan import pipeline as wpipe
+
+    pipe = WanT2V("tiny", mesh=mesh)
+    dit, cfg = pipe.load_dit()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 16, 16, cfg.in_channels)), jnp.float32)
+    t, ctx = jnp.asarray([500.0, 500.0]), jnp.asarray(rng.standard_normal((2, 256, cfg.text_dim)), jnp.float32)
+    if mesh is None:
+        fn = jax.jit(partial(wpipe._dit_apply, cfg=cfg))
+        with_args = (dit, wdit.rope_tables(cfg, (3, 8, 8)))
+        baked = jax.jit(lambda p, *a: wdit.forward(p, cfg, *a)), dit
+    else:
+        spec = dit.program()
+        fn, with_args, baked = jax.jit(spec.apply), dit.step_params(x.shape), (jax.jit(spec.apply), dit.params)
+    assert _constant_bytes(baked[0].lower(baked[1], x, t, ctx)) >= 2 * 3 * 8 * 8 * (cfg.head_dim // 2) * 4
+    assert _constant_bytes(fn.lower(with_args, x, t, ctx)) == 0
+    np.testing.assert_array_equal(np.asarray(fn(with_args, x, t, ctx)), np.asarray(baked[0](baked[1], x, t, ctx)))

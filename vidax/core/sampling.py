@@ -109,9 +109,10 @@ def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, pr
     return jax.jit(step, donate_argnums=(1, 2) if donate else ())
 
 
-def make_update(sched, use_cfg: bool):
+def make_update(sched, use_cfg: bool, donate: bool = False):
     """The jitted step *without* the model: ``(x, state, v, i, guidance, key) -> (x, state)``, for
-    models that are themselves several programs (e.g. weight offloading streams chunks)."""
+    models that are themselves several programs (e.g. weight offloading streams chunks); ``donate``:
+    ``x`` and ``state`` are updated in place."""
 
     def update(x, state, v, i, guidance, key):
         b = x.shape[0]
@@ -121,13 +122,13 @@ def make_update(sched, use_cfg: bool):
         noise = jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32) if sched.needs_noise else None
         return sched.step(state, v.astype(jnp.float32), i, x, noise=noise)
 
-    return jax.jit(update)
+    return jax.jit(update, donate_argnums=(0, 1) if donate else ())
 
 
 def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable | None = None,
                    with_aux: bool = False):
     """A step for a model that is called from Python (``model_call(x, t, ctx[, aux]) -> v``)."""
-    update = make_update(sched, use_cfg)
+    update = make_update(sched, use_cfg, donate=True)  # denoise() hands it its own copies
     timesteps = np.asarray(sched.timesteps, np.float32)
     prep = None if prepare is None else jax.jit(lambda x, t, aux, b: _model_inputs(x, t, b, prepare, aux, None),
                                                 static_argnums=3)
@@ -152,7 +153,7 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
             model_call: Callable | None = None, stop: int | None = None, prepare: Callable | None = None,
             aux=None, cache_key=None):
     """Run steps ``start..stop-1`` (``stop`` defaults to N) from latents ``x`` (channels-last,
-    float32). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
+    float32; copied once, then donated step to step, as is the scheduler state). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
     returned state on) is the same run as one that never stopped.
 
     ``model_fn(params, x, t, ctx)`` is traced into one jitted step; alternatively ``model_call(x, t,
@@ -164,10 +165,12 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
     with_aux = aux is not None
     if model_call is not None:
         step = _streamed_step(model_call, sched, use_cfg, prepare, with_aux)
-    else:
-        step = make_step(model_fn, sched, use_cfg, prepare=prepare, with_aux=with_aux, cache_key=cache_key)
-    x = jnp.asarray(x, jnp.float32)
-    state = sched.init_state(x) if state is None else state
+    else:  # the latents and the scheduler state are donated: each step updates them in place
+        step = make_step(model_fn, sched, use_cfg, donate=True, prepare=prepare, with_aux=with_aux,
+                         cache_key=cache_key)
+    # our own copies, so the donation never consumes an array the caller still holds
+    x = jnp.array(x, jnp.float32, copy=True)
+    state = sched.init_state(x) if state is None else jax.tree.map(lambda a: jnp.array(a, copy=True), state)
     key = jax.random.key(seed)
     g = jnp.float32(guidance)
     n = len(sched.timesteps)

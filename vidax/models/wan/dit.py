@@ -295,14 +295,16 @@ class WanTransformer(nnx.Module):
         self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = WanHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+    def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
-        ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None. Returns [B, F, H, W, Cout]."""
+        ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None; ``rope``: the (cos, sin)
+        tables of the token grid (:func:`rope_tables`; computed here when None). Returns
+        [B, F, H, W, Cout]."""
         cfg = self.cfg
         dt = self.embed.patch.kernel[...].dtype
         tokens, grid = patchify(cfg, x.astype(dt))
         h, temb, temb6, ctx, img_ctx = self.embed(tokens, t, ctx.astype(dt), None if img is None else img.astype(dt))
-        cos, sin = rope_tables(cfg, grid)
+        cos, sin = rope_tables(cfg, grid) if rope is None else rope
         h = run_blocks(self.blocks, h, ctx, img_ctx, temb6, cos, sin, par)
         return unpatchify(cfg, self.head(h, temb), grid)
 
@@ -344,13 +346,14 @@ def rope_tables(cfg: WanDiTConfig, grid):
     return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
-def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None):
+def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None, rope=None):
     """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``). ``x``:
     [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token); ``ctx``: [B, Lt, text_dim]; ``img``:
-    [B, Li, image_dim] or None. Returns [B, F, H, W, Cout].
+    [B, Li, image_dim] or None; ``rope``: (cos, sin) from :func:`rope_tables` to pass them as
+    arguments (else they are computed into the program). Returns [B, F, H, W, Cout].
 
     Single-device (or compiler-partitioned) path; for meshes and offloading see :class:`WanDiTRunner`."""
-    return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl))
+    return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope)
 
 
 # ----------------------------------------------------------------------------------- sharding
@@ -566,13 +569,22 @@ class WanDiTRunner:
             raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
         return {"rest": self.rest, "blocks": self.blocks}
 
+    def step_params(self, x_shape) -> dict:
+        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (placed token-sharded
+        over sp, cached per grid): what a jitted step passes to :meth:`apply`, so the tables are
+        arguments of the program, not constants compiled into it (~38 MB at 720p)."""
+        pt, ph, pw = self.cfg.patch_size
+        return {**self.params, "rope": self.rope((x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw))}
+
     def apply(self, params, x, t, ctx, img=None):
         """Traceable ``model_fn(params, x, t, ctx)`` for :func:`vidax.core.sampling.make_step`
-        (params = :attr:`params`; they stay arguments, never baked-in constants). With dp > 1 the
+        (params = :meth:`step_params`: weights and RoPE tables stay arguments, never baked-in
+        constants; without ``"rope"`` the tables are computed into the program). With dp > 1 the
         2B classifier-free-guidance batch runs conditional / unconditional on separate devices."""
         self.check_inputs(x.shape, jnp.shape(t))
         pt, ph, pw = self.cfg.patch_size
-        cos, sin = rope_tables(self.cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw))
+        grid = (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)
+        cos, sin = params["rope"] if "rope" in params else rope_tables(self.cfg, grid)
         return self._resident(params["rest"], params["blocks"], x, t, ctx, img, cos, sin)
 
     def lower(self, x, t, ctx, img=None):

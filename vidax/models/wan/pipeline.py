@@ -492,13 +492,16 @@ class WanT2V(Pipeline):
             dt = runner.dtype
             if runner.offload is None:
                 spec = runner.program()
-                model, params = (spec.apply if aux is None else partial(_runner_apply_aux, spec)), runner.params
+                model = spec.apply if aux is None else partial(_runner_apply_aux, spec)
+                params = runner.step_params(x.shape)  # weights and RoPE tables: arguments of the step
                 key = ("wan-runner", spec.signature, aux is None)
             else:
                 model, params = None, None
                 call = runner if aux is None else partial(_runner_call_aux, runner)
-        else:
+        else:  # one device: the state and the RoPE tables are the step's arguments
             model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)
+            pt, ph, pw = cfg.patch_size
+            params = (params, wdit.rope_tables(cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)))
         return denoise(model, params, sched, x, jnp.asarray(cond, dt),
                        None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
                        stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux,
@@ -679,8 +682,8 @@ class WanT2V(Pipeline):
         ctx = vplan.abstract((nb, self.max_text_len, cfg.text_dim), self.dtype)
         img = vplan.abstract((nb, 257, cfg.image_dim), self.dtype) if cfg.image_dim else None
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
-                                jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
-                                note=f"batch {nb} x {tokens:,} tokens"))
+                                jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx, img),
+                                weights=runner.params, note=f"batch {nb} x {tokens:,} tokens"))
         return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling")))]
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
@@ -777,7 +780,8 @@ def _probe_forward(params, cfg, x, t, ctx, img):
 
 
 def _dit_apply(params, x, t, ctx, *, cfg):
-    return wdit.forward(params, cfg, x, t, ctx)
+    state, rope = params
+    return wdit.forward(state, cfg, x, t, ctx, rope=rope)
 
 
 def _batched_img(aux, b):
@@ -790,7 +794,8 @@ def _batched_img(aux, b):
 
 
 def _dit_apply_aux(params, x, t, ctx, aux, *, cfg):
-    return wdit.forward(params, cfg, x, t, ctx, _batched_img(aux, x.shape[0]))
+    state, rope = params
+    return wdit.forward(state, cfg, x, t, ctx, _batched_img(aux, x.shape[0]), rope=rope)
 
 
 def _runner_apply_aux(runner, params, x, t, ctx, aux):
