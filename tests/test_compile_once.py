@@ -113,30 +113,100 @@ def _constant_bytes(lowered) -> int:
     return total
 
 
-@pytest.mark.parametrize("mesh", [None, "tp=2"])
-def test_rope_tables_are_arguments_of_the_step_not_constants(mesh):
-    """The sampling step gets the RoPE tables as arguments (~38 MB at 720p would otherwise be compiled
-    into the executable), on one device and on a mesh, with the same result."""
+def _wan_step_model(mesh, x, t, ctx):
+    """(fn, arguments with the tables, fn, arguments without) of Wan's step model."""
     from functools import partial
 
     import jax
-    import jax.numpy as jnp
 
     from vidax.models.wan import dit as wdit
     from vidax.models.wan import pipeline as wpipe
 
-    pipe = WanT2V("tiny", mesh=mesh)
-    dit, cfg = pipe.load_dit()
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((2, 3, 16, 16, cfg.in_channels)), jnp.float32)
-    t, ctx = jnp.asarray([500.0, 500.0]), jnp.asarray(rng.standard_normal((2, 256, cfg.text_dim)), jnp.float32)
+    dit, cfg = WanT2V("tiny", mesh=mesh).load_dit()
     if mesh is None:
-        fn = jax.jit(partial(wpipe._dit_apply, cfg=cfg))
-        with_args = (dit, wdit.rope_tables(cfg, (3, 8, 8)))
-        baked = jax.jit(lambda p, *a: wdit.forward(p, cfg, *a)), dit
-    else:
-        spec = dit.program()
-        fn, with_args, baked = jax.jit(spec.apply), dit.step_params(x.shape), (jax.jit(spec.apply), dit.params)
-    assert _constant_bytes(baked[0].lower(baked[1], x, t, ctx)) >= 2 * 3 * 8 * 8 * (cfg.head_dim // 2) * 4
-    assert _constant_bytes(fn.lower(with_args, x, t, ctx)) == 0
-    np.testing.assert_array_equal(np.asarray(fn(with_args, x, t, ctx)), np.asarray(baked[0](baked[1], x, t, ctx)))
+        grid = (x.shape[1], x.shape[2] // 2, x.shape[3] // 2)
+        return (jax.jit(partial(wpipe._dit_apply, cfg=cfg)), ((dit, wdit.rope_tables(cfg, grid)), x, t, ctx),
+                jax.jit(lambda p, *a: wdit.forward(p, cfg, *a)), (dit, x, t, ctx))
+    spec = dit.program()
+    return jax.jit(spec.apply), (dit.step_params(x.shape), x, t, ctx), jax.jit(spec.apply), (dit.params, x, t, ctx)
+
+
+def _cosmos_step_model(mesh, x, t, ctx):
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.models.cosmos import dit as cdit
+    from vidax.models.cosmos.pipeline import CosmosPredict
+
+    dit, cfg = CosmosPredict("tiny", mesh=mesh).load_dit()
+    cm = jnp.zeros((*x.shape[:4], 1), jnp.float32)  # the conditioning mask: an argument too
+    if mesh is None:
+        grid = (x.shape[1], x.shape[2] // 2, x.shape[3] // 2)
+        fn = jax.jit(lambda p, x, t, ctx, cm: cdit.forward(p[0], cfg, x, t, ctx, cond_mask=cm, rope=p[1]))
+        return (fn, ((dit, cdit.rope_tables(cfg, grid)), x, t, ctx, cm),
+                jax.jit(lambda p, x, t, ctx, cm: cdit.forward(p, cfg, x, t, ctx, cond_mask=cm)), (dit, x, t, ctx, cm))
+    fn = jax.jit(lambda p, x, t, ctx, cm: dit.apply(p, x, t, ctx, cond_mask=cm))
+    return fn, (dit.step_params(x.shape), x, t, ctx, cm), fn, (dit.params, x, t, ctx, cm)
+
+
+def _hunyuanvideo_step_model(mesh, x, t, ctx):
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.models.hunyuanvideo import dit as hdit
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoT2V
+
+    dit, cfg = HunyuanVideoT2V("tiny", mesh=mesh).load_dit()
+    rng = np.random.default_rng(1)
+    rest = (jnp.ones(ctx.shape[:2], jnp.float32), jnp.asarray(rng.standard_normal((2, 24)), jnp.float32),
+            jnp.full((2,), 6000.0, jnp.float32))  # mask, pooled CLIP vector, embedded guidance
+    if mesh is None:
+        fn = jax.jit(lambda p, *a: hdit.forward(p[0], cfg, *a, rope=p[1]))
+        return (fn, ((dit, hdit.rope_tables(cfg, hdit.grid_of(cfg, x.shape))), x, t, ctx, *rest),
+                jax.jit(lambda p, *a: hdit.forward(p, cfg, *a)), (dit, x, t, ctx, *rest))
+    fn = jax.jit(dit.apply)
+    return fn, (dit.step_params(x.shape), x, t, ctx, *rest), fn, (dit.params, x, t, ctx, *rest)
+
+
+@pytest.mark.parametrize("mesh", [None, "tp=2"])
+@pytest.mark.parametrize("family", ["wan", "cosmos", "hunyuanvideo"])
+def test_rope_tables_are_arguments_of_the_step_not_constants(family, mesh):
+    """The sampling step gets the RoPE tables as arguments (~38 MB at 720p would otherwise be compiled
+    into the executable), on one device and on a mesh, with the same result."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    channels, text = {"wan": (16, 32), "cosmos": (16, 72), "hunyuanvideo": (16, 32)}[family]
+    x = jnp.asarray(rng.standard_normal((2, 3, 16, 16, channels)), jnp.float32)
+    t, ctx = jnp.asarray([500.0, 500.0]), jnp.asarray(rng.standard_normal((2, 16, text)), jnp.float32)
+    model = {"wan": _wan_step_model, "cosmos": _cosmos_step_model, "hunyuanvideo": _hunyuanvideo_step_model}[family]
+    fn, args, baked, baked_args = model(mesh, x, t, ctx)
+    table = 3 * 8 * 8 * 4  # one float32 table row per token, at least 4 bytes wide each
+    assert _constant_bytes(baked.lower(*baked_args)) >= 2 * table
+    assert _constant_bytes(fn.lower(*args)) < table  # (small index tables may remain)
+    np.testing.assert_array_equal(np.asarray(fn(*args)), np.asarray(baked(*baked_args)))
+
+
+@pytest.mark.parametrize("mesh", [None, "tp=2"])
+def test_ltx_step_model_takes_its_rope_tables_as_arguments(mesh):
+    """LTX-Video's step model gets (weights, RoPE tables) as its argument: no table is compiled in."""
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.models.ltx.pipeline import LTXVideo
+
+    pipe = LTXVideo("tiny", mesh=mesh)
+    params, cfg = pipe.load_dit()
+    grid = pipe.latent_grid(64, 64, 9)
+    model, prm, jit_model, put = pipe.video_model(params, cfg, grid, 25.0)
+    assert jit_model and len(prm) == 2
+    rng = np.random.default_rng(0)
+    x = put(jnp.asarray(rng.standard_normal((1, *grid, cfg.in_channels)), jnp.float32))
+    t, mask = put(jnp.full((1,), 500.0, jnp.float32)), put(jnp.ones((1, 8), jnp.float32))
+    ctx = put(jnp.asarray(rng.standard_normal((1, 8, cfg.caption_channels)), jnp.float32))
+    cos = prm[1][0]
+    tokens = int(np.prod(grid))  # patch size 1
+    assert cos.shape[0] * cos.shape[-1] >= tokens  # (a table row per token)
+    assert _constant_bytes(jax.jit(model).lower(prm, x, t, ctx, mask)) < cos.size * 4
+    v = jax.jit(model)(prm, x, t, ctx, mask)
+    assert v.shape == x.shape and bool(jnp.isfinite(v).all())

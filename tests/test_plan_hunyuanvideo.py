@@ -35,7 +35,7 @@ def test_release_plan_splits_the_dit_over_tp():
     leaves = jax.tree_util.tree_leaves_with_path(hdit.param_shapes(hdit.PRESETS["13b"]))
     total = sum(int(np.prod(a.shape)) * 4 for _, a in leaves)
     whole = sum(int(np.prod(a.shape)) * 4 for k, a in leaves if jax.tree_util.keystr(k).startswith(("['embed']", "['head']")))
-    p = plan("hunyuanvideo-t2v", num_frames=9, height=256, width=256)
+    p = plan("hunyuanvideo-t2v", num_frames=9, height=256, width=256, dtype="float32")
     assert p.source == "release configs"
     enc, sample, _ = p.stages
     assert sample.mesh == "dp=1,tp=8" and sample.chips == 8 and sample.chip == "v5e"

@@ -45,7 +45,7 @@ def test_release_plan_splits_the_dit_over_tp():
     assert sum(int(np.prod(a.shape)) for _, a in leaves) == 8_326_608_160
     total = sum(int(np.prod(a.shape)) * 4 for _, a in leaves)
     whole = sum(int(np.prod(a.shape)) * 4 for k, a in leaves if jax.tree_util.keystr(k).startswith(("['embed']", "['head']")))
-    p = plan("hunyuanvideo1.5-480p-t2v", num_frames=9, height=256, width=256)
+    p = plan("hunyuanvideo1.5-480p-t2v", num_frames=9, height=256, width=256, dtype="float32")
     assert p.source == "release configs"
     enc, sample, _ = p.stages
     tp = mesh_axis(sample.mesh, "tp")

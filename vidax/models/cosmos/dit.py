@@ -345,12 +345,13 @@ class CosmosTransformer(nnx.Module):
         self.head = CosmosHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
-                 par: vsh.ParallelContext = vsh.LOCAL):
+                 par: vsh.ParallelContext = vsh.LOCAL, rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents (C = ``in_channels`` minus one when a
         ``cond_mask`` [B, F, H, W, 1] is given); ``t``: [B] or [B, F] (per latent frame); ``ctx``:
         [B, S, context_dim]; ``pad_mask``: [1|B, H, W] at the latent size (zeros if None);
         ``ctx_mask``: [B, S] bool (True = attend); ``fps``: scales the temporal RoPE (None: images).
-        Returns [B, F, H, W, out_channels]."""
+        ``rope``: the (cos, sin) tables of the grid (:func:`rope_tables`) as arguments (None: computed
+        here). Returns [B, F, H, W, out_channels]."""
         cfg = self.cfg
         dt = self.embed.patch.kernel[...].dtype
         x = model_input(cfg, x, cond_mask, pad_mask).astype(dt)
@@ -359,7 +360,7 @@ class CosmosTransformer(nnx.Module):
         tt = time_per_frame(cfg, t, x.shape[0], grid[0])
         temb, emb = self.embed.time(tt)
         c = {"emb": emb, "temb": temb, "fot": frame_of_tokens(grid), "ctx": self.embed.context(ctx.astype(dt))}
-        c["cos"], c["sin"] = rope_tables(cfg, grid, fps)
+        c["cos"], c["sin"] = rope_tables(cfg, grid, fps) if rope is None else rope
         if ctx_mask is not None:
             c["ctx_mask"] = jnp.asarray(ctx_mask, bool)
         if self.embed.pos_t is not None:
@@ -470,11 +471,11 @@ param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, K
 
 
 def forward(state, cfg: CosmosDiTConfig, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
-            attn_impl=None):
+            attn_impl=None, rope=None):
     """Velocity prediction from a state (pure; ``jax.jit(forward, static_argnums=1,
     static_argnames="fps")``). See :meth:`CosmosTransformer.__call__`."""
     return merge(state, cfg)(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps,
-                             par=vsh.ParallelContext(attn_impl=attn_impl))
+                             par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope)
 
 
 def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -686,12 +687,22 @@ class CosmosDiTRunner:
             raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
         return {"rest": self.rest, "blocks": self.blocks}
 
+    def step_params(self, x_shape, fps=None) -> dict:
+        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (:meth:`tables`): what
+        a jitted step passes to :meth:`apply`, so the tables are arguments, not compiled-in constants."""
+        pt, ph, pw = self.cfg.patch_size
+        return {**self.params, "tables": self.tables((x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw), fps)}
+
     def apply(self, params, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None):
-        """Traceable resident forward (params = :attr:`params`, kept as arguments)."""
+        """Traceable resident forward (params = :meth:`step_params`: weights and RoPE tables kept as
+        arguments; without ``"tables"`` the tables are computed into the program)."""
         self.check_inputs(jnp.shape(x))
         acts, grid = self._inputs(x, t, ctx, cond_mask, pad_mask, ctx_mask)
-        ang = rope_angles(self.cfg, grid, fps)
-        acts.update(cos=jnp.asarray(np.cos(ang), F32), sin=jnp.asarray(np.sin(ang), F32), fot=frame_of_tokens(grid))
+        if "tables" in params:
+            acts.update(params["tables"])
+        else:
+            ang = rope_angles(self.cfg, grid, fps)
+            acts.update(cos=jnp.asarray(np.cos(ang), F32), sin=jnp.asarray(np.sin(ang), F32), fot=frame_of_tokens(grid))
         return self._resident(params["rest"], params["blocks"], acts, grid)
 
 

@@ -177,9 +177,9 @@ def _single_device_step(cfg: cdit.CosmosDiTConfig, sched_key: tuple, use_cfg: bo
     inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
 
     @jax.jit
-    def step(p, x, state, i, ctx, g, aux):
+    def step(p, x, state, i, ctx, g, aux):  # p: (the DiT state, its RoPE tables)
         xin, t, cm = inputs(x, i, aux)
-        v = cdit.forward(p, cfg, xin, t, ctx, cond_mask=cm)
+        v = cdit.forward(p[0], cfg, xin, t, ctx, cond_mask=cm, rope=p[1])
         return _step_update(sched, use_cfg, x, state, v, i, aux, g)
 
     return step
@@ -414,7 +414,9 @@ class CosmosPredict(Pipeline):
         g = jnp.float32(guidance)
         if runner is None:  # one compiled step per (config, schedule, guidance mode), reused across runs
             step = _single_device_step(cfg, _sched_key(sched), use_cfg)
-            call = lambda x, state, i: step(params, x, state, i, ctx, g, aux)  # noqa: E731
+            pt, ph, pw = cfg.patch_size
+            p = (params, cdit.rope_tables(cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)))
+            call = lambda x, state, i: step(p, x, state, i, ctx, g, aux)  # noqa: E731
         elif runner.offload is None:
             def model(p, xin, t, ctx, cm):
                 return runner.apply(p, xin, t, ctx, cond_mask=cm)
@@ -424,7 +426,8 @@ class CosmosPredict(Pipeline):
                 xin, t, cm = inputs(x, i, aux)
                 return update(x, state, model(p, xin, t, ctx, cm), i, aux, g)
 
-            call = lambda x, state, i: step(runner.params, x, state, i, ctx, g, aux)  # noqa: E731
+            p = runner.step_params(x.shape)  # weights and RoPE tables: arguments of the step
+            call = lambda x, state, i: step(p, x, state, i, ctx, g, aux)  # noqa: E731
         else:
             pre, post = jax.jit(inputs), jax.jit(update)
 
@@ -479,7 +482,7 @@ class CosmosPredict(Pipeline):
         t = vplan.abstract((nb, f), np.float32)  # per-frame timesteps (conditioning frames at cond_timestep)
         ctx = vplan.abstract((nb, self.max_text_len, cfg.context_dim), self.dtype)
         cm = vplan.abstract((nb, f, h, w, 1), np.float32)
-        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx),
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx),
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
         units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling"))))

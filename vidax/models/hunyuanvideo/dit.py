@@ -510,15 +510,16 @@ class HunyuanVideoTransformer(nnx.Module):
         self.single = nn.stack(lambda r: SingleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_single_layers, rngs)
         self.head = Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, t, ctx, mask, pooled, guidance=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+    def __call__(self, x, t, ctx, mask, pooled, guidance=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B]; ``ctx``: [B, Lt,
         text_embed_dim]; ``mask``: [B, Lt]; ``pooled``: [B, pooled_projection_dim]; ``guidance``:
-        [B] (already ``scale * 1000``) for guidance-embedding models. Returns [B, F, H, W, Cout]."""
+        [B] (already ``scale * 1000``) for guidance-embedding models; ``rope``: the grid's (cos, sin)
+        tables (:func:`rope_tables`) as arguments (None: computed here). Returns [B, F, H, W, Cout]."""
         cfg = self.cfg
         dt = self.embed.patch.kernel[...].dtype
         tokens, grid = patchify(cfg, x.astype(dt))
         h, temb, tr, y = self.embed(tokens, t, ctx.astype(dt), mask, pooled, guidance)
-        cos, sin = rope_tables(cfg, grid)
+        cos, sin = rope_tables(cfg, grid) if rope is None else rope
         c = dict(temb=temb, cos=cos, sin=sin, text_len=text_lengths(mask))
         if tr is not None:
             c.update(tr=tr, first=first_frame_tokens(grid))
@@ -627,10 +628,11 @@ def text_lengths(mask) -> jnp.ndarray:
     return jnp.sum(jnp.asarray(mask) != 0, axis=1).astype(jnp.int32)
 
 
-def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=None, *, attn_impl=None):
+def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=None, *, attn_impl=None, rope=None):
     """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``); single
     device or compiler-partitioned. For meshes and offloading see :class:`HunyuanVideoRunner`."""
-    return merge(state, cfg)(x, t, ctx, mask, pooled, guidance, par=vsh.ParallelContext(attn_impl=attn_impl))
+    return merge(state, cfg)(x, t, ctx, mask, pooled, guidance, par=vsh.ParallelContext(attn_impl=attn_impl),
+                             rope=rope)
 
 
 # ----------------------------------------------------------------------------------- sharding
@@ -862,14 +864,22 @@ class HunyuanVideoRunner:
             raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
         return {"rest": self.rest, "pools": self.pools}
 
+    def step_params(self, x_shape) -> dict:
+        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (:meth:`tables`): what
+        a jitted step passes to :meth:`apply`, so the tables are arguments, not compiled-in constants."""
+        return {**self.params, "tables": self.tables(grid_of(self.cfg, x_shape))}
+
     def apply(self, params, x, t, ctx, mask, pooled, guidance=None):
-        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`)."""
+        """Traceable ``model_fn`` for a jitted sampling step (params = :meth:`step_params`; without
+        ``"tables"`` the RoPE tables are computed into the program)."""
         self.check_inputs(x.shape)
         grid = grid_of(self.cfg, x.shape)
-        cos, sin = rope_tables(self.cfg, grid)
-        tables = {"cos": cos, "sin": sin}
-        if self.cfg.token_replace:
-            tables["first"] = first_frame_tokens(grid)
+        tables = params.get("tables")
+        if tables is None:
+            cos, sin = rope_tables(self.cfg, grid)
+            tables = {"cos": cos, "sin": sin}
+            if self.cfg.token_replace:
+                tables["first"] = first_frame_tokens(grid)
         return self._resident(params["rest"], params["pools"], x, t, ctx, mask, pooled, guidance, tables)
 
     def lower(self, x, t, ctx, mask, pooled, guidance=None):

@@ -517,7 +517,7 @@ class HunyuanVideoT2V(Pipeline):
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         tokens = int(np.prod(hdit.grid_of(cfg, shape)))
         f32 = lambda *s: vplan.abstract(s, np.float32)  # noqa: E731
-        args = (runner.params, vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
+        args = (runner.step_params(shape), vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
                 vplan.abstract((nb, text_len, cfg.text_embed_dim), self.dtype), f32(nb, text_len),
                 vplan.abstract((nb, cfg.pooled_projection_dim), self.dtype), f32(nb) if cfg.guidance_embeds else None)
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
@@ -705,7 +705,10 @@ def _cached_step(params, cfg, sched, schedule, ct, prep, use_cfg):
             cache.pop(next(iter(cache)))
         cache[key] = _make_step(params if runner is not None else None, cfg, sched, prep, use_cfg, ct == "token_replace")
     fn = cache[key]
-    return fn if runner is not None else (lambda *a: fn(params, *a))
+    if runner is not None:
+        return fn
+    # one device: the state and the RoPE tables of the latents' grid are the step's arguments
+    return lambda x, *a: fn((params, hdit.rope_tables(cfg, hdit.grid_of(cfg, x.shape))), x, *a)
 
 
 def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool, replace_first: bool):
@@ -736,18 +739,17 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
         return x, state
 
     if runner is None or runner.offload is None:
-        if runner is None:
-            model = lambda p, xin, t, cc: hdit.forward(p, cfg, xin, t, cc["ctx"], cc["mask"], cc["pooled"],  # noqa: E731
-                                                      cc.get("guidance"))
-        else:
+        if runner is None:  # p: (the DiT state, the grid's RoPE tables)
+            model = lambda p, xin, t, cc: hdit.forward(p[0], cfg, xin, t, cc["ctx"], cc["mask"], cc["pooled"],  # noqa: E731
+                                                      cc.get("guidance"), rope=p[1])
+        else:  # p: the runner's weights and RoPE tables (step_params)
             model = lambda p, xin, t, cc: runner.apply(p, xin, t, cc["ctx"], cc["mask"], cc["pooled"],  # noqa: E731
                                                       cc.get("guidance"))
-            params = runner.params
 
         @jax.jit
         def step(p, x, state, i, cond, uncond, true_cfg, aux):
             b = x.shape[0]
-            xin = model_in(x, aux).astype(jnp.dtype(_dtype(p, runner)))
+            xin = model_in(x, aux).astype(jnp.dtype(_dtype(p if runner is not None else p[0], runner)))
             k = 2 if use_cfg else 1
             t = jnp.full((k * b,), timesteps[i], jnp.float32)
             xx = jnp.concatenate([xin] * k, axis=0)
@@ -756,7 +758,8 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
 
         if runner is None:  # params stay an argument (the caller binds them per run)
             return lambda p, x, state, i, cond, uncond, true_cfg, aux, key: step(p, x, state, i, cond, uncond, true_cfg, aux)
-        return lambda x, state, i, cond, uncond, true_cfg, aux, key: step(params, x, state, i, cond, uncond, true_cfg, aux)
+        return lambda x, state, i, cond, uncond, true_cfg, aux, key: step(runner.step_params(x.shape), x, state, i, cond,
+                                                                          uncond, true_cfg, aux)
 
     prep_j = jax.jit(lambda x, aux: model_in(x, aux).astype(runner.dtype))
     upd = jax.jit(lambda x, state, v, i, true_cfg, aux: update(x, state, combine(v, x.shape[0], true_cfg), i, aux))

@@ -474,14 +474,18 @@ class LTXVideo(_ProbeVAE, _Source, _Tiles, Pipeline):
         dt = ldit.state_dtype(params) if runner is None else jnp.dtype(self.dtype)
 
         def model(prm, xx, tt, ctx, mask):
-            inp = ldit.model_inputs(cfg, pack(xx, p, pt).astype(dt), tt, ctx.astype(dt), mask, cos, sin)
-            out = ldit.forward(prm, cfg, inp) if runner is None else (runner.apply(prm, inp) if prm is not None
-                                                                       else runner(inp))
+            # a traced step gets (weights, RoPE tables) as its argument: the tables are never
+            # compiled-in constants; a streaming runner (called from Python) gets None
+            w, (c, s) = prm if prm is not None else (None, (cos, sin))
+            inp = ldit.model_inputs(cfg, pack(xx, p, pt).astype(dt), tt, ctx.astype(dt), mask, c, s)
+            out = ldit.forward(w, cfg, inp) if runner is None else (runner.apply(w, inp) if w is not None
+                                                                    else runner(inp))
             return unpack(out["y"], (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)
 
         jit_model = runner is None or runner.offload is None
-        prm = params if runner is None else (runner.params if runner.offload is None else None)
-        return model, prm, jit_model, _replicated(runner)
+        put = _replicated(runner)
+        prm = ((params if runner is None else runner.params), (put(cos), put(sin))) if jit_model else None
+        return model, prm, jit_model, put
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
@@ -1002,11 +1006,13 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
         dt = ldit2.state_dtype(params) if runner is None else jnp.dtype(self.dtype)
 
         def model(prm, xx, aa, t, ctx, actx, mask, perturb, xmod):
+            # a traced step gets (weights, RoPE tables): the tables are arguments, never constants
+            prm, rp = prm if prm is not None else (None, ropes)
             n = xx.shape[0]
             tb = jnp.full((n,), t, jnp.float32)
             vt = tb if ktok is None else tb[:, None] * (1.0 - ktok)
             inp = ldit2.model_inputs(
-                cfg, pack(xx, p, pt).astype(dt), aa.astype(dt), ctx.astype(dt), actx.astype(dt), vt, ropes, ta=tb,
+                cfg, pack(xx, p, pt).astype(dt), aa.astype(dt), ctx.astype(dt), actx.astype(dt), vt, rp, ta=tb,
                 sigma=tb, mask=mask, amask=mask, use_cross_timestep=uct, perturb=perturb, stg_blocks=stg_blocks,
                 isolate=1.0 - xmod)
             out = (ldit2.forward(prm, cfg, inp) if runner is None else
@@ -1014,8 +1020,9 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
             return unpack(out["y"], tgrid, p, pt), out["ya"]
 
         jit_model = runner is None or runner.offload is None
-        prm = params if runner is None else (runner.params if runner.offload is None else None)
-        return model, prm, jit_model, _replicated(runner), stg_blocks
+        put = _replicated(runner)
+        prm = ((params if runner is None else runner.params), jax.tree.map(put, ropes)) if jit_model else None
+        return model, prm, jit_model, put, stg_blocks
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
