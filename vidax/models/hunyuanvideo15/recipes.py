@@ -10,13 +10,12 @@ from vidax.pipeline import Recipe, tpu
 _T2V = "vidax.models.hunyuanvideo15.pipeline:HunyuanVideo15T2V"
 _I2V = "vidax.models.hunyuanvideo15.pipeline:HunyuanVideo15I2V"
 _V5E = "tpu-v5-lite-podslice"
-_V5P = "tpu-v5p-slice"
-_OPTS = ("shift", "vae_tiling")
+_OPTS = ("shift", "vae_tiling", "vae_chunk")
 # encode: the Qwen2.5-VL-7B text tower in float32 (30 GB) sharded over 8 chips; sample: the 8.3B DiT
-# (17 GB in bf16) with CFG on dp=2 and its 16 heads over 4; decode: the 32-channel VAE in 256-px tiles
-# (on by default), each tile's 121 frames at once: its largest level needs ~24 GiB on one chip
-# (`vidax plan`), more than a v5e holds, so decode runs on v5p chips
-_POOLS = {None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8), "decode": tpu(_V5P, "2x2x1", 4)}}
+# (17 GB in bf16) with CFG on dp=2 and its 16 heads over 4; decode: the 32-channel VAE, one stage per
+# 256-px tile (on by default), 4 latent frames (16 video frames) per call carrying the causal state:
+# 8.0 GiB peak on one chip at 720p x 121 frames (`vidax plan`; all 121 frames at once needed ~24 GiB)
+_POOLS = {None: {"encode": tpu(_V5E, "2x4", 8), "sample": tpu(_V5E, "2x4", 8), "decode": tpu(_V5E, "2x2", 4)}}
 _I2V_TINY = {("tiny", True): "tiny-i2v"}
 
 RECIPES = [
