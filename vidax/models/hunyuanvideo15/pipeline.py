@@ -79,7 +79,10 @@ def _tiny_presets() -> dict:
     siglip = SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_layers=2, num_heads=2, image_size=32,
                                 patch_size=8, use_head=False)
     base = TinyPreset(llm=llm, byt5=byt5, siglip=siglip)
-    return {"tiny": base, "tiny-i2v": replace(base, dit=hdit.PRESETS["tiny-i2v"], pipeline_class=_I2V)}
+    i2v = replace(base, dit=hdit.PRESETS["tiny-i2v"], pipeline_class=_I2V)
+    return {"tiny": base, "tiny-i2v": i2v,
+            # the step-distilled image-to-video release's shape: a meanflow DiT (``timestep_r``)
+            "tiny-i2v-meanflow": replace(i2v, dit=replace(hdit.PRESETS["tiny-i2v"], use_meanflow=True))}
 
 
 PRESET_SOURCES = _tiny_presets()
