@@ -1,6 +1,8 @@
 """HunyuanVideo 1.5 text-to-video and image-to-video: prompt encode (Qwen2.5-VL + ByT5 glyphs,
 SigLIP image; fp32) -> DiT sampling (flow-matching Euler, classifier-free guidance as a batch of
-two) -> VAE decode in persisted frame-range stages.
+two) -> VAE decode in persisted stages: one per spatial tile (blended at mux as the reference's
+tiled decode), or frame ranges without tiling; the VAE decodes a few latent frames per call,
+carrying its causal state.
 
 Sources: a preset (``tiny`` text-to-video, ``tiny-i2v``: seeded random weights, seconds on a CPU)
 or a diffusers pipeline folder (``HunyuanVideo15Pipeline`` / ``HunyuanVideo15ImageToVideoPipeline``:

@@ -14,6 +14,11 @@ resampled in space only.
 - the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
   one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
   whole decoder at full resolution;
+- and **temporally chunked** (``chunk``, :func:`decode_tile`): a few latent frames per call, each
+  level carrying its causal state (every causal conv's last input frames, the mid attention's
+  keys and values) to the next chunk -- equal to the all-frames decode, which the reference runs;
+- :func:`tile_grid` / :func:`assemble_tiles`: the reference's tiles and its in-place linear
+  cross-fade, apart, so each tile can be a persisted decode stage blended at mux;
 - :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
   cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
 
