@@ -91,3 +91,78 @@ def test_original_release_names(ref, tmp_path):
     vae = hvae.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", hvae.HunyuanVideo15VAEConfig(**TINY))
     assert_parity(hvae.decode(vae, ref["z"]), ref["dec"], what="decode from the original names")
 
+
+
+@pytest.fixture(scope="module")
+def long_ref(ref):
+    """7 latent frames (25 video frames), non-square 5x6 latents: the reference's decode, B=2 as two B=1."""
+    z = np.random.default_rng(5).standard_normal((2, 4, 7, 5, 6)).astype(np.float32)
+    m = ref["model"]
+    m.use_tiling = False  # (the module's reference has tiling on)
+    try:
+        with torch.no_grad():
+            dec = np.concatenate([to_numpy(m.decode(torch.from_numpy(z[i:i + 1])).sample) for i in range(2)])
+    finally:
+        m.use_tiling = True
+    return z, dec
+
+
+def test_chunked_decode_parity(ref, long_ref):
+    """Temporal chunks carrying the causal state (conv inputs, the mid attention's keys/values)
+    equal the reference's all-frames decode: chunks of 2 (the last one padded) and of 3; two
+    programs per decoder level (the first chunk, every later one), none on a second call; frame
+    ranges decoded from their chunked prefix equal the chunked whole decode bitwise."""
+    from vidax.core.jit import CompileCounter
+
+    vae = hvae.load_vae(ref["folder"])
+    z, want = long_ref
+    levels = len(TINY["block_out_channels"]) + 2
+    with CompileCounter() as cc:
+        got = hvae.decode(vae, z, chunk=2)
+    assert cc.count == 2 * levels
+    assert got.shape == want.shape == (2, 3, 25, 20, 24)
+    assert_parity(got, want, what="chunked decode (2 latent frames per call)")
+    with CompileCounter() as cc:
+        again = hvae.decode(vae, z + 0.5, chunk=2)
+    assert cc.count == 0 and not np.array_equal(again, got)
+    parts = [hvae.decode_frames(vae, z, a, b, prefix_only=True, chunk=2) for a, b in ((0, 2), (2, 5), (5, 7))]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=2), got)
+
+
+def test_staged_tile_decode(ref):
+    """The pipeline's tiled decode stages (the tiny tile settings of the module's reference: 7x7
+    latents, 3x3 tiles with edge tiles of 1; every frame per call -- the chunks are checked above and
+    run tiled in the registry conformance test): one stage per reference
+    tile, each persisting its raw decode; the assembled video is the reference's tiled decode
+    (cross-fade included) and, bitwise, the in-memory tiled decode; a tile decoded again
+    alone (a rerun) is the same bytes."""
+    from types import SimpleNamespace
+
+    from vidax.models.hunyuanvideo15.pipeline import HunyuanVideo15T2V
+    from vidax.pipeline import to_uint8, to_unit_range
+
+    vae = hvae.load_vae(ref["folder"])
+    p = HunyuanVideo15T2V("tiny")
+    p.load_vae = lambda: vae
+    p.tiling = lambda enabled=True: hvae.Tiling(bool(enabled), TILE["tile_sample_min_height"],
+                                                TILE["tile_latent_min_height"], TILE["tile_overlap_factor"])
+    req = SimpleNamespace(height=28, width=28, num_frames=9, options={"vae_tiling": True, "vae_chunk": 0},
+                          decode_stages=None)
+    plan = p.decode_plan(req)
+    assert [s.tile for s in plan] == [(y, min(y + 4, 7), x, min(x + 4, 7)) for y in (0, 3, 6) for x in (0, 3, 6)]
+    assert all(s.frames == (0, 3) and s.carry_from is None for s in plan)
+    lat = {"latents": ref["zt"] * vae.cfg.scaling_factor}
+    parts = [(s, p.decode(lat, s, None, req)[0]["frames"].array) for s in plan]
+    assert parts[4][1].dtype == np.float32 and parts[4][1].shape == (2, 9, 16, 16, 3)
+    raw = hvae.assemble_tiles([[f for _, f in parts[i:i + 3]] for i in (0, 3, 6)], p.tiling(), 28, 28)
+    assert_parity(raw.transpose(0, 4, 1, 2, 3), ref["dec_t"], what="staged tiles vs the reference's tiled decode")
+    video = p.assemble_video(parts)
+    np.testing.assert_array_equal(video, to_uint8(p.decode_video(lat["latents"], vae, True)))
+    assert np.abs(video.astype(int) - to_uint8(to_unit_range(ref["dec_t"])).astype(int)).max() <= 1
+    again = p.decode(lat, plan[4], None, req)[0]["frames"].array
+    assert again.tobytes() == parts[4][1].tobytes()
+    # without tiling: chunk-aligned frame ranges that concatenate to the chunked decode
+    flat = SimpleNamespace(height=28, width=28, num_frames=25, options={"vae_tiling": False, "vae_chunk": 2},
+                           decode_stages=None)
+    spans = p.decode_plan(flat)
+    assert [s.frames for s in spans] == [(0, 2), (2, 4), (4, 6), (6, 7)] and all(s.tile is None for s in spans)

@@ -55,3 +55,28 @@ def test_release_plan_splits_the_dit_over_tp():
     qwen = enc.units[0]
     assert qwen.name == "Qwen2.5-VL text encoder" and qwen.devices == 8
     assert 5.5 * 2 ** 30 < qwen.weights < 6.5 * 2 ** 30  # float32 over 8: FFN and vocabulary split, the 28 / 4 heads whole
+
+
+def test_release_configs_match_the_recipes():
+    """Every HunyuanVideo 1.5 recipe ships its release's configs, and the recipe's defaults are
+    what they say (diffusers' conversion: scheduler shift, guider scale; the step-distilled
+    release's meanflow DiT), the I2V/T2V pipeline class and target size with them."""
+    import json
+    from pathlib import Path
+
+    from vidax import registry
+
+    root = Path(__file__).parents[1] / "vidax/models/hunyuanvideo15/configs"
+    ids = sorted(m for m in registry.MODELS if m.startswith("hunyuanvideo1.5-"))
+    assert len(ids) == 9 and sorted(p.name for p in root.iterdir()) == ids
+    for m in ids:
+        r, d = registry.get(m), root / m
+        s = r.settings(None)
+        cfg = lambda rel: json.loads((d / rel).read_text())  # noqa: E731
+        assert cfg("scheduler/scheduler_config.json")["shift"] == s["shift"], m
+        assert cfg("guider/guider_config.json")["guidance_scale"] == s["guidance"], m
+        t = cfg("transformer/config.json")
+        assert t["use_meanflow"] == m.endswith("step-distilled"), m
+        assert t["task_type"] == ("i2v" if "-i2v" in m else "t2v") and t["target_size"] == (640 if "480p" in m else 960), m
+        assert (cfg("model_index.json")["_class_name"] == "HunyuanVideo15ImageToVideoPipeline") == ("-i2v" in m), m
+        assert s["guidance"] == (6.0 if not m.endswith("distilled") else 1.0) and s["vae_tiling"] is True, m

@@ -81,6 +81,34 @@ def vae_decode():
                 reference=reference)
 
 
+def vae_decode_chunked():
+    """The stages' decode: temporal chunks of 2 latent frames carrying the causal state, against
+    the reference's all-frames decode of the same latents (same numerics, less memory per call)."""
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    from tests.refutil import perturb
+    from vidax.models.hunyuanvideo15 import vae as hvae
+
+    torch.manual_seed(0)
+    ref = perturb(AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(32, 64, 64, 128, 128),
+                                              layers_per_block=2))
+    vae = hvae.load_vae(_save(ref), hvae.HunyuanVideo15VAEConfig.from_diffusers(dict(ref.config)))
+    z = np.random.default_rng(0).standard_normal((1, 32, 6, 4, 8)).astype(np.float32)
+
+    def vidax():
+        hvae.decode(vae, z, chunk=2)
+
+    def reference():
+        with torch.no_grad():
+            ref.decode(torch.from_numpy(z))
+
+    return dict(component="VAE decode, temporal chunks of 2 latent frames (vs diffusers' all-frames decode)",
+                config="channels 32-64-64-128-128, z 32, latents 6x4x8 -> 21x64x128 px", vidax=vidax,
+                reference=reference)
+
+
 def _save(model):
     import tempfile
 
@@ -89,4 +117,4 @@ def _save(model):
     return d
 
 
-CASES = [dit_forward, vae_decode]
+CASES = [dit_forward, vae_decode, vae_decode_chunked]

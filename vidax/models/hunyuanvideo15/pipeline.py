@@ -1,6 +1,8 @@
 """HunyuanVideo 1.5 text-to-video and image-to-video: prompt encode (Qwen2.5-VL + ByT5 glyphs,
 SigLIP image; fp32) -> DiT sampling (flow-matching Euler, classifier-free guidance as a batch of
-two) -> VAE decode in persisted frame-range stages.
+two) -> VAE decode in persisted stages: one per spatial tile (blended at mux as the reference's
+tiled decode), or frame ranges without tiling; the VAE decodes a few latent frames per call,
+carrying its causal state.
 
 Sources: a preset (``tiny`` text-to-video, ``tiny-i2v``: seeded random weights, seconds on a CPU)
 or a diffusers pipeline folder (``HunyuanVideo15Pipeline`` / ``HunyuanVideo15ImageToVideoPipeline``:
@@ -23,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +35,7 @@ from vidax.core.sampling import StepInfo
 from vidax.models.hunyuanvideo15 import dit as hdit
 from vidax.models.hunyuanvideo15 import text as htext
 from vidax.models.hunyuanvideo15 import vae as hvae
-from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, temporal_spans,
+from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state,
                             to_uint8, to_unit_range, unpack_state)
 from vidax.schedulers import make_scheduler
 from vidax.weights.fingerprint import files_fingerprint
@@ -44,6 +47,9 @@ _CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_confi
 _EMB_DIMS = ("batch", "token", "channel")
 _LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
 _T2V, _I2V = "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"
+#: latent frames the VAE decodes per call (16 video frames), carrying its causal state: a 256-px
+#: tile's decode at 121 frames then fits a v5e chip (`vidax plan`)
+DECODE_CHUNK = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class TinyPreset:
     max_text_tokens: int = 32
     glyph_tokens: int = 16
     seed: int = 0
+    tile_sample: int = 48  # the VAE's spatial tile in pixels (the release: 256): the stages' tiled decode runs
+    decode_chunk: int = 2  # latent frames per VAE decode call (the release default: DECODE_CHUNK)
 
 
 def _tiny_presets() -> dict:
@@ -73,7 +81,10 @@ def _tiny_presets() -> dict:
     siglip = SiglipVisionConfig(hidden_size=12, intermediate_size=24, num_layers=2, num_heads=2, image_size=32,
                                 patch_size=8, use_head=False)
     base = TinyPreset(llm=llm, byt5=byt5, siglip=siglip)
-    return {"tiny": base, "tiny-i2v": replace(base, dit=hdit.PRESETS["tiny-i2v"], pipeline_class=_I2V)}
+    i2v = replace(base, dit=hdit.PRESETS["tiny-i2v"], pipeline_class=_I2V)
+    return {"tiny": base, "tiny-i2v": i2v,
+            # the step-distilled image-to-video release's shape: a meanflow DiT (``timestep_r``)
+            "tiny-i2v-meanflow": replace(i2v, dit=replace(hdit.PRESETS["tiny-i2v"], use_meanflow=True))}
 
 
 PRESET_SOURCES = _tiny_presets()
@@ -144,7 +155,11 @@ class HunyuanVideo15T2V(Pipeline):
         Option("shift", float, 5.0, "flow-matching timestep shift (the releases: 480p 5, 720p T2V 9, 720p I2V 7)",
                minimum=0.0, maximum=100.0),
         Option("vae_tiling", bool, True, "decode (and encode the image) in overlapping 256-px spatial tiles, as the "
-                                         "reference examples enable", stages=("encode", "decode")),
+                                         "reference examples enable; each tile is its own decode stage",
+               stages=("encode", "decode")),
+        Option("vae_chunk", int, None, f"latent frames the VAE decodes per call, carrying its causal state to the "
+                                       f"next (default {DECODE_CHUNK}; 0: every frame at once, as the reference)",
+               minimum=0, maximum=1024, stages=("decode",)),
     )
     COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.hunyuanvideo",)
@@ -293,7 +308,16 @@ class HunyuanVideo15T2V(Pipeline):
         return hvae.load_vae(self.folder / "vae", self.vae_config())
 
     def tiling(self, enabled: bool = True) -> hvae.Tiling:
-        return hvae.Tiling(spatial=bool(enabled))
+        """The reference's ``enable_tiling`` defaults (256-px tiles, overlap 0.25; presets: smaller tiles)."""
+        return hvae.Tiling(spatial=bool(enabled), sample=self.preset.tile_sample if self.preset else 256)
+
+    def decode_chunk(self, request=None) -> int | None:
+        """Latent frames per VAE decode call (None: all at once): the request's ``vae_chunk``, or
+        :data:`DECODE_CHUNK` (presets: theirs)."""
+        v = None if request is None else request.options.get("vae_chunk")
+        if v is None:
+            v = self.preset.decode_chunk if self.preset else DECODE_CHUNK
+        return int(v) or None
 
     # ------------------------------------------------------------------ conditioning
     def encode_prompts(self, prompts, encoders=None, tokenizers=None) -> dict:
@@ -406,17 +430,48 @@ class HunyuanVideo15T2V(Pipeline):
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     # ------------------------------------------------------------------ decode
-    def decode_video(self, latents, vae=None, tiling: bool = True) -> np.ndarray:
-        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3]."""
+    def decode_video(self, latents, vae=None, tiling: bool = True, chunk: int | None = None) -> np.ndarray:
+        """Latents [B, C, F, h, w] (as sampled, scaled) -> video in [0, 1], [B, F, H, W, 3].
+        ``chunk``: latent frames per decode call (None: all at once)."""
         vae = vae or self.load_vae()
-        return to_unit_range(hvae.decode(vae, np.asarray(latents, np.float32) / vae.cfg.scaling_factor, self.tiling(tiling)))
+        z = np.asarray(latents, np.float32) / vae.cfg.scaling_factor
+        return to_unit_range(hvae.decode(vae, z, self.tiling(tiling), chunk))
 
     def decode_plan(self, request) -> list[DecodeSpan]:
-        """Contiguous latent frame ranges (up to 4). The decoder is causal: a stage's frames are
-        cut from a decode that holds them, so no stage carries anything to the next and any one
-        reruns alone."""
-        spans = temporal_spans(self.geometry().latent_frames(request.num_frames), getattr(request, "decode_stages", None))
-        return [replace(s, carry_from=None) for s in spans]
+        """With ``vae_tiling`` and a latent larger than one tile: one stage per spatial tile (the
+        reference's tiles, its overlap included, raster order), every frame, persisting the tile's
+        raw decode; :meth:`assemble_video` cross-fades them as the reference's ``tiled_decode``.
+        Otherwise contiguous latent frame ranges (up to 4, or ``decode_stages``; on chunk
+        boundaries): the decoder is causal, so a stage decodes the chunks up to its range's end
+        with the whole sequence's programs and keeps its frames. No stage carries anything to the
+        next: any one reruns alone."""
+        g, s = self.geometry(), self.vae_config().spatial_compression_ratio
+        f = g.latent_frames(request.num_frames)
+        grid = hvae.tile_grid(request.height // s, request.width // s,
+                              self.tiling(bool(request.options.get("vae_tiling", True))), s)
+        boxes = [b for row in grid for b in row]
+        if len(boxes) > 1:
+            return [DecodeSpan(f"decode/{k}", "video", (0, f), box) for k, box in enumerate(boxes)]
+        chunk = self.decode_chunk(request) or 1
+        units = -(-f // chunk)
+        k = min(getattr(request, "decode_stages", None) or 4, units)
+        bounds = [min(f, round(i * units / k) * chunk) for i in range(k + 1)]
+        return [DecodeSpan(f"decode/{i}", "video", (bounds[i], bounds[i + 1])) for i in range(k)]
+
+    def assemble_video(self, parts) -> np.ndarray:
+        """uint8 [B, F, H, W, 3]: frame-range stages concatenated; tile stages (raw decodes)
+        cross-faded as the reference's ``tiled_decode`` (:func:`vae.assemble_tiles`), then
+        post-processed as one decode."""
+        if parts[0][0].tile is None:
+            return np.concatenate([f for _, f in parts], axis=1)
+        rows: dict = {}
+        for span, px in parts:
+            rows.setdefault(span.tile[0], []).append((span.tile[2], np.asarray(px, np.float32)))
+        s = self.vae_config().spatial_compression_ratio
+        h, w = max(sp.tile[1] for sp, _ in parts) * s, max(sp.tile[3] for sp, _ in parts) * s
+        grid = [[px for _, px in sorted(r, key=lambda t: t[0])] for _, r in sorted(rows.items())]
+        px = hvae.assemble_tiles(grid, self.tiling(True), h, w)
+        return to_uint8(to_unit_range(px.transpose(0, 4, 1, 2, 3)))
 
     # ------------------------------------------------------------------ memory plan
     def plan_units(self, request) -> list:
@@ -425,7 +480,9 @@ class HunyuanVideo15T2V(Pipeline):
         ByT5 glyph encoder, and for image-to-video SigLIP and the image's VAE encode (one 256-px
         tile with ``vae_tiling``). Sample: one DiT call on the CFG batch on this pipeline's mesh,
         inputs as the step passes them. Decode: one spatial tile (``vae_tiling``) or the whole
-        frame, all latent frames, one unit per decoder level (each level is its own compiled call)."""
+        frame, one unit per decoder level (each level is its own compiled call) of the program a
+        decode stage repeats: a later temporal chunk of ``vae_chunk`` latent frames with the
+        causal state it reads (all latent frames at once without chunks)."""
         from functools import partial
 
         from vidax.core import nn
@@ -473,11 +530,26 @@ class HunyuanVideo15T2V(Pipeline):
         lt = til.latent_tile(s)
         if til.spatial and (h > lt or w > lt):
             h, w = min(h, lt), min(w, lt)
-        x, what = vplan.abstract((b, f, h, w, c), np.float32), " (one tile)" * ((h, w) != shape[2:4])
-        for i in range(len(vcfg.block_out_channels) + 2):
-            units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, method="decode_level", level=i,
-                                  note=f"{b} x {f} latent frames of {h}x{w}{what}"))
-            x = jax.eval_shape(partial(nn._apply, vae._graph, "decode_level", (("level", i),)), vae.state, x)
+        what = " (one tile)" * ((h, w) != shape[2:4])
+        levels, chunk = len(vcfg.block_out_channels) + 2, self.decode_chunk(request)
+        if chunk is None or f <= chunk:  # every frame in one call per level
+            x = vplan.abstract((b, f, h, w, c), np.float32)
+            for i in range(levels):
+                units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, method="decode_level", level=i,
+                                      note=f"{b} x {f} latent frames of {h}x{w}{what}"))
+                x = jax.eval_shape(partial(nn._apply, vae._graph, "decode_level", (("level", i),)), vae.state, x)
+            return units
+        # a later chunk (the first reads no state and makes fewer frames): its input, the causal
+        # state the previous chunk left (what the first one returns) and the chunk's offset
+        kv, off = -(-f // chunk) * chunk, vplan.abstract((), np.int32)
+        fn = lambda i: partial(nn._apply, vae._graph, "decode_level_chunk", (("kv_frames", kv), ("level", i)))  # noqa: E731
+        x = x0 = vplan.abstract((b, chunk, h, w, c), np.float32)
+        for i in range(levels):
+            x0, st = jax.eval_shape(fn(i), vae.state, x0, None, off)
+            units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, st, off, method="decode_level_chunk",
+                                  level=i, kv_frames=kv,
+                                  note=f"{b} x {chunk} of {f} latent frames of {h}x{w}{what}, + causal state"))
+            x = jax.eval_shape(fn(i), vae.state, x, st, off)[0]
         return units
 
     # ------------------------------------------------------------------ the stage protocol
@@ -550,14 +622,24 @@ class HunyuanVideo15T2V(Pipeline):
                                                      "scaled": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        """Latent frames ``span.frames`` -> uint8 frames (cut from the causal decode)."""
+        """A tile stage: the tile's raw decode (float32 [B, F, h, w, 3], the reference's tile with
+        its overlap, blended when muxed). A frame-range stage: uint8 frames of latent frames
+        ``span.frames`` (the chunks up to its end, the whole sequence's programs)."""
         vae = self.load_vae()
-        a, b = span.frames
         z = np.asarray(latents["latents"], np.float32) / vae.cfg.scaling_factor
-        px = hvae.decode_frames(vae, z, a, b, self.tiling(bool(request.options.get("vae_tiling", True))))
-        frames = to_uint8(to_unit_range(px))
-        return {"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
-                                {"latent_frames": [a, b], "units": "uint8 RGB"})}, None
+        chunk = self.decode_chunk(request)
+        dims = ("batch", "frame", "height", "width", "rgb")
+        if span.tile is not None:
+            y0, y1, x0, x1 = span.tile
+            zt = np.ascontiguousarray(z[..., y0:y1, x0:x1].transpose(0, 2, 3, 4, 1))
+            px = hvae.decode_tile(vae, zt, chunk)
+            return {"frames": Named(px, dims, {"tile": list(span.tile), "latent_frames": list(span.frames),
+                                               "units": "raw decoder output, float32 (nominally [-1, 1]); "
+                                                        "cross-faded with its neighbours and quantised at mux"})}, None
+        a, b = span.frames
+        px = hvae.decode_frames(vae, z, a, b, self.tiling(bool(request.options.get("vae_tiling", True))),
+                                prefix_only=chunk is not None, chunk=chunk)
+        return {"frames": Named(to_uint8(to_unit_range(px)), dims, {"latent_frames": [a, b], "units": "uint8 RGB"})}, None
 
     # ------------------------------------------------------------------ probe hooks
     def vae_encode(self, video: np.ndarray) -> np.ndarray:
@@ -567,7 +649,7 @@ class HunyuanVideo15T2V(Pipeline):
         return (hvae.encode(vae, np.asarray(video, np.float32), self.tiling(True)) * vae.cfg.scaling_factor).astype(np.float32)
 
     def vae_decode(self, latents: np.ndarray) -> np.ndarray:
-        return self.decode_video(latents)
+        return self.decode_video(latents, chunk=self.decode_chunk())
 
     def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
         """The clean estimate ``x - sigma * v`` per row: one DiT call at timestep ``sigma * 1000``
@@ -599,7 +681,7 @@ class HunyuanVideo15T2V(Pipeline):
     # ------------------------------------------------------------------ one call
     def generate(self, prompt, negative_prompt=None, *, image=None, seed: int = 0, height: int | None = None,
                  width: int | None = None, num_frames: int = 121, steps: int = 50, guidance: float = 6.0,
-                 shift: float = 5.0, vae_tiling: bool = True, on_step=None) -> np.ndarray:
+                 shift: float = 5.0, vae_tiling: bool = True, vae_chunk: int | None = None, on_step=None) -> np.ndarray:
         """Prompt(s) (+ image) -> uint8 frames [B, F, H, W, 3]. The size defaults to the reference's
         (16:9 bucket for text-to-video, the image's bucket for image-to-video)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -626,7 +708,8 @@ class HunyuanVideo15T2V(Pipeline):
         out = self.sample_latents(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames,
                                   steps=steps, guidance=guidance, shift=shift, image_embeds=emb, image_latents=lat,
                                   on_step=on_step)
-        return to_uint8(self.decode_video(out, vae, vae_tiling))
+        chunk = self.decode_chunk(SimpleNamespace(options={"vae_chunk": vae_chunk}))
+        return to_uint8(self.decode_video(out, vae, vae_tiling, chunk))
 
 
 class HunyuanVideo15I2V(HunyuanVideo15T2V):

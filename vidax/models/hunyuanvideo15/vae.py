@@ -14,6 +14,11 @@ resampled in space only.
 - the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
   one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
   whole decoder at full resolution;
+- and **temporally chunked** (``chunk``, :func:`decode_tile`): a few latent frames per call, each
+  level carrying its causal state (every causal conv's last input frames, the mid attention's
+  keys and values) to the next chunk -- equal to the all-frames decode, which the reference runs;
+- :func:`tile_grid` / :func:`assemble_tiles`: the reference's tiles and its in-place linear
+  cross-fade, apart, so each tile can be a persisted decode stage blended at mux;
 - :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
   cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
 
@@ -131,6 +136,86 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
+class Whole:
+    """The causal state of a call over a whole sequence: every causal conv replicate-pads its first
+    frame (``CausalConv3d``), the attention is frame-causal over the call's frames."""
+
+    first = True
+
+    def conv(self, m: CausalConv3d, x):
+        return m(x)
+
+    def attention(self, q, k, v, hw: int):
+        return h10.frame_causal_attention(q, k, v, hw)
+
+
+WHOLE = Whole()
+
+
+class Chunk(Whole):
+    """The causal state of one temporal chunk of a decode. ``prev``: the state the previous chunk
+    left (None: the video's first chunk, which pads as :class:`Whole` does); ``offset``: the latent
+    frame the chunk starts at (traced: every later chunk runs one program); ``kv_frames``: the
+    frames the attention's key/value buffer holds (the whole padded sequence). Each causal conv
+    reads the last ``kt - 1`` frames of its (padded) input from ``prev`` and leaves its own; the
+    mid-block attention keeps every earlier frame's keys and values. ``new`` collects the state in
+    call order (the order ``prev`` is read)."""
+
+    def __init__(self, prev, offset, kv_frames: int):
+        self.prev, self.offset, self.kv_frames = prev, offset, kv_frames
+        self.first = prev is None
+        self.i, self.new = 0, []
+
+    def _take(self):
+        self.i += 1
+        return self.prev[self.i - 1]
+
+    def conv(self, m: CausalConv3d, x):
+        kt, kh, kw = m.conv.k
+        if self.first:
+            xt = jnp.pad(x, ((0, 0), (kt - 1, 0), (0, 0), (0, 0), (0, 0)), mode="edge")
+        else:
+            xt = jnp.concatenate([self._take().astype(x.dtype), x], axis=1)
+        self.new.append(xt[:, xt.shape[1] - (kt - 1):])
+        return m.conv(jnp.pad(xt, ((0, 0), (0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)), mode="edge"))
+
+    def attention(self, q, k, v, hw: int):
+        n = k.shape[1]
+        if self.first:
+            o = h10.frame_causal_attention(q, k, v, hw)
+            pad = ((0, 0), (0, self.kv_frames * hw - n), (0, 0))
+            kb, vb = jnp.pad(k, pad), jnp.pad(v, pad)
+        else:
+            kb = jax.lax.dynamic_update_slice_in_dim(self._take(), k, self.offset * hw, axis=1)
+            vb = jax.lax.dynamic_update_slice_in_dim(self._take(), v, self.offset * hw, axis=1)
+            o = cached_attention(q, kb, vb, hw, self.offset)
+        self.new += [kb, vb]
+        return o
+
+
+def cached_attention(q, k, v, hw: int, offset, q_block: int = 512):
+    """Frame-causal attention of a chunk's queries (frames ``offset + i // hw``) over a key/value
+    buffer of the whole sequence (frame ``j // hw``; frames not decoded yet are masked, as are
+    later ones): the rows of :func:`~vidax.models.hunyuanvideo.vae.frame_causal_attention` of the
+    whole sequence that belong to the chunk. Query blocks under ``lax.scan``."""
+    b, n, c = q.shape
+    scale = c ** -0.5
+    nb = -(-n // q_block)
+    qp = jnp.pad(q, ((0, 0), (0, nb * q_block - n), (0, 0)))
+    kf = jnp.arange(k.shape[1], dtype=jnp.int32) // hw
+
+    def body(_, i):
+        qb = jax.lax.dynamic_slice_in_dim(qp, i * q_block, q_block, axis=1)
+        s = jnp.einsum("bqc,bkc->bqk", qb, k, precision=jax.lax.Precision.HIGHEST).astype(F32) * scale
+        qf = offset + (i * q_block + jnp.arange(q_block, dtype=jnp.int32)) // hw
+        s = jnp.where(kf[None, None, :] <= qf[None, :, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return None, jnp.einsum("bqk,bkc->bqc", p.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+
+    _, out = jax.lax.scan(body, None, jnp.arange(nb, dtype=jnp.int32))
+    return out.transpose(1, 0, 2, 3).reshape(b, nb * q_block, c)[:, :n]
+
+
 class Resnet(nnx.Module):
     def __init__(self, cin: int, cout: int, *, rngs: nnx.Rngs, param_dtype=F32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -138,9 +223,9 @@ class Resnet(nnx.Module):
         self.norm2, self.conv2 = RMSNorm(cout, **kw), CausalConv3d(cout, cout, 3, **kw)
         self.conv_shortcut = Conv3d(cin, cout, 1, **kw) if cin != cout else None
 
-    def __call__(self, x):
-        h = self.conv1(jax.nn.silu(self.norm1(x)))
-        h = self.conv2(jax.nn.silu(self.norm2(h)))
+    def __call__(self, x, io: Whole = WHOLE):
+        h = io.conv(self.conv1, jax.nn.silu(self.norm1(x)))
+        h = io.conv(self.conv2, jax.nn.silu(self.norm2(h)))
         return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
 
 
@@ -152,11 +237,11 @@ class Attention(nnx.Module):
         self.norm = RMSNorm(c, **kw)
         self.to_q, self.to_k, self.to_v, self.proj_out = (Conv3d(c, c, 1, **kw) for _ in range(4))
 
-    def __call__(self, x):
+    def __call__(self, x, io: Whole = WHOLE):
         b, t, h, w, c = x.shape
         n = self.norm(x)
         flat = lambda a: a.reshape(b, t * h * w, c)  # noqa: E731
-        o = h10.frame_causal_attention(flat(self.to_q(n)), flat(self.to_k(n)), flat(self.to_v(n)), h * w)
+        o = io.attention(flat(self.to_q(n)), flat(self.to_k(n)), flat(self.to_v(n)), h * w)
         return x + self.proj_out(o.reshape(x.shape))
 
 
@@ -166,8 +251,8 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([Resnet(c, c, **kw) for _ in range(2)])
         self.attentions = nnx.List([Attention(c, **kw)])
 
-    def __call__(self, x):
-        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+    def __call__(self, x, io: Whole = WHOLE):
+        return self.resnets[1](self.attentions[0](self.resnets[0](x, io), io), io)
 
 
 def to_space(x, r1: int, r2: int = 2, r3: int = 2):
@@ -198,10 +283,12 @@ class Upsample(nnx.Module):
         self.conv = CausalConv3d(cin, cout * factor, 3, rngs=rngs, param_dtype=param_dtype)
         self.repeats = factor * cout // cin
 
-    def __call__(self, x):
-        h = self.conv(x)
+    def __call__(self, x, io: Whole = WHOLE):
+        h = io.conv(self.conv, x)
         if not self.temporal:
             return to_space(h, 1) + to_space(jnp.repeat(x, self.repeats, axis=-1), 1)
+        if not io.first:  # a later chunk: no frame of it is the video's first
+            return to_space(h, 2) + jnp.repeat(to_space(x, 2), self.repeats, axis=-1)
         hf = to_space(h[:, :1], 1)
         hf = hf[..., : hf.shape[-1] // 2]
         h = jnp.concatenate([hf, to_space(h[:, 1:], 2)], axis=1)
@@ -237,13 +324,13 @@ class Block(nnx.Module):
         self.downsamplers = nnx.List([Downsample(cout, down[0], down[1], **kw)]) if down is not None else None
         self.upsamplers = nnx.List([Upsample(cout, up[0], up[1], **kw)]) if up is not None else None
 
-    def __call__(self, x):
+    def __call__(self, x, io: Whole = WHOLE):
         for r in self.resnets:
-            x = r(x)
+            x = r(x, io)
         if self.downsamplers is not None:
             x = self.downsamplers[0](x)
         if self.upsamplers is not None:
-            x = self.upsamplers[0](x)
+            x = self.upsamplers[0](x, io)
         return x
 
 
@@ -285,13 +372,13 @@ class Decoder(nnx.Module):
         self.norm_out = RMSNorm(ch[-1], **kw)
         self.conv_out = CausalConv3d(ch[-1], cfg.out_channels, 3, **kw)
 
-    def level(self, x, level: int):
+    def level(self, x, level: int, io: Whole = WHOLE):
         """Decoder stage ``level``: 0 = conv_in + mid block, 1..n = up block n-1, n+1 = the output."""
         if level == 0:
-            return self.mid_block(self.conv_in(x) + jnp.repeat(x, self.repeat, axis=-1))
+            return self.mid_block(io.conv(self.conv_in, x) + jnp.repeat(x, self.repeat, axis=-1), io)
         if level <= len(self.up_blocks):
-            return self.up_blocks[level - 1](x)
-        return self.conv_out(jax.nn.silu(self.norm_out(x)))
+            return self.up_blocks[level - 1](x, io)
+        return io.conv(self.conv_out, jax.nn.silu(self.norm_out(x)))
 
     @property
     def levels(self) -> int:
@@ -322,6 +409,15 @@ class HunyuanVideo15VAE(nnx.Module):
         y = self.decoder.level(x.astype(dt), level)
         return y.astype(F32) if level == self.decoder.levels - 1 else y
 
+    def decode_level_chunk(self, x, state, offset, level: int, kv_frames: int):
+        """Decoder ``level`` of one temporal chunk: ``(output, the causal state the next chunk
+        reads)``. ``state``: the previous chunk's (None: the first chunk); ``offset``: int32 latent
+        frame the chunk starts at."""
+        dt = self.decoder.conv_in.conv.kernel[...].dtype
+        io = Chunk(state, offset, kv_frames)
+        y = self.decoder.level(x.astype(dt), level, io)
+        return (y.astype(F32) if level == self.decoder.levels - 1 else y), io.new
+
 
 def _build(cfg, dtype=np.float32):
     return HunyuanVideo15VAE(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(dtype))
@@ -336,30 +432,89 @@ def init(cfg: HunyuanVideo15VAEConfig, seed: int = 0, dtype=np.float32) -> nn.Sp
 
 
 # ----------------------------------------------------------------------------------- decode / encode
-def decode_tile(vae: nn.Split, z):
-    """One tile through the staged decoder: each level its own compiled call. Channels-last."""
-    x = jax.device_put(np.ascontiguousarray(z))  # (jnp.asarray of host data builds a program per shape)
-    for i in range(len(vae.cfg.block_out_channels) + 2):
-        x = vae.apply("decode_level", x, level=i)
-    return np.asarray(x)
+def decode_tile(vae: nn.Split, z, chunk: int | None = None, total: int | None = None):
+    """One tile (channels-last latents [B, T, h, w, C]) through the staged decoder: each level its
+    own compiled call. ``chunk``: latent frames per call -- the tile is decoded in temporal chunks,
+    each level carrying its causal state (every causal conv's last input frames, the mid-block
+    attention's keys and values) to the next chunk, so a call holds ``chunk`` frames' activations
+    whatever the clip's length. The first chunk pads as the whole decode does, the last is padded
+    with copies of the last latent frame (the decoder is causal: they change no kept frame). One
+    program per level for the first chunk and one for all others; ``None`` or a clip of at most
+    ``chunk`` frames: one call per level over every frame (the reference's decode). ``total``:
+    ``z`` is the prefix of a sequence this long (decoded with that sequence's programs: its first
+    chunks, bitwise)."""
+    t = z.shape[1]
+    total = max(t, total or t)
+    levels = len(vae.cfg.block_out_channels) + 2
+    if not chunk or total <= chunk:
+        x = jax.device_put(np.ascontiguousarray(z))  # (jnp.asarray of host data builds a program per shape)
+        for i in range(levels):
+            x = vae.apply("decode_level", x, level=i)
+        return np.asarray(x)
+    n, kv = -(-t // chunk), -(-total // chunk) * chunk
+    z = np.concatenate([z, np.repeat(z[:, -1:], n * chunk - t, axis=1)], axis=1)
+    state, out, tc = [None] * levels, [], vae.cfg.temporal_compression_ratio
+    for c in range(n):
+        x = jax.device_put(np.ascontiguousarray(z[:, c * chunk:(c + 1) * chunk]))
+        for i in range(levels):
+            x, state[i] = vae.apply("decode_level_chunk", x, state[i], np.int32(c * chunk), level=i,
+                                    kv_frames=kv)
+        keep = min(chunk, t - c * chunk)
+        out.append(np.asarray(x)[:, : (1 + tc * (keep - 1) if c == 0 else tc * keep)])
+    return np.concatenate(out, axis=1)
 
 
-def _decode_spatial(vae: nn.Split, z, tiling: Tiling):
-    """The reference's ``_decode`` of channels-last latents (spatially tiled when on and larger than a tile)."""
-    s = vae.cfg.spatial_compression_ratio
+def tile_grid(h: int, w: int, tiling: Tiling, s: int) -> list[list[tuple[int, int, int, int]]]:
+    """The reference's ``tiled_decode`` tiles of an ``h x w`` latent: rows of latent boxes
+    ``(y0, y1, x0, x1)`` of ``latent_tile`` every ``(1 - overlap)`` of it, in its loop order (edge
+    tiles cut at the border). One box when tiling is off or the latent fits one tile."""
     lt = tiling.latent_tile(s)
-    if tiling.spatial and (z.shape[2] > lt or z.shape[3] > lt):
-        blend = int(tiling.sample * tiling.overlap)
-        return h10._spatial_tiled(lambda zz: decode_tile(vae, zz), z, lt, int(lt * (1 - tiling.overlap)), tiling.sample,
-                                  tiling.sample - blend, z.shape[2] * s, z.shape[3] * s)
-    return decode_tile(vae, z)
+    if not tiling.spatial or (h <= lt and w <= lt):
+        return [[(0, h, 0, w)]]
+    stride = int(lt * (1 - tiling.overlap))
+    return [[(i, min(i + lt, h), j, min(j + lt, w)) for j in range(0, w, stride)] for i in range(0, h, stride)]
 
 
-def decode(vae: nn.Split, z, tiling: Tiling = Tiling()) -> np.ndarray:
+def assemble_tiles(rows, tiling: Tiling, out_h: int, out_w: int) -> np.ndarray:
+    """The reference's blend of decoded tiles (channels-last [B, F, H, W, 3], in :func:`tile_grid`
+    order): each tile cross-faded linearly from its upper neighbour over ``sample * overlap`` rows,
+    then from its left one over as many columns (the reference blends in place: a neighbour is
+    already blended when the next tile reads it), cropped to ``sample - blend``, joined, cropped to
+    ``(out_h, out_w)``."""
+    blend = int(tiling.sample * tiling.overlap)
+    keep = tiling.sample - blend
+    rows = [list(r) for r in rows]
+    out_rows = []
+    for i, row in enumerate(rows):
+        parts = []
+        for j, t in enumerate(row):
+            t = np.asarray(t)
+            if i > 0:
+                t = h10._blend(rows[i - 1][j], t, blend, 2)
+            if j > 0:
+                t = h10._blend(row[j - 1], t, blend, 3)
+            row[j] = t
+            parts.append(t[:, :, :keep, :keep])
+        out_rows.append(np.concatenate(parts, axis=3))
+    return np.concatenate(out_rows, axis=2)[:, :, :out_h, :out_w]
+
+
+def _decode_spatial(vae: nn.Split, z, tiling: Tiling, chunk: int | None = None, total: int | None = None):
+    """The reference's ``_decode`` of channels-last latents (spatially tiled when on and larger
+    than a tile; each tile decoded in temporal chunks of ``chunk`` latent frames)."""
+    s = vae.cfg.spatial_compression_ratio
+    grid = tile_grid(z.shape[2], z.shape[3], tiling, s)
+    if len(grid) == 1 and len(grid[0]) == 1:
+        return decode_tile(vae, z, chunk, total)
+    rows = [[decode_tile(vae, z[:, :, y0:y1, x0:x1], chunk, total) for y0, y1, x0, x1 in row] for row in grid]
+    return assemble_tiles(rows, tiling, z.shape[2] * s, z.shape[3] * s)
+
+
+def decode(vae: nn.Split, z, tiling: Tiling = Tiling(), chunk: int | None = None, total: int | None = None) -> np.ndarray:
     """The reference's ``decode``: latents [B, C, T, h, w] (divided by ``scaling_factor``) ->
-    pixels [B, 3, F, H, W] (float32, not clipped)."""
+    pixels [B, 3, F, H, W] (float32, not clipped). ``chunk``: temporal chunks (:func:`decode_tile`)."""
     z = np.ascontiguousarray(np.asarray(z, np.float32).transpose(0, 2, 3, 4, 1))
-    return _decode_spatial(vae, z, tiling).transpose(0, 4, 1, 2, 3)
+    return _decode_spatial(vae, z, tiling, chunk, total).transpose(0, 4, 1, 2, 3)
 
 
 def frame_range(a: int, b: int, temporal: int = 4) -> tuple[int, int]:
@@ -369,14 +524,19 @@ def frame_range(a: int, b: int, temporal: int = 4) -> tuple[int, int]:
     return f(a), f(b)
 
 
-def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), prefix_only: bool = False) -> np.ndarray:
+def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), prefix_only: bool = False,
+                  chunk: int | None = None) -> np.ndarray:
     """The pixels of latent frames ``[a, b)`` ([B, 3, F_ab, H, W]). The decoder is causal, so
     they are the same decoded from any prefix that holds them: by default the whole latent
     sequence is decoded (every range runs the same compiled programs, and the ranges concatenate
-    bitwise to :func:`decode`); ``prefix_only`` decodes just ``[0, b)`` (less compute, one compile
-    per range length)."""
+    bitwise to :func:`decode`); ``prefix_only`` decodes just ``[0, b)`` -- with ``chunk``, the
+    whole sequence's first chunks (the same programs: the ranges still concatenate bitwise to the
+    chunked :func:`decode`), without, one compile per range length."""
     z = np.asarray(z, np.float32)
-    px = decode(vae, z[:, :, :b] if prefix_only else z, tiling)
+    if prefix_only:
+        px = decode(vae, z[:, :, :b], tiling, chunk, total=z.shape[2] if chunk else None)
+    else:
+        px = decode(vae, z, tiling, chunk)
     start, stop = frame_range(a, b, vae.cfg.temporal_compression_ratio)
     return px[:, :, start:stop]
 
