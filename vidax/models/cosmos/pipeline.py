@@ -45,7 +45,7 @@ from vidax.models.cosmos import dit as cdit
 from vidax.models.cosmos import vae as cvae
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
-from vidax.schedulers import from_diffusers_config, make_scheduler
+from vidax.schedulers import from_diffusers_config
 from vidax.text import lm
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint

@@ -49,7 +49,7 @@ RECIPES = [
     # base release's shift; 50 steps (the pipelines' and the original generate.py's default)
     *[Recipe(
         f"hunyuanvideo1.5-{res}-{task}-distilled", _I2V if task == "i2v" else _T2V, ("tiny",),
-        dict(vae_tiling=True, **size, num_frames=121, steps=50, guidance=1.0, shift=shift, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, **size, num_frames=121, steps=50, guidance=1.0, shift=shift, fps=24),
         option_names=_OPTS, prefer_axis="tp", stage_jobs=_POOLS,
         description=f"HunyuanVideo 1.5 {'image' if task == 'i2v' else 'text'}-to-video, 8.3B, CFG-distilled ({res})",
         **(dict(image="required", preset_sources=_I2V_TINY) if task == "i2v" else {}),
@@ -61,7 +61,7 @@ RECIPES = [
     # (the model card: "8 or 12 steps recommended", 4 faster at some quality cost)
     Recipe(
         "hunyuanvideo1.5-480p-i2v-step-distilled", _I2V, ("tiny",),
-        dict(vae_tiling=True, area=640 * 640, num_frames=121, steps=8, guidance=1.0, shift=7.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, area=640 * 640, num_frames=121, steps=8, guidance=1.0, shift=7.0, fps=24),
         option_names=_OPTS, prefer_axis="tp", image="required", preset_sources=_MEANFLOW_TINY, stage_jobs=_POOLS,
         description="HunyuanVideo 1.5 image-to-video, 8.3B, step-distilled meanflow (480p, 8 steps)",
     ),
