@@ -229,17 +229,19 @@ class HunyuanVideo15Transformer(nnx.Module):
         self.double = nn.stack(lambda r: h10.DoubleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = h10.Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, par: vsh.ParallelContext = vsh.LOCAL):
+    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, par: vsh.ParallelContext = vsh.LOCAL,
+                 rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, Cin] latents (channels-last, the I2V condition
         already concatenated); ``t``: [B]; ``ctx``/``mask``: Qwen2.5-VL hidden states [B, Lt,
         text_embed_dim] and mask; ``ctx2``/``mask2``: ByT5 glyph embeddings [B, L2, text_embed_2_dim]
         and mask; ``image``: SigLIP tokens [B, Li, image_embed_dim] (all zero: text-to-video);
-        ``t_r``: meanflow's second timestep. Returns [B, F, H, W, Cout]."""
+        ``t_r``: meanflow's second timestep; ``rope``: the grid's (cos, sin) tables as arguments
+        (None: computed here). Returns [B, F, H, W, Cout]."""
         cfg = self.cfg
         dt = self.embed.patch.kernel[...].dtype
         tokens, grid = h10.patchify(cfg, x.astype(dt))
         h, temb, y, n = self.embed(tokens, t, ctx, mask, ctx2, mask2, image, t_r)
-        cos, sin = h10.rope_tables(cfg, grid)
+        cos, sin = h10.rope_tables(cfg, grid) if rope is None else rope
         c = dict(temb=temb, cos=cos, sin=sin, text_len=n)
         h, _ = nn.scan(self.double, (h, y), lambda blk, cy: blk(cy, c, par))
         return h10.unpatchify(cfg, self.head(h, temb), grid)
@@ -259,9 +261,11 @@ def init_state(cfg: HunyuanVideo15Config, seed: int = 0, dtype=np.float32) -> nn
     return h10.seeded_state(lambda: _build(cfg, 0, dtype), seed)[1]
 
 
-def forward(state, cfg: HunyuanVideo15Config, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, attn_impl=None):
+def forward(state, cfg: HunyuanVideo15Config, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, attn_impl=None,
+            rope=None):
     """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``)."""
-    return merge(state, cfg)(x, t, ctx, mask, ctx2, mask2, image, t_r, par=vsh.ParallelContext(attn_impl=attn_impl))
+    return merge(state, cfg)(x, t, ctx, mask, ctx2, mask2, image, t_r, par=vsh.ParallelContext(attn_impl=attn_impl),
+                             rope=rope)
 
 
 # ----------------------------------------------------------------------------------- sharding
@@ -339,7 +343,8 @@ class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
         return self._post(self.rest, h, e["temb"], grid)
 
     def apply(self, params, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
-        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`)."""
+        """Traceable ``model_fn`` for a jitted sampling step (params = :meth:`step_params`: weights
+        and the RoPE tables as arguments)."""
         return super().apply(params, x, t, ctx, mask, {"ctx2": ctx2, "mask2": mask2, "image": image}, t_r)
 
 

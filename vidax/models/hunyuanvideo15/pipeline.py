@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vidax.core.sampling import StepInfo
+from vidax.models.hunyuanvideo import dit as h10
 from vidax.models.hunyuanvideo15 import dit as hdit
 from vidax.models.hunyuanvideo15 import text as htext
 from vidax.models.hunyuanvideo15 import vae as hvae
@@ -417,8 +418,11 @@ class HunyuanVideo15T2V(Pipeline):
 
         c, u = pack(cond), (pack(uncond) if use_cfg else None)
         step = _cached_step(cfg, sched, use_cfg, runner)
-        if runner is not None and runner.offload is None:
-            params = runner.params
+        # the step's arguments: the weights and the RoPE tables of this grid (never compiled-in constants)
+        if runner is None:
+            params = (params, h10.rope_tables(cfg, h10.grid_of(cfg, x.shape)))
+        elif runner.offload is None:
+            params = runner.step_params(x.shape)
         for i in range(start, n):
             t0 = time.perf_counter()
             x, state = step(params, x, state, jnp.int32(i), c, u, jnp.float32(guidance), aux)
@@ -520,7 +524,7 @@ class HunyuanVideo15T2V(Pipeline):
         nb = 2 * b if float(request.guidance) != 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         f32, dt = (lambda *a: vplan.abstract(a, np.float32)), (lambda *a: vplan.abstract(a, self.dtype))  # noqa: E731
-        args = (runner.params, dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
+        args = (runner.step_params(shape), dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
                 f32(nb, self.text_tokens), dt(nb, self.glyph_tokens, cfg.text_embed_2_dim), f32(nb, self.glyph_tokens),
                 dt(nb, self.image_tokens(), cfg.image_embed_dim), f32(nb) if cfg.use_meanflow else None)
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
@@ -768,8 +772,9 @@ def _make_step(cfg: hdit.HunyuanVideo15Config, sched, use_cfg: bool, runner=None
         return sched.step(state, v, i, x)
 
     if runner is None or runner.offload is None:
-        model = (lambda p, *a: hdit.forward(p, cfg, *a)) if runner is None else runner.apply  # noqa: E731
-        dtype = (lambda p: hdit.state_dtype(p)) if runner is None else (lambda p: runner.dtype)  # noqa: E731
+        # p: (the DiT state, its RoPE tables) on one device; a runner's step_params otherwise
+        model = (lambda p, *a: hdit.forward(p[0], cfg, *a, rope=p[1])) if runner is None else runner.apply  # noqa: E731
+        dtype = (lambda p: hdit.state_dtype(p[0])) if runner is None else (lambda p: runner.dtype)  # noqa: E731
 
         @jax.jit
         def step(p, x, state, i, cond, uncond, guidance, aux):
