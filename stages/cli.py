@@ -213,7 +213,7 @@ def cmd_stage(a, force: bool = False) -> int:
         raise RequestError("stage", f"{a.stage!r} is not a stage of run {a.run_id}; stages: {', '.join(keys)}")
     con = _console()
     t0 = time.perf_counter()
-    if not force and R.committed(run, a.stage, keys[a.stage], req=req, pipe=pipe):
+    if not R.wanted(run, req, pipe, a.stage, keys, force):
         con.print(f"[{a.stage}] up to date, skipped (use `vidax rerun` to recompute)")
         return 0
     with _Reporter(con) as rep:

@@ -728,6 +728,13 @@ def _commit(run, stage, keys, kind, pipe, records, deps, outputs, details, start
     return True
 
 
+def wanted(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str, str], force: bool = False) -> bool:
+    """Whether ``vidax stage`` / the stage task should compute ``stage`` (``force``, or it is not
+    committed with its key): one answer, process 0's, for every process of a multi-host job, so
+    followers started as ``vidax stage RUN STAGE`` act exactly as process 0 does."""
+    return bool(agree(f"{stage}:wanted", lambda: force or not committed(run, stage, keys[stage], req=req, pipe=pipe)))
+
+
 def check_memory(req: Request, pipe: Pipeline, kinds=("encode", "sample", "decode"), log: Log = print) -> dict | None:
     """The memory plan of ``kinds`` on this process's devices (``stages.plan.check_fits``), once
     per pipeline and kind; raises ``stages.plan.PlanError`` naming a stage that cannot fit. None
