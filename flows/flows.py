@@ -53,7 +53,7 @@ def stage_task(store: str, run_id: str, stage: str, key: str, force: bool = Fals
     """Run one stage in this process (skipping it if already committed with this key)."""
     from vidax.core import runtime
 
-    runtime.setup()  # join a multi-host job; persistent compilation cache
+    runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
     req = R.load_request(run)
@@ -61,7 +61,7 @@ def stage_task(store: str, run_id: str, stage: str, key: str, force: bool = Fals
     keys = R.stage_keys(req, pipe)
     if keys.get(stage) != key:
         raise R.StageError(f"{stage}: the run's request changed since this task was planned")
-    if not force and R.committed(run, stage, key, req=req, pipe=pipe):
+    if not R.wanted(run, req, pipe, stage, keys, force):  # process 0's answer on a multi-host slice
         logger.info("%s is already committed (key %s): skipped", stage, key[:12])
         rec = run.record(stage)
         return {"stage": stage, "key": key, "status": "skipped", "seconds": rec["seconds"], "hardware": rec["hardware"]}
@@ -224,6 +224,9 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
     launches each stage as a run of its per-stage deployment (sized work pool) and checks it.
     Empty ``store``: $VIDAX_STORE, else ``vidax-runs`` in the working directory."""
     from prefect.runtime import flow_run
+    from vidax.core import runtime
+
+    runtime.setup()  # join a multi-host job before anything touches a device
 
     logger = get_run_logger()
     store = resolve_store(store)
@@ -276,6 +279,9 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
 def stage(store: str, run_id: str, stage: str, force: bool = False) -> dict:
     """Run one stage of an existing run (the per-stage deployments run this)."""
     from prefect.runtime import flow_run
+    from vidax.core import runtime
+
+    runtime.setup()  # join a multi-host job before anything touches a device
 
     run = RunStore(store).run(validate_run_id(run_id))
     req = R.load_request(run)
@@ -292,6 +298,9 @@ def stage(store: str, run_id: str, stage: str, force: bool = False) -> dict:
 @flow(name="vidax-rerun-stage", log_prints=True)
 def rerun_stage(store: str, run_id: str, stage: str) -> dict:
     """Recompute one stage of an existing run, then run any later stage that is not committed."""
+    from vidax.core import runtime
+
+    runtime.setup()  # join a multi-host job before anything touches a device
     logger = get_run_logger()
     run = RunStore(store).run(validate_run_id(run_id))
     req = R.load_request(run)

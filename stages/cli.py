@@ -215,7 +215,7 @@ def cmd_stage(a, force: bool = False) -> int:
         raise RequestError("stage", f"{a.stage!r} is not a stage of run {a.run_id}; stages: {', '.join(keys)}")
     con = _console()
     t0 = time.perf_counter()
-    if not force and R.committed(run, a.stage, keys[a.stage], req=req, pipe=pipe):
+    if not R.wanted(run, req, pipe, a.stage, keys, force):
         con.print(f"[{a.stage}] up to date, skipped (use `vidax rerun` to recompute)")
         return 0
     with _Reporter(con) as rep:
@@ -373,16 +373,34 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
     from vidax.core import runtime
 
     if a.cmd in ("generate", "batch", "stage", "rerun"):
-        runtime.setup()  # join a multi-host job; persistent compilation cache
+        runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
+    from vidax.core.mesh import RemoteError, process_count
 
     try:
-        return commands[a.cmd](a)
+        rc = commands[a.cmd](a)
     except RequestError as e:
         _console(stderr=True).print(f"vidax: error: {e}")
-        return 2
-    except StageError as e:
+        rc = 2
+    except (StageError, RemoteError) as e:
         _console(stderr=True).print(f"vidax: error: {e}")
-        return 1
+        rc = 1
+    except BaseException:
+        if process_count() == 1:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    if rc and process_count() > 1:
+        # a failed process of a multi-host job leaves at once: the others, maybe blocked in a
+        # collective with it, are failed by the coordination service (process 0 gone: at once;
+        # another: after VIDAX_DISTRIBUTED_TIMEOUT) rather than waiting at an orderly shutdown
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

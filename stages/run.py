@@ -36,6 +36,7 @@ from stages.request import Request, build_pipeline
 from stages.store import (CorruptDocument, DigestMismatch, IOCounter, Run, is_transient, local_tmpdir, pack,
                           read_array, unpack)
 from vidax.core.jit import CompileCounter
+from vidax.core.mesh import agree, barrier, is_leader, process_count
 from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
@@ -114,7 +115,8 @@ def hardware() -> str:
     import jax
 
     devs = jax.devices()
-    return f"{jax.default_backend()} x{len(devs)} ({devs[0].device_kind}) on {socket.gethostname()}"
+    hosts = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    return f"{jax.default_backend()} x{len(devs)} ({devs[0].device_kind}) on {socket.gethostname()}{hosts}"
 
 
 def now() -> str:
@@ -410,9 +412,10 @@ def _delete_checkpoint(run: Run, step: int) -> None:
     run.delete(_ckpt_name(step) + ".zarr")
 
 
-def _load_checkpoint(run: Run, key: str, log: Log) -> dict | None:
-    """The newest checkpoint of this key that verifies; damaged ones are skipped with a warning."""
-    for step in reversed(_checkpoint_markers(run)):
+def _load_checkpoint(run: Run, key: str, log: Log, only: int | None = None) -> dict | None:
+    """The newest checkpoint of this key that verifies; damaged ones are skipped with a warning.
+    ``only``: that step's checkpoint (the one process 0 chose), or an error."""
+    for step in [only] if only is not None else reversed(_checkpoint_markers(run)):
         name = _ckpt_name(step)
         try:
             m = run.read_json(name + ".json")
@@ -427,13 +430,26 @@ def _load_checkpoint(run: Run, key: str, log: Log) -> dict | None:
             return {"step": int(m["step"]), "arrays": unpack(state, m["index"])}
         except (DigestMismatch, KeyError, FileNotFoundError, ValueError, TypeError) as e:
             log(f"  warning: checkpoint {name} fails verification ({type(e).__name__}: {e}); not resumed from")
+    if only is not None:
+        raise StageError(f"sample: the step checkpoint {_ckpt_name(only)} that process 0 resumes from does not "
+                         "verify on this process")
     return None
 
 
 def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs,
                progress: Progress | None = None) -> dict:
     cond = inputs.arrays("encode", "encode.zarr")
-    resume = _load_checkpoint(run, key, log)
+    if process_count() == 1:
+        resume = _load_checkpoint(run, key, log)
+    else:  # every process resumes from the checkpoint process 0 chose
+        found = {}
+
+        def choose():
+            found["r"] = _load_checkpoint(run, key, log)
+            return None if found["r"] is None else found["r"]["step"]
+
+        step = agree("sample-resume", choose)
+        resume = found.get("r") if is_leader() else (None if step is None else _load_checkpoint(run, key, log, step))
     if resume is not None:
         log(f"  resuming from the step checkpoint at step {resume['step']}/{req.steps}")
     kill_after = _fault("sample", "kill_after_step")
@@ -445,15 +461,16 @@ def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, input
         if progress is not None:
             progress("sample", done / info.total)
         if done % every == 0 and done < info.total:
-            name = _ckpt_name(done)
-            flat, index = pack({m: np.asarray(a) for m, a in snapshot().items()})
-            c = run.writer(name + ".zarr")
-            digest = c.array("state", flat, ("element",), role="sampling checkpoint (latents + scheduler state)")
-            c.flush()
-            run.write_json(name + ".json", {"key": key, "step": done, "digest": digest, "index": index})
-            for old in _checkpoint_markers(run):
-                if old != done:
-                    _delete_checkpoint(run, old)
+            if is_leader():  # process 0 writes the checkpoint (the latents are whole on every process)
+                name = _ckpt_name(done)
+                flat, index = pack({m: np.asarray(a) for m, a in snapshot().items()})
+                c = run.writer(name + ".zarr")
+                digest = c.array("state", flat, ("element",), role="sampling checkpoint (latents + scheduler state)")
+                c.flush()
+                run.write_json(name + ".json", {"key": key, "step": done, "digest": digest, "index": index})
+                for old in _checkpoint_markers(run):
+                    if old != done:
+                        _delete_checkpoint(run, old)
             if kill_after is not None and done >= int(kill_after):
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -598,34 +615,74 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
         check_memory(req, pipe, (kind,), log)  # before the lease: a stage that cannot fit takes nothing
     plan = _plan(req, pipe)
     deps = inputs_of(stage, keys, plan)
-    for d in deps:
-        if stage_status(run, d, keys[d], req=req, pipe=pipe, records=records) != "done":
-            raise StageError(f"stage {stage} needs {d}, which is not committed for this request; run it first")
-    owner = uuid.uuid4().hex
     t0 = time.perf_counter()
+    if process_count() > 1:
+        return _run_stage_multihost(run, req, pipe, stage, keys, log, progress, records, force, plan, deps, t0)
+    _check_inputs_committed(run, req, pipe, stage, keys, records, deps)
+    owner = uuid.uuid4().hex
     while not run.acquire_lease(stage, owner, LEASE_SECONDS):
         if _wait_for_other(run, stage, keys[stage], log, req, pipe) == "done":
-            records.forget(stage)
-            rec = run.record(stage) or {}
-            log(f"[{stage}] committed by another worker")
-            return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0, rec.get("hardware", ""))
+            return _skipped_by_other(run, stage, keys, log, records, t0)
     try:
         # another worker may have committed it between our check and our lease
         records.forget(stage)
         if stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records) == "done" and not force:
-            rec = records.get(stage)
-            log(f"[{stage}] committed by another worker")
-            return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
-                               rec.get("hardware", "") if isinstance(rec, dict) else "")
+            return _skipped_by_other(run, stage, keys, log, records, t0)
         with _Heartbeat(run, stage, owner, LEASE_SECONDS):
             return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
     finally:
         run.release_lease(stage, owner)
 
 
+def _check_inputs_committed(run, req, pipe, stage, keys, records, deps) -> None:
+    for d in deps:
+        if stage_status(run, d, keys[d], req=req, pipe=pipe, records=records) != "done":
+            raise StageError(f"stage {stage} needs {d}, which is not committed for this request; run it first")
+
+
+def _skipped_by_other(run, stage, keys, log, records, t0) -> StageResult:
+    records.forget(stage)
+    rec = records.get(stage)
+    log(f"[{stage}] committed by another worker")
+    return StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
+                       rec.get("hardware", "") if isinstance(rec, dict) else "")
+
+
+def _run_stage_multihost(run, req, pipe, stage, keys, log, progress, records, force, plan, deps, t0) -> StageResult:
+    """``run_stage`` on a multi-host slice: every process computes the stage as one JAX program;
+    process 0 alone checks the inputs, holds the lease, writes the outputs and, once every process
+    has finished its part, the record. The other processes follow its decisions."""
+    owner = uuid.uuid4().hex
+    held = {"lease": False}
+
+    def decide() -> str:
+        _check_inputs_committed(run, req, pipe, stage, keys, records, deps)
+        while not run.acquire_lease(stage, owner, LEASE_SECONDS):
+            if _wait_for_other(run, stage, keys[stage], log, req, pipe) == "done":
+                return "skip"
+        held["lease"] = True
+        records.forget(stage)
+        if stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records) == "done" and not force:
+            return "skip"
+        return "compute"
+
+    try:
+        action = agree(f"{stage}:start", decide)
+        if action == "skip":
+            return _skipped_by_other(run, stage, keys, log, records, t0)
+        if is_leader():
+            with _Heartbeat(run, stage, owner, LEASE_SECONDS):
+                return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+        return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+    finally:
+        if held["lease"]:
+            run.release_lease(stage, owner)
+
+
 def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) -> StageResult:
     log(f"[{stage}] running")
-    run.delete_record(stage)  # from here on, whatever is there is uncommitted
+    if is_leader():
+        run.delete_record(stage)  # from here on, whatever is there is uncommitted
     records.forget(stage)
     before = run.counter.snapshot()
     t0, started = time.perf_counter(), now()
@@ -636,12 +693,27 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
             outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
         elif kind == "sample":
             outputs = run_sample(run, req, pipe, keys[stage], log, inputs, progress)
+        elif kind == "mux" and not is_leader():
+            outputs = {}  # no devices involved: process 0 alone encodes and uploads the video
         else:
             outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
     gc.collect()
     seconds = time.perf_counter() - t0
     hw = hardware()
+    if process_count() > 1:
+        barrier(f"{stage}:computed")  # every process has finished its part (and process 0 has written)
+        agree(f"{stage}:commit", lambda: _commit(run, stage, keys, kind, pipe, records, deps, outputs, details,
+                                                  started, seconds, hw, before, compiles))
+        records.forget(stage)
+    else:
+        _commit(run, stage, keys, kind, pipe, records, deps, outputs, details, started, seconds, hw, before, compiles)
+    log(f"[{stage}] committed in {seconds:.2f}s")
+    return StageResult(stage, keys[stage], "ran", seconds, hw, details)
+
+
+def _commit(run, stage, keys, kind, pipe, records, deps, outputs, details, started, seconds, hw, before, compiles):
+    """Write the stage's record (last: it is the commit) and drop the sampling checkpoints."""
     rec = {"stage": stage, "key": keys[stage], "status": "done", "started": started, "finished": now(),
            "seconds": round(seconds, 3), "hardware": hw, "outputs": outputs, "code": code_version(kind, pipe),
            "details": details, "inputs": {d: records.digest(d) for d in deps},
@@ -653,8 +725,14 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
     records.forget(stage)
     if kind == "sample":
         _cleanup_checkpoints(run)
-    log(f"[{stage}] committed in {seconds:.2f}s")
-    return StageResult(stage, keys[stage], "ran", seconds, hw, details)
+    return True
+
+
+def wanted(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str, str], force: bool = False) -> bool:
+    """Whether ``vidax stage`` / the stage task should compute ``stage`` (``force``, or it is not
+    committed with its key): one answer, process 0's, for every process of a multi-host job, so
+    followers started as ``vidax stage RUN STAGE`` act exactly as process 0 does."""
+    return bool(agree(f"{stage}:wanted", lambda: force or not committed(run, stage, keys[stage], req=req, pipe=pipe)))
 
 
 def check_memory(req: Request, pipe: Pipeline, kinds=("encode", "sample", "decode"), log: Log = print) -> dict | None:
@@ -690,7 +768,8 @@ def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Record
          "outputs": [run.url(n) for n in video_names(len(req.prompts))]}
     if memory is not None:
         m["memory_plan"] = memory
-    run.write_json("manifest.json", m)
+    if is_leader():  # process 0 of a multi-host job
+        run.write_json("manifest.json", m)
     return m
 
 
@@ -701,14 +780,17 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
     memory = check_memory(req, pipe, log=log)  # refuses, before anything is written, a request that cannot fit
-    run.write_json("request.json", req.to_json())
+    if is_leader():
+        run.write_json("request.json", req.to_json())
     records = Records(run)
     results: dict[str, StageResult] = {}
     for _ in range(len(keys) + 3):
         try:
             for stage in keys:
                 t0 = time.perf_counter()
-                status = stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records)
+                # one decision for every process of a multi-host job: process 0's
+                status = agree(f"{stage}:status",
+                               lambda: stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records))
                 if status == "done":
                     if stage not in results:
                         rec = records.get(stage)
@@ -722,10 +804,13 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
             break
         except CorruptInput as e:
             log(f"[{e.stage}] damaged ({e}); recomputing it")
-            run.delete_record(e.stage)
+            if is_leader():
+                run.delete_record(e.stage)
             records.forget(e.stage)
     else:
         raise StageError(f"run {run.run_id}: stages kept failing verification; see the log above")
+    if not is_leader():
+        return [results[s] for s in keys]
     write_manifest(run, req, keys, records, memory or {
         "checked": False, "why": "the devices' memory is not known (CPU); VIDAX_DEVICE_MEMORY=16GiB checks against a size"})
     return [results[s] for s in keys]

@@ -344,6 +344,20 @@ class Lease:
         return True
 
 
+class FollowerWrite(StoreError):
+    """A process other than 0 of a multi-host job tried to change the run store."""
+
+
+def _leader_only(what: str) -> None:
+    """On a multi-host slice every process runs the stage but only process 0 changes the store
+    (arrays are written once; records, manifests, checkpoints and leases by process 0)."""
+    from vidax.core.mesh import is_leader, process_index
+
+    if not is_leader():
+        raise FollowerWrite(f"process {process_index()} of a multi-host job tried to {what}; only process 0 "
+                            "writes to the run store")
+
+
 class Run:
     def __init__(self, store: RunStore, run_id: str):
         self.store, self.run_id = store, run_id
@@ -391,6 +405,7 @@ class Run:
         self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
 
     def write_bytes(self, name: str, data: bytes) -> None:
+        _leader_only(f"write {name}")
         path = self.path(name)
         self.counter.add(written=len(data))
         if self.store.local:  # atomic on a file system: write aside, then rename
@@ -405,6 +420,7 @@ class Run:
     def create_exclusive(self, name: str, data: bytes) -> bool:
         """Create ``name`` only if it does not exist (an if-not-exists precondition on object
         stores, ``O_EXCL`` on file systems). True if this call created it."""
+        _leader_only(f"create {name}")
         path = self.path(name)
         self.counter.add(written=len(data))
         if self.store.local:
@@ -427,6 +443,7 @@ class Run:
             raise
 
     def put_file(self, local_path: str | os.PathLike, name: str) -> None:
+        _leader_only(f"upload {name}")
         path = self.path(name)
         self.counter.add(written=os.path.getsize(local_path))
         if self.store.local:
@@ -444,6 +461,7 @@ class Run:
         self.counter.add(read=os.path.getsize(local_path))
 
     def delete(self, name: str) -> None:
+        _leader_only(f"delete {name}")
         path = self.path(name)
         self.counter.add()
         try:
@@ -521,6 +539,7 @@ class Run:
 
     def put_objects(self, name: str, objects: dict[str, bytes]) -> None:
         """Write the objects ``{relative key: bytes}`` under ``name`` (concurrently on object stores)."""
+        _leader_only(f"write {name}")
         self.counter.add(requests=len(objects), written=sum(len(v) for v in objects.values()))
         if self.store.local:
             for k, v in objects.items():
@@ -612,6 +631,12 @@ class GroupWriter:
         return write_array(self.group, name, arr, dims, **attrs)
 
     def flush(self) -> None:
+        """Upload the group (process 0 of a multi-host job; the others computed the same arrays and
+        write nothing)."""
+        from vidax.core.mesh import is_leader
+
+        if not is_leader():
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=UserWarning)  # consolidated metadata is a v3 extension
             zarr.consolidate_metadata(self.group.store)

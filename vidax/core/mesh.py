@@ -11,7 +11,10 @@ Axes of size 1 cost nothing, so every model always sees all three names::
     check_divisible(constraints, mesh)          # before any compute; names the rule on failure
 
 Multi-host: call :func:`init_distributed` first in every process; ``jax.devices()`` is then the
-global device list and :func:`make_mesh` spans all hosts (the same call on every process).
+global device list and :func:`make_mesh` spans all hosts (the same call on every process), except a
+mesh small enough for one host's devices, which each process builds on its own devices (it computes
+redundantly; no process may run a program on devices it cannot address). :func:`agree`,
+:func:`barrier` and :func:`replicate` are what the stages use to act as one job.
 """
 from __future__ import annotations
 
@@ -31,6 +34,20 @@ class ShardingConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------- multi-host
+def distributed_timeout() -> int:
+    """Seconds after which a silent process counts as dead (``VIDAX_DISTRIBUTED_TIMEOUT``, default
+    60): the coordination service then fails every process of the job, including those blocked in
+    a collective with it."""
+    try:
+        v = int(float(os.environ.get("VIDAX_DISTRIBUTED_TIMEOUT", "60")))
+    except ValueError:
+        raise ShardingConfigError(f"VIDAX_DISTRIBUTED_TIMEOUT={os.environ['VIDAX_DISTRIBUTED_TIMEOUT']!r}: "
+                                  "expected a number of seconds") from None
+    if v < 1:
+        raise ShardingConfigError(f"VIDAX_DISTRIBUTED_TIMEOUT={v}: expected at least 1 second")
+    return v
+
+
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, local_device_ids: Sequence[int] | None = None) -> tuple[int, int]:
     """Join a multi-process (multi-host) JAX job; returns ``(process_index, process_count)``.
@@ -38,9 +55,14 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     Arguments default to ``VIDAX_COORDINATOR`` / ``VIDAX_NUM_PROCESSES`` / ``VIDAX_PROCESS_ID``.
     With nothing given and a single process it does nothing (single host). On Cloud TPU pods and
     SLURM, set ``VIDAX_DISTRIBUTED=auto`` to let ``jax.distributed.initialize()`` detect everything.
-    Safe to call twice."""
+    Must run before anything touches a device. Safe to call twice.
+
+    A process that stops answering for :func:`distributed_timeout` seconds fails the whole job
+    (JAX's heartbeat); CPU collectives across processes go through gloo (``VIDAX_CPU_COLLECTIVES``
+    overrides), so a CPU-only job (tests: ``--xla_force_host_platform_device_count=2`` in each
+    process) runs the same sharded programs as a slice."""
     env = os.environ
-    coordinator_address = coordinator_address or env.get("VIDAX_COORDINATOR")
+    coordinator_address = coordinator_address or env.get("VIDAX_COORDINATOR") or None
     if num_processes is None and env.get("VIDAX_NUM_PROCESSES"):
         num_processes = int(env["VIDAX_NUM_PROCESSES"])
     if process_id is None and env.get("VIDAX_PROCESS_ID"):
@@ -48,17 +70,129 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     auto = env.get("VIDAX_DISTRIBUTED", "").lower() == "auto"
     wanted = auto or coordinator_address is not None or (num_processes or 1) > 1
     if wanted and not _distributed_initialized():
+        if not auto:
+            missing = [n for n, v in (("VIDAX_COORDINATOR", coordinator_address), ("VIDAX_NUM_PROCESSES", num_processes),
+                                      ("VIDAX_PROCESS_ID", process_id)) if v is None]
+            if missing:
+                raise ShardingConfigError(f"multi-host job: {', '.join(missing)} not set (give all three, "
+                                          "or VIDAX_DISTRIBUTED=auto on a TPU pod / SLURM)")
+        collectives = env.get("VIDAX_CPU_COLLECTIVES", "gloo")
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none") or "VIDAX_CPU_COLLECTIVES" in env:
+            jax.config.update("jax_cpu_collectives_implementation", collectives)
+        timeout = distributed_timeout()
+        knobs = dict(heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout)
         if auto and coordinator_address is None:
-            jax.distributed.initialize()
+            jax.distributed.initialize(**knobs)
         else:
             jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                       process_id=process_id, local_device_ids=local_device_ids)
+                                       process_id=process_id, local_device_ids=local_device_ids, **knobs)
     return jax.process_index(), jax.process_count()
 
 
 def _distributed_initialized() -> bool:
     probe = getattr(jax.distributed, "is_initialized", None)
     return bool(probe()) if probe is not None else False
+
+
+def _client():
+    from jax._src.distributed import global_state
+
+    return global_state.client if _distributed_initialized() else None
+
+
+def process_index() -> int:
+    """This process's index in the job (0 when none was joined); unlike ``jax.process_index()`` it
+    never starts a backend, so it is safe before :func:`init_distributed`."""
+    if not _distributed_initialized():
+        return 0
+    from jax._src.distributed import global_state
+
+    return int(global_state.process_id)
+
+
+def process_count() -> int:
+    """Processes in the job (1 when none was joined); never starts a backend."""
+    if not _distributed_initialized():
+        return 1
+    from jax._src.distributed import global_state
+
+    return int(global_state.num_processes)
+
+
+def is_leader() -> bool:
+    """Process 0: the one that writes stored data, records, manifests and leases."""
+    return process_index() == 0
+
+
+def _wait_ms() -> int:
+    """How long a process waits at a barrier for the others (``VIDAX_BARRIER_TIMEOUT`` seconds,
+    default 6 h: the leader may wait for another worker's lease). A dead process is caught sooner,
+    by the heartbeat (:func:`distributed_timeout`)."""
+    return int(float(os.environ.get("VIDAX_BARRIER_TIMEOUT", str(6 * 3600))) * 1000)
+
+
+_SEQ = {"n": 0}
+
+
+def _next_key(name: str) -> str:
+    # every process makes the same sequence of calls (their decisions are agreed), so the n-th
+    # barrier / broadcast has the same key everywhere
+    _SEQ["n"] += 1
+    return f"vidax/{_SEQ['n']}/{name}"
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the job reaches this point (no-op in a single process)."""
+    client = _client()
+    if client is None or process_count() == 1:
+        return
+    client.wait_at_barrier(_next_key(name).replace("/", "."), _wait_ms())
+
+
+class RemoteError(RuntimeError):
+    """The leader failed while computing a value the other processes were waiting for."""
+
+
+def agree(name: str, compute):
+    """The leader's ``compute()`` (a JSON-able value), handed to every process: one decision for
+    all of them (which stage to run, which checkpoint to resume). When ``compute`` raises on the
+    leader, every other process raises :class:`RemoteError` with its message."""
+    import json
+
+    client = _client()
+    if client is None or process_count() == 1:
+        return compute()
+    key = _next_key(name)
+    if is_leader():
+        try:
+            value = compute()
+        except BaseException as e:
+            client.key_value_set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
+        client.key_value_set(key, json.dumps({"value": value}))
+        return value
+    got = json.loads(client.blocking_key_value_get(key, _wait_ms()))
+    if "error" in got:
+        raise RemoteError(f"process 0 failed: {got['error']}")
+    return got["value"]
+
+
+def replicate(tree):
+    """Every ``jax.Array`` leaf that this process cannot read whole (sharded over other hosts'
+    devices) resharded to be fully replicated over its mesh, so ``np.asarray`` works on every
+    process. Leaves already readable are returned as they are (a no-op in a single process).
+    Every process must call it with the same tree (it runs a collective)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return x
+        s = x.sharding
+        if not isinstance(s, NamedSharding):
+            raise ShardingConfigError(f"cannot gather an array with sharding {s!r}; expected a NamedSharding")
+        return jax.jit(lambda a: a, out_shardings=NamedSharding(s.mesh, PartitionSpec()))(x)
+
+    return jax.tree.map(one, tree)
 
 
 # ----------------------------------------------------------------------------------- specs
@@ -111,7 +245,13 @@ def make_mesh(spec: str | Mapping[str, int] | Mesh | None = None, *, devices: Se
     if spec is not None and sizes:
         raise TypeError("make_mesh: pass either a spec or axis keywords, not both")
     s = parse_mesh_spec(spec if spec is not None else sizes)
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = jax.devices()
+        if jax.process_count() > 1:
+            need = int(np.prod([v for v in s.values() if v != -1]))
+            if -1 not in s.values() and need < len(devices) and need <= jax.local_device_count():
+                devices = jax.local_devices()  # fits on this host: a per-process mesh
+    devices = list(devices)
     n = len(devices)
     if -1 in s.values():
         fill = next(a for a, v in s.items() if v == -1)
@@ -151,7 +291,7 @@ def axis_sizes(mesh: Mesh | Mapping[str, int] | None) -> dict[str, int]:
 
 
 def single_device_mesh(device=None) -> Mesh:
-    return make_mesh({}, devices=[device or jax.devices()[0]])
+    return make_mesh({}, devices=[device or jax.local_devices()[0]])
 
 
 # ----------------------------------------------------------------------------------- divisibility
@@ -211,5 +351,6 @@ def check_divisible(rules: Sequence[Divisible], mesh: Mesh | Mapping[str, int] |
 
 
 __all__ = ["AXES", "Divisible", "ShardingConfigError", "axis_sizes", "check_divisible", "ensure_axes",
-           "format_mesh_spec", "init_distributed", "make_mesh", "parse_mesh_spec", "single_device_mesh",
-           "valid_sizes"]
+           "agree", "barrier", "distributed_timeout", "format_mesh_spec", "init_distributed", "is_leader",
+           "make_mesh", "parse_mesh_spec", "process_count", "process_index", "replicate", "single_device_mesh",
+           "valid_sizes", "RemoteError"]

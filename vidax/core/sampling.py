@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.mesh import replicate
+
 
 @dataclass
 class StepInfo:
@@ -178,9 +180,12 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
     if not 0 <= start <= stop <= n:
         raise ValueError(f"denoise: need 0 <= start ({start}) <= stop ({stop}) <= steps ({n})")
     extra = (aux,) if with_aux else ()
+    multihost = jax.process_count() > 1
     for i in range(start, stop):
         t0 = time.perf_counter()
         x, state = step(params, x, state, jnp.int32(i), cond, uncond if use_cfg else cond, g, key, *extra)
+        if multihost:  # latents sharded over other hosts' devices: gathered, so every process can read them
+            x, state = replicate((x, state))
         if on_step is not None:
             x.block_until_ready()
             on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
