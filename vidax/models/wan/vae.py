@@ -1015,8 +1015,24 @@ def decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = No
 
 
 # ----------------------------------------------------------------------------------- tiled decode
+# A tiled decode (the reference's ``enable_tiling``) cuts the latent frame into overlapping tiles,
+# decodes each with its own causal cache and cross-fades neighbours over the overlap. Here that is
+# three pieces, so the decode stages of a run can be tiles as well as frame ranges:
+#
+# - :func:`decode_tiles`: raw decoder outputs of some tiles over some latent frames, resumable from
+#   each tile's cache, same-shape tiles spread over the devices (one tile per device);
+# - :func:`blend_tiles`: the reference's blend of every tile of a frame range, then unpatchify and clamp;
+# - :func:`tiled_decode` = both; :func:`tile_plan` / :func:`decode_tile_stage` /
+#   :func:`assemble_tile_stages`: persisted stages of (tile group x frame range), blended at the end.
+
 #: diffusers' AutoencoderKLWan tiling defaults (pixels): 256-pixel tiles every 192 pixels
 TILE, TILE_STRIDE = 256, 192
+#: the mesh axis the tiles of one tiled-decode step are spread over
+TILE_AXIS = "tiles"
+#: a tiled decode's default plan: this many tile groups (each a stage per frame range) ...
+TILE_GROUPS = 2
+#: ... and at most this many decode stages in all (``decode_stages`` overrides it)
+TILE_STAGES = 8
 
 
 def tile_grid(cfg: WanVAEConfig, height: int, width: int, tile: int = TILE, stride: int = TILE_STRIDE):
@@ -1027,6 +1043,12 @@ def tile_grid(cfg: WanVAEConfig, height: int, width: int, tile: int = TILE, stri
     if lt < 1 or ls < 1 or stride > tile or tile % r or stride % r:
         raise ValueError(f"tile {tile} / stride {stride} pixels: multiples of the VAE's {r}x, stride <= tile")
     return [(i, j, slice(i, i + lt), slice(j, j + lt)) for i in range(0, height, ls) for j in range(0, width, ls)]
+
+
+def _tile_hw(grid, n: int, height: int, width: int) -> tuple[int, int]:
+    """The latent rows and cols of tile ``n`` (edge tiles are cut by the frame)."""
+    _, _, ys, xs = grid[n]
+    return min(ys.stop, height) - ys.start, min(xs.stop, width) - xs.start
 
 
 def _blend(a, b, extent: int, axis: int):
@@ -1044,36 +1066,150 @@ def _blend(a, b, extent: int, axis: int):
     return b
 
 
-def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
-                 return_cache: bool = False, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
-                 conv_impl=None):
-    """:func:`decode` in overlapping spatial tiles, as ``AutoencoderKLWan.tiled_decode`` (after
-    ``enable_tiling(tile_sample_min_*=tile, tile_sample_stride_*=stride)``): each latent tile is
-    decoded frame by frame with its own causal cache, neighbours are cross-faded linearly over the
-    overlap, then unpatchified and clamped. Each compiled program sees one tile, so the peak memory
-    follows the tile, not the frame. Resumable like :func:`decode`: ``cache`` holds every tile's
-    cache (keys ``"<tile index>/<name>"``)."""
+def tile_devices(devices=None) -> list:
+    """The devices a tiled decode spreads its tiles over. ``None``: this process's devices (the
+    decode slice's local chips; each host of a multi-host slice decodes the stage's tiles on its
+    own); an int: the first that many of them; or a list of devices."""
+    local = jax.local_devices()
+    if devices is None:
+        return list(local)
+    if isinstance(devices, int):
+        if not 1 <= devices <= len(local):
+            raise ValueError(f"devices={devices}: between 1 and the {len(local)} local device(s)")
+        return list(local[:devices])
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices: an empty list")
+    return devices
+
+
+@lru_cache(maxsize=None)
+def _tile_mesh(devices: tuple):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices, dtype=object), (TILE_AXIS,))
+
+
+@lru_cache(maxsize=None)
+def _tiles_program(mesh, cfg: WanVAEConfig, first: bool, attn_impl, conv_impl: str):
+    """One latent frame of ``mesh.size`` same-shape tiles at once, one per device: the tiles are
+    stacked on the batch axis (``[N B, z_dim, 1, h, w]``, with their caches) and split over the
+    mesh, and every device runs the single-tile program (:func:`_decode_chunk_jit`) on its own tile
+    -- no communication, the same arithmetic as decoding the tiles one after the other. The caches
+    are donated. One program per (mesh, tile shape, first)."""
+    from jax.sharding import PartitionSpec as P
+
+    from vidax.core.sharding import smap
+
+    def one(state, z, cache):
+        return _decode_chunk_jit(state, z, cache, cfg=cfg, first=first, attn_impl=attn_impl, conv_impl=conv_impl,
+                                 raw=True)
+
+    t, rep = P(TILE_AXIS), P()
+    if first:
+        return jax.jit(smap(lambda state, z: one(state, z, None), mesh, (rep, t), (t, t)))
+    return jax.jit(smap(one, mesh, (rep, t, t), (t, t)), donate_argnums=(2,))
+
+
+def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, stop: int | None = None, cache=None,
+                 return_cache: bool = True, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
+                 conv_impl=None, devices=None):
+    """Latent frames ``start .. stop-1`` of some tiles of ``z`` [B, z_dim, F, h, w] (denormalised),
+    each tile decoded with its own causal cache, not blended. ``tiles``: indices into
+    :func:`tile_grid` (default: all). Returns ``({tile: raw decoder output [B, C p p, T, h_t r/p,
+    w_t r/p]}, cache)`` (host numpy; ``r`` the spatial ratio, ``p`` the patch size).
+
+    ``cache`` (needed when ``start > 0``): the tiles' caches left by frame ``start - 1``, keys
+    ``"<tile>/<name>"``; the returned one has the same keys for ``tiles`` (host numpy: a tile's
+    cache leaves the device when the tile is done; None without ``return_cache``).
+
+    ``devices`` (:func:`tile_devices`): with N > 1 of them, same-shape tiles are decoded N at a time,
+    one per device (:func:`_tiles_program`); a shape's last batch is filled up with repeats of its
+    last tile (outputs dropped). Tiles of different shapes (the frame's last row and column) are never
+    padded to one shape: the decoder's zero padding at the tile's edge and its attention over the
+    tile would see the padding. With one device, or one tile of each shape, each tile runs alone."""
     z = np.asarray(z)
-    _, _, f, h, w = z.shape
+    b, _, f, h, w = z.shape
     stop = f if stop is None else stop
     if start > 0 and cache is None:
-        raise ValueError("tiled_decode(start > 0) needs the cache left by the previous chunk")
+        raise ValueError("decode_tiles(start > 0) needs the tiles' cache left by the previous chunk")
+    grid = tile_grid(cfg, h, w, tile, stride)
+    tiles = list(range(len(grid))) if tiles is None else [int(n) for n in tiles]
+    if any(not 0 <= n < len(grid) for n in tiles):
+        raise ValueError(f"tiles {tiles}: a {h}x{w} latent frame has tiles 0..{len(grid) - 1}")
+    by_shape: dict[tuple, list[int]] = {}
+    for n in tiles:
+        by_shape.setdefault(_tile_hw(grid, n, h, w), []).append(n)
+    devs = tile_devices(devices)
+    nd = min(len(devs), max((len(v) for v in by_shape.values()), default=1))
+    impl = _conv_impl(conv_impl)
+    if nd > 1:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh = _tile_mesh(tuple(devs[:nd]))
+        spread = NamedSharding(mesh, P(TILE_AXIS))
+        state = jax.device_put(state, NamedSharding(mesh, P()))  # the weights on every device of the mesh
+
+        def put(a):
+            return jax.device_put(a, spread)
+
+        def run(zk, c, first):
+            prog = _tiles_program(mesh, cfg, first, attn_impl, impl)
+            return prog(state, put(zk)) if first else prog(state, put(zk), c)
+    else:
+        def put(a):
+            return jnp.asarray(a)
+
+        def run(zk, c, first):
+            return _decode_chunk_jit(state, _device(zk), None if first else c, cfg=cfg, first=first,
+                                     attn_impl=attn_impl, conv_impl=impl, raw=True)
+
+    def stack(arrays):
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+    out, new_cache = {}, {}
+    for members in by_shape.values():
+        for c0 in range(0, len(members), nd):
+            chunk = members[c0:c0 + nd]
+            batch = chunk + [chunk[-1]] * (nd - len(chunk))
+            c = None
+            if start > 0:
+                names = sorted(k.split("/", 1)[1] for k in cache if k.split("/", 1)[0] == str(batch[0]))
+                if not names:
+                    raise ValueError(f"decode_tiles: the cache has no entries for tile {batch[0]}")
+                c = {k: put(stack([np.asarray(cache[f"{n}/{k}"]) for n in batch])) for k in names}
+            outs = []
+            for k in range(start, stop):
+                zk = stack([z[:, :, k:k + 1, grid[n][2], grid[n][3]] for n in batch])
+                px, c = run(zk, c, k == 0)
+                outs.append(np.asarray(px))
+            px = np.concatenate(outs, axis=2) if outs else None
+            if return_cache and c is not None:
+                c = {k: np.asarray(v) for k, v in c.items()}
+            for i, n in enumerate(chunk):
+                if px is not None:
+                    out[n] = px[i * b:(i + 1) * b]
+                if return_cache and c is not None:
+                    new_cache.update({f"{n}/{k}": v[i * b:(i + 1) * b] for k, v in c.items()})
+    return out, (new_cache if return_cache else None)
+
+
+def blend_tiles(cfg: WanVAEConfig, raw: dict, height: int, width: int, tile: int = TILE, stride: int = TILE_STRIDE):
+    """The reference's blend of every tile of a ``height x width`` latent frame: ``raw`` {tile:
+    raw decoder output} (:func:`decode_tiles`, the same frames for every tile); each tile's top and
+    left overlap cross-fade linearly from its already-blended neighbours, the tiles' first
+    ``stride`` pixels are kept, then unpatchify and clamp. Returns pixels [B, C, T, H, W] in [-1, 1]."""
+    grid = tile_grid(cfg, height, width, tile, stride)
+    missing = [n for n in range(len(grid)) if n not in raw]
+    if missing:
+        raise ValueError(f"blend_tiles: tiles {missing} of the {len(grid)} are missing")
     p = cfg.patch_size or 1
     r = cfg.scale_factor_spatial or cfg.spatial_ratio
-    grid = tile_grid(cfg, h, w, tile, stride)
     rows: dict[int, list] = {}
-    new_cache = {}
-    for n, (i, j, ys, xs) in enumerate(grid):
-        c = None if cache is None else {k.split("/", 1)[1]: jnp.asarray(v) for k, v in cache.items()
-                                         if k.split("/", 1)[0] == str(n)}
-        outs = []
-        for k in range(start, stop):
-            px, c = _decode_chunk_jit(state, _device(z[:, :, k:k + 1, ys, xs]), None if k == 0 else c, cfg=cfg,
-                                      first=k == 0, attn_impl=attn_impl, conv_impl=_conv_impl(conv_impl), raw=True)
-            outs.append(np.asarray(px))
-        rows.setdefault(i, []).append(np.concatenate(outs, axis=2))
-        new_cache.update({f"{n}/{k}": v for k, v in (c or {}).items()})
-    sh, sw = h * r // p, w * r // p  # the decoder's output grid (patchified)
+    for n, (i, *_) in enumerate(grid):
+        rows.setdefault(i, []).append(raw[n])
+    sh, sw = height * r // p, width * r // p  # the decoder's output grid (patchified)
     ss = stride // p
     blend = tile // p - ss
     keys = sorted(rows)
@@ -1090,8 +1226,150 @@ def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | Non
         out_rows.append(np.concatenate(row, axis=-1))
     dec = np.concatenate(out_rows, axis=-2)[..., :sh, :sw]  # [B, C p p, T, H/p, W/p]
     x = np.asarray(unpatchify(dec.transpose(0, 2, 3, 4, 1), p)).transpose(0, 4, 1, 2, 3)
-    pixels = np.clip(x, -1.0, 1.0)
+    return np.clip(x, -1.0, 1.0)
+
+
+def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
+                 return_cache: bool = False, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
+                 conv_impl=None, devices=None):
+    """:func:`decode` in overlapping spatial tiles, as ``AutoencoderKLWan.tiled_decode`` (after
+    ``enable_tiling(tile_sample_min_*=tile, tile_sample_stride_*=stride)``): each latent tile is
+    decoded frame by frame with its own causal cache, neighbours are cross-faded linearly over the
+    overlap, then unpatchified and clamped (:func:`decode_tiles`, :func:`blend_tiles`). Each compiled
+    program sees one tile, so the peak memory follows the tile, not the frame; with several
+    ``devices`` (default: this process's) same-shape tiles decode one per device at once.
+    Resumable like :func:`decode`: ``cache`` holds every tile's cache (keys ``"<tile index>/<name>"``,
+    host numpy)."""
+    z = np.asarray(z)
+    h, w = z.shape[-2:]
+    raw, new_cache = decode_tiles(state, cfg, z, start=start, stop=stop, cache=cache, return_cache=return_cache,
+                                  tile=tile, stride=stride, attn_impl=attn_impl, conv_impl=conv_impl, devices=devices)
+    pixels = blend_tiles(cfg, raw, h, w, tile, stride)
     return (pixels, new_cache) if return_cache else pixels
+
+
+# --------------------------------------------------------------- tiled decode as persisted stages
+def _split(seq: list, k: int) -> list[list]:
+    bounds = [round(i * len(seq) / k) for i in range(k + 1)]
+    return [seq[bounds[i]:bounds[i + 1]] for i in range(k)]
+
+
+def tile_groups(cfg: WanVAEConfig, height: int, width: int, groups: int, tile: int = TILE,
+                stride: int = TILE_STRIDE) -> list[tuple[tuple[int, int, int, int], list[int]]]:
+    """``groups`` blocks of the tile grid of a ``height x width`` latent frame -- bands of whole tile
+    rows; a band's columns are split too when there are more groups than tile rows -- as
+    ``[(latent box (y0, y1, x0, x1) the block's tiles cover, [tile indices, row-major])]``."""
+    grid = tile_grid(cfg, height, width, tile, stride)
+    rows = sorted({g[0] for g in grid})
+    cols = sorted({g[1] for g in grid})
+    if not 1 <= groups <= len(grid):
+        raise ValueError(f"{groups} tile groups: between 1 and the {len(grid)} tiles of a {height}x{width} latent frame")
+    gr = min(groups, len(rows))
+    gc = min(len(cols), max(1, groups // gr))
+    out = []
+    for band in _split(rows, gr):
+        for block in _split(cols, gc):
+            members = [n for n, g in enumerate(grid) if g[0] in band and g[1] in block]
+            last = members[-1]
+            box = (band[0], min(height, grid[last][2].stop), block[0], min(width, grid[last][3].stop))
+            out.append((box, members))
+    return out
+
+
+def tile_plan(cfg: WanVAEConfig, latent_frames: int, height: int, width: int, stages: int | None = None,
+              inputs=("latents",)) -> list:
+    """The decode stages of a tiled decode of ``height x width`` latents (``DecodeSpan`` list).
+
+    ``stages`` (the request's ``decode_stages``; default :data:`TILE_STAGES`) bounds the count.
+    With more than one tile and ``stages > 1`` the plan is :data:`TILE_GROUPS` tile groups
+    (:func:`tile_groups`) x ``min(latent_frames, stages // groups)`` frame ranges: stage ``r G + g``
+    decodes group ``g``'s tiles over frame range ``r`` and carries their caches from stage
+    ``(r - 1) G + g`` (``carry_from``), so the groups are independent chains; its output is the
+    tiles' raw decoder output (:func:`decode_tile_stage`), blended when the video is assembled
+    (:func:`assemble_tile_stages`). Otherwise (one tile, or one stage) the plan is frame ranges
+    alone, each decoding and blending every tile (:func:`tiled_decode`)."""
+    from vidax.pipeline import DecodeSpan, temporal_spans
+
+    k = TILE_STAGES if stages is None else int(stages)
+    g = min(len(tile_grid(cfg, height, width)), TILE_GROUPS, k)
+    if g <= 1:
+        return temporal_spans(latent_frames, stages, inputs)
+    r = max(1, min(latent_frames, k // g))
+    bounds = [round(i * latent_frames / r) for i in range(r + 1)]
+    spans = []
+    for ri in range(r):
+        for gi, (box, _) in enumerate(tile_groups(cfg, height, width, g)):
+            n = ri * g + gi
+            spans.append(DecodeSpan(f"decode/{n}", "video", (bounds[ri], bounds[ri + 1]), box,
+                                    f"decode/{n - g}" if ri else None, tuple(inputs)))
+    return spans
+
+
+def _plan_groups(cfg: WanVAEConfig, boxes) -> tuple[int, int, dict]:
+    """(latent height, width, {box: [tile indices]}) of a tile plan's distinct boxes."""
+    boxes = list(dict.fromkeys(tuple(b) for b in boxes))
+    h, w = max(b[1] for b in boxes), max(b[3] for b in boxes)
+    members = {box: m for box, m in tile_groups(cfg, h, w, len(boxes))}
+    unknown = [b for b in boxes if b not in members]
+    if unknown:
+        raise ValueError(f"tile boxes {unknown} are not the tile groups of a {h}x{w} latent frame in {len(boxes)} groups")
+    return h, w, members
+
+
+def decode_tile_stage(vae, latents, span, carry=None, plan=None, devices=None):
+    """One stage of a :func:`tile_plan`: the tiles of ``span.tile``'s group over latent frames
+    ``span.frames``, from ``carry`` (their caches left by the group's previous frame range).
+
+    ``vae``: ``(state, cfg)``; ``latents``: the run's normalised latents [B, z_dim, F, h, w];
+    ``plan``: the run's decode plan (to tell the groups apart). Returns ``(tiles, carry)``: the
+    tiles' raw decoder output (float32, unclamped, unpatchified) laid side by side in the group's
+    row-major order -- an atlas [B, T, sum of the tile rows' heights, sum of the tile columns'
+    widths, C] -- and the tiles' caches for the group's next frame range."""
+    state, cfg = vae
+    z = denormalize_latents(cfg, np.asarray(latents, np.float32))
+    boxes = [s.tile for s in (plan or [span]) if s.tile is not None]
+    _, _, groups = _plan_groups(cfg, boxes)
+    h, w = z.shape[-2:]
+    members = groups[tuple(span.tile)]
+    a, b = span.frames
+    raw, cache = decode_tiles(state, cfg, z, members, start=a, stop=b, cache=carry, devices=devices)
+    p = cfg.patch_size or 1
+    grid = tile_grid(cfg, h, w)
+    rows: dict[int, list] = {}
+    for n in members:
+        px = np.asarray(unpatchify(raw[n].transpose(0, 2, 3, 4, 1), p), np.float32)  # [B, T, H, W, C]
+        rows.setdefault(grid[n][0], []).append(px)
+    atlas = np.concatenate([np.concatenate(r, axis=3) for _, r in sorted(rows.items())], axis=2)
+    return atlas, cache
+
+
+def assemble_tile_stages(cfg: WanVAEConfig, parts) -> np.ndarray:
+    """The video [B, C, T, H, W] in [-1, 1] from the ``(span, tiles)`` of every stage of a
+    :func:`tile_plan` (:func:`decode_tile_stage`): each frame range's tiles blended as the
+    reference's tiled decode blends them (:func:`blend_tiles`), the ranges concatenated."""
+    h, w, groups = _plan_groups(cfg, [s.tile for s, _ in parts])
+    r = cfg.scale_factor_spatial or cfg.spatial_ratio
+    p = cfg.patch_size or 1
+    grid = tile_grid(cfg, h, w)
+    ranges: dict[tuple, dict] = {}
+    for span, atlas in parts:
+        atlas = np.asarray(atlas, np.float32)
+        members = groups[tuple(span.tile)]
+        tiles = ranges.setdefault(tuple(span.frames), {})
+        y = 0
+        for i in sorted({grid[n][0] for n in members}):
+            x = 0
+            for n in (m for m in members if grid[m][0] == i):
+                th, tw = (d * r for d in _tile_hw(grid, n, h, w))
+                px = atlas[:, :, y:y + th, x:x + tw]
+                tiles[n] = np.asarray(patchify(px, p)).transpose(0, 4, 1, 2, 3)  # back to the decoder's layout
+                x += tw
+            y += th
+        if (y, x) != atlas.shape[2:4]:
+            raise ValueError(f"{span.name}: tiles of {atlas.shape[2]}x{atlas.shape[3]} pixels, the group's tiles "
+                             f"cover {y}x{x}")
+    out = [blend_tiles(cfg, tiles, h, w) for _, tiles in sorted(ranges.items())]
+    return np.concatenate(out, axis=2)
 
 
 #: the ``vae_tiling`` request option of the families decoding with this VAE (Wan, Cosmos, Cosmos3)
