@@ -124,7 +124,7 @@ _EMB_DIMS = ("batch", "token", "channel")
 _LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
 
 
-class WanT2V(Pipeline):
+class WanT2V(wvae.TileStages, Pipeline):
     """Wan text-to-video (and, from an image-to-video source, image-to-video). ``source``: a
     preset name or a checkpoint folder. Implements the :class:`vidax.pipeline.Pipeline` protocol
     (``encode`` / ``sample`` / ``decode``) over the library methods (``encode_prompts``,
@@ -642,7 +642,10 @@ class WanT2V(Pipeline):
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
         """Latent frames ``span.frames`` -> uint8 frames, from the causal-conv cache ``carry`` that
-        the previous span left; returns the cache for the next span."""
+        the previous span left; returns the cache for the next span. A tile stage (``span.tile``,
+        see the class docstring) returns its tiles' raw decoder output instead."""
+        if span.tile is not None:
+            return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry,
                                            tiling=bool(request.options.get("vae_tiling")))
@@ -681,7 +684,9 @@ class WanT2V(Pipeline):
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
                                 jax.jit(runner.apply), (runner.params, x, t, ctx, img), weights=runner.params,
                                 note=f"batch {nb} x {tokens:,} tokens"))
-        return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling")))]
+        tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
+        return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
+                                              devices=self.pool_devices(request, "decode"))]
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:

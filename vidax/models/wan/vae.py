@@ -1035,9 +1035,11 @@ TILE_GROUPS = 2
 TILE_STAGES = 8
 
 
-def tile_grid(cfg: WanVAEConfig, height: int, width: int, tile: int = TILE, stride: int = TILE_STRIDE):
+def tile_grid(cfg: WanVAEConfig, height: int, width: int, tile: int | None = None, stride: int | None = None):
     """The latent tiles of a ``height x width`` latent frame: ``[(i, j, rows, cols)]`` in row-major
-    order (the reference's loop), each ``tile / ratio`` latents wide, every ``stride / ratio``."""
+    order (the reference's loop), each ``tile / ratio`` latents wide, every ``stride / ratio``
+    (None: :data:`TILE`, :data:`TILE_STRIDE`, read when called)."""
+    tile, stride = TILE if tile is None else tile, TILE_STRIDE if stride is None else stride
     r = cfg.scale_factor_spatial or cfg.spatial_ratio
     lt, ls = tile // r, stride // r
     if lt < 1 or ls < 1 or stride > tile or tile % r or stride % r:
@@ -1112,7 +1114,7 @@ def _tiles_program(mesh, cfg: WanVAEConfig, first: bool, attn_impl, conv_impl: s
 
 
 def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, stop: int | None = None, cache=None,
-                 return_cache: bool = True, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
+                 return_cache: bool = True, tile: int | None = None, stride: int | None = None, attn_impl=None,
                  conv_impl=None, devices=None):
     """Latent frames ``start .. stop-1`` of some tiles of ``z`` [B, z_dim, F, h, w] (denormalised),
     each tile decoded with its own causal cache, not blended. ``tiles``: indices into
@@ -1124,8 +1126,9 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
     cache leaves the device when the tile is done; None without ``return_cache``).
 
     ``devices`` (:func:`tile_devices`): with N > 1 of them, same-shape tiles are decoded N at a time,
-    one per device (:func:`_tiles_program`); a shape's last batch is filled up with repeats of its
-    last tile (outputs dropped). Tiles of different shapes (the frame's last row and column) are never
+    one per device (:func:`_tiles_program`); a batch short of N tiles is filled up with repeats of
+    its last tile (outputs dropped; the spare devices would idle anyway, and one mesh means one
+    program per tile shape). Tiles of different shapes (the frame's last row and column) are never
     padded to one shape: the decoder's zero padding at the tile's edge and its attention over the
     tile would see the padding. With one device, or one tile of each shape, each tile runs alone."""
     z = np.asarray(z)
@@ -1141,7 +1144,8 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
     for n in tiles:
         by_shape.setdefault(_tile_hw(grid, n, h, w), []).append(n)
     devs = tile_devices(devices)
-    nd = min(len(devs), max((len(v) for v in by_shape.values()), default=1))
+    # the whole slice, or one device when no two tiles share a shape (nothing to decode side by side)
+    nd = len(devs) if max((len(v) for v in by_shape.values()), default=1) > 1 else 1
     impl = _conv_impl(conv_impl)
     if nd > 1:
         from jax.sharding import NamedSharding
@@ -1195,12 +1199,14 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
     return out, (new_cache if return_cache else None)
 
 
-def blend_tiles(cfg: WanVAEConfig, raw: dict, height: int, width: int, tile: int = TILE, stride: int = TILE_STRIDE):
+def blend_tiles(cfg: WanVAEConfig, raw: dict, height: int, width: int, tile: int | None = None,
+                stride: int | None = None):
     """The reference's blend of every tile of a ``height x width`` latent frame: ``raw`` {tile:
     raw decoder output} (:func:`decode_tiles`, the same frames for every tile); each tile's top and
     left overlap cross-fade linearly from its already-blended neighbours, the tiles' first
     ``stride`` pixels are kept, then unpatchify and clamp. Returns pixels [B, C, T, H, W] in [-1, 1]."""
     grid = tile_grid(cfg, height, width, tile, stride)
+    tile, stride = TILE if tile is None else tile, TILE_STRIDE if stride is None else stride
     missing = [n for n in range(len(grid)) if n not in raw]
     if missing:
         raise ValueError(f"blend_tiles: tiles {missing} of the {len(grid)} are missing")
@@ -1230,7 +1236,7 @@ def blend_tiles(cfg: WanVAEConfig, raw: dict, height: int, width: int, tile: int
 
 
 def tiled_decode(state, cfg: WanVAEConfig, z, *, start: int = 0, stop: int | None = None, cache=None,
-                 return_cache: bool = False, tile: int = TILE, stride: int = TILE_STRIDE, attn_impl=None,
+                 return_cache: bool = False, tile: int | None = None, stride: int | None = None, attn_impl=None,
                  conv_impl=None, devices=None):
     """:func:`decode` in overlapping spatial tiles, as ``AutoencoderKLWan.tiled_decode`` (after
     ``enable_tiling(tile_sample_min_*=tile, tile_sample_stride_*=stride)``): each latent tile is
@@ -1254,8 +1260,8 @@ def _split(seq: list, k: int) -> list[list]:
     return [seq[bounds[i]:bounds[i + 1]] for i in range(k)]
 
 
-def tile_groups(cfg: WanVAEConfig, height: int, width: int, groups: int, tile: int = TILE,
-                stride: int = TILE_STRIDE) -> list[tuple[tuple[int, int, int, int], list[int]]]:
+def tile_groups(cfg: WanVAEConfig, height: int, width: int, groups: int, tile: int | None = None,
+                stride: int | None = None) -> list[tuple[tuple[int, int, int, int], list[int]]]:
     """``groups`` blocks of the tile grid of a ``height x width`` latent frame -- bands of whole tile
     rows; a band's columns are split too when there are more groups than tile rows -- as
     ``[(latent box (y0, y1, x0, x1) the block's tiles cover, [tile indices, row-major])]``."""
@@ -1263,7 +1269,8 @@ def tile_groups(cfg: WanVAEConfig, height: int, width: int, groups: int, tile: i
     rows = sorted({g[0] for g in grid})
     cols = sorted({g[1] for g in grid})
     if not 1 <= groups <= len(grid):
-        raise ValueError(f"{groups} tile groups: between 1 and the {len(grid)} tiles of a {height}x{width} latent frame")
+        raise ValueError(f"{groups} tile groups: between 1 and the {len(grid)} tiles of a {height}x{width} "
+                         "latent frame")
     gr = min(groups, len(rows))
     gc = min(len(cols), max(1, groups // gr))
     out = []
@@ -1312,11 +1319,12 @@ def _plan_groups(cfg: WanVAEConfig, boxes) -> tuple[int, int, dict]:
     members = {box: m for box, m in tile_groups(cfg, h, w, len(boxes))}
     unknown = [b for b in boxes if b not in members]
     if unknown:
-        raise ValueError(f"tile boxes {unknown} are not the tile groups of a {h}x{w} latent frame in {len(boxes)} groups")
+        raise ValueError(f"tile boxes {unknown} are not the tile groups of a {h}x{w} latent frame in "
+                         f"{len(boxes)} groups")
     return h, w, members
 
 
-def decode_tile_stage(vae, latents, span, carry=None, plan=None, devices=None):
+def decode_tile_stage(vae, latents, span, carry, plan, devices=None):
     """One stage of a :func:`tile_plan`: the tiles of ``span.tile``'s group over latent frames
     ``span.frames``, from ``carry`` (their caches left by the group's previous frame range).
 
@@ -1324,15 +1332,19 @@ def decode_tile_stage(vae, latents, span, carry=None, plan=None, devices=None):
     ``plan``: the run's decode plan (to tell the groups apart). Returns ``(tiles, carry)``: the
     tiles' raw decoder output (float32, unclamped, unpatchified) laid side by side in the group's
     row-major order -- an atlas [B, T, sum of the tile rows' heights, sum of the tile columns'
-    widths, C] -- and the tiles' caches for the group's next frame range."""
+    widths, C] -- and the tiles' caches for the group's next frame range (None when no stage of
+    ``plan`` carries on from this one)."""
     state, cfg = vae
     z = denormalize_latents(cfg, np.asarray(latents, np.float32))
-    boxes = [s.tile for s in (plan or [span]) if s.tile is not None]
-    _, _, groups = _plan_groups(cfg, boxes)
     h, w = z.shape[-2:]
+    ph, pw, groups = _plan_groups(cfg, [s.tile for s in plan if s.tile is not None])
+    if (ph, pw) != (h, w) or tuple(span.tile) not in groups:
+        raise ValueError(f"{span.name}: tile {span.tile} is not a tile group of the plan for {h}x{w} latents")
     members = groups[tuple(span.tile)]
     a, b = span.frames
-    raw, cache = decode_tiles(state, cfg, z, members, start=a, stop=b, cache=carry, devices=devices)
+    carried = any(s.carry_from == span.name for s in plan)
+    raw, cache = decode_tiles(state, cfg, z, members, start=a, stop=b, cache=carry, return_cache=carried,
+                              devices=devices)
     p = cfg.patch_size or 1
     grid = tile_grid(cfg, h, w)
     rows: dict[int, list] = {}
@@ -1372,6 +1384,39 @@ def assemble_tile_stages(cfg: WanVAEConfig, parts) -> np.ndarray:
     return np.concatenate(out, axis=2)
 
 
+class TileStages:
+    """The decode plan of the pipelines that decode with this VAE (Wan, Cosmos, Cosmos3), mixed in
+    before :class:`vidax.pipeline.Pipeline`: with the ``vae_tiling`` option the decode stages are
+    tile groups x frame ranges (:func:`tile_plan`), each persisted and rerunnable alone, and the
+    video is assembled by blending their tiles (:func:`assemble_tile_stages`). The pipeline's
+    ``decode`` hands a span with a ``tile`` to :meth:`decode_tile_span`. Uses the pipeline's
+    ``latent_shape``, ``vae_config`` and ``load_vae``."""
+
+    def decode_plan(self, request):
+        if request.options.get("vae_tiling"):
+            _, f, h, w, _ = self.latent_shape(1, request.height, request.width, request.num_frames)
+            return tile_plan(self.vae_config(), f, h, w, getattr(request, "decode_stages", None))
+        return super().decode_plan(request)
+
+    def decode_tile_span(self, latents: dict, span, carry, request, vae=None):
+        """One tile stage: ``({"frames": the tiles' raw decoder output (float32 atlas)}, carry)``."""
+        from vidax.pipeline import Named
+
+        tiles, cache = decode_tile_stage(vae or self.load_vae(), latents["latents"], span, carry,
+                                         self.decode_plan(request))
+        return ({"frames": Named(tiles, ("batch", "frame", "height", "width", "rgb"),
+                                 {"latent_frames": list(span.frames), "tile": list(span.tile),
+                                  "units": "raw decoder output (float32, unclamped): the group's tiles side by side, "
+                                           "row-major; mux blends them"})}, cache)
+
+    def assemble_video(self, parts):
+        if any(span.tile is not None for span, _ in parts):
+            from vidax.pipeline import to_uint8, to_unit_range
+
+            return to_uint8(to_unit_range(assemble_tile_stages(self.vae_config(), parts)))
+        return super().assemble_video(parts)
+
+
 #: the ``vae_tiling`` request option of the families decoding with this VAE (Wan, Cosmos, Cosmos3)
 def tiling_option():
     from vidax.pipeline import Option
@@ -1380,17 +1425,16 @@ def tiling_option():
                   "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip", stages=("decode",))
 
 
-def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32, tiled: bool = False):
+def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32, tiled: bool = False,
+                     devices: int = 1):
     """The program a decode stage repeats -- one latent frame with the causal cache (donated) --
     at abstract shapes on the accelerators' conv path (``vidax plan``; latents ``height x width``;
-    ``tiled``: one tile of :func:`tiled_decode`)."""
+    ``tiled``: tiles of :func:`tiled_decode`, one per device of a ``devices``-chip decode slice:
+    :func:`plan_tiles_unit`)."""
     from vidax.core import plan as vplan
 
     if tiled:
-        lt = TILE // (cfg.scale_factor_spatial or cfg.spatial_ratio)
-        unit = plan_decode_unit(cfg, batch, min(height, lt), min(width, lt), dtype)
-        unit.name = f"VAE decode, one latent frame of one {TILE}-px tile"
-        return unit
+        return plan_tiles_unit(cfg, batch, height, width, dtype, devices)
     state = state_from_pure(cfg, param_shapes(cfg, dtype))
     z = vplan.abstract((batch, cfg.z_dim, 1, height, width), np.float32)
     static = dict(cfg=cfg, attn_impl=None, conv_impl="native")
@@ -1398,6 +1442,38 @@ def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dty
     return vplan.Unit("decode", "VAE decode, one latent frame", _decode_chunk_jit, (state, z, cache),
                       kwargs=dict(first=False, **static), weights=state,
                       note=f"{batch} x {height}x{width} latents with the causal cache")
+
+
+def plan_tiles_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32, devices: int = 1):
+    """The program a tiled decode stage repeats on a ``devices``-chip slice (``vidax plan``): one
+    latent frame of ``devices`` full-size tiles at once, one per device, with their causal caches
+    (:func:`_tiles_program`, as :func:`decode_tiles` runs it); on one chip, or when one tile covers
+    the ``height x width`` latent frame, the single-tile program. Compiled on the first ``devices``
+    of ``jax.devices()`` (fake CPU devices for a plan)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from vidax.core import plan as vplan
+
+    lt = TILE // (cfg.scale_factor_spatial or cfg.spatial_ratio)
+    th, tw = min(height, lt), min(width, lt)
+    nd = min(int(devices), jax.device_count()) if len(tile_grid(cfg, height, width)) > 1 else 1
+    if nd <= 1:
+        unit = plan_decode_unit(cfg, batch, th, tw, dtype)
+        unit.name = f"VAE decode, one latent frame of one {TILE}-px tile"
+        return unit
+    mesh = _tile_mesh(tuple(jax.devices()[:nd]))
+    state = state_from_pure(cfg, param_shapes(cfg, dtype))
+    z1 = vplan.abstract((batch, cfg.z_dim, 1, th, tw), np.float32)
+    _, cache1 = jax.eval_shape(partial(_decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl="native"),
+                               state, z1, None)
+    spread = NamedSharding(mesh, P(TILE_AXIS))
+    state = vplan.like(state, NamedSharding(mesh, P()))
+    z = vplan.abstract((nd * batch, *z1.shape[1:]), np.float32, spread)
+    cache = {k: vplan.abstract((nd * v.shape[0], *v.shape[1:]), v.dtype, spread) for k, v in cache1.items()}
+    return vplan.Unit("decode", f"VAE decode, one latent frame of {nd} {TILE}-px tiles (one per device)",
+                      _tiles_program(mesh, cfg, False, None, "native"), (state, z, cache), weights=state,
+                      note=f"{batch} x {th}x{tw} latents per device with the causal cache")
 
 
 def encode(state, cfg: WanVAEConfig, x, *, return_logvar: bool = False, attn_impl=None, conv_impl=None):
