@@ -21,6 +21,21 @@ channel-concatenated mask + VAE latent of the first frame), ``boundary_ratio`` w
 ``transformer_2`` (Wan2.2 A14B: a high-noise and a low-noise expert, only one on device at a time)
 and ``expand_timesteps`` (Wan2.2 TI2V-5B: the first latent frame is substituted with the image's
 latent before every model call and the DiT gets per-token timesteps, zero on the known frame).
+
+Decode stages (:meth:`WanT2V.decode_plan`): latent frame ranges (``decode_stages`` of them,
+default up to 4), each carrying the VAE's causal cache to the next. With ``vae_tiling`` the decode
+runs in the reference's overlapping 256-pixel tiles (``vae.tiled_decode``); when the frame holds
+more than one tile and ``decode_stages`` is not 1, the stages are **tile groups x frame ranges**
+(``vae.tile_plan``, the same for Cosmos and Cosmos3): 2 groups (bands of tile rows) x
+``min(latent frames, decode_stages // 2)`` ranges, ``decode_stages`` defaulting to 8 -- so at most
+8 stages, ``decode_stages`` bounding the count. Stage ``2 r + g`` decodes group ``g``'s tiles over
+range ``r`` and carries their caches from stage ``2 (r - 1) + g``: the two groups are independent
+chains, each stage persisted and rerunnable alone. A tile stage stores its tiles' raw decoder
+output (float32, side by side: about 7x the bytes of the final uint8 frames, the overlaps
+included), and mux blends them as diffusers' tiled decode does -- bitwise the in-memory
+``tiled_decode``. Inside any tiled stage, tiles of one shape decode one per device of the decode
+slice at once (``vae.decode_tiles``); the plan itself depends on the request alone, never on the
+device count, so a stage's key is the same on any slice.
 """
 from __future__ import annotations
 
