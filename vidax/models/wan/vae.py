@@ -1180,9 +1180,10 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
             c = None
             if start > 0:
                 names = sorted(k.split("/", 1)[1] for k in cache if k.split("/", 1)[0] == str(batch[0]))
-                if not names:
-                    raise ValueError(f"decode_tiles: the cache has no entries for tile {batch[0]}")
-                c = {k: put(stack([np.asarray(cache[f"{n}/{k}"]) for n in batch])) for k in names}
+                lacking = [n for n in chunk if not names or any(f"{n}/{name}" not in cache for name in names)]
+                if lacking:
+                    raise ValueError(f"decode_tiles: the cache lacks entries of tile(s) {lacking}")
+                c = {name: put(stack([np.asarray(cache[f"{n}/{name}"]) for n in batch])) for name in names}
             outs = []
             for k in range(start, stop):
                 zk = stack([z[:, :, k:k + 1, grid[n][2], grid[n][3]] for n in batch])
@@ -1190,12 +1191,12 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
                 outs.append(np.asarray(px))
             px = np.concatenate(outs, axis=2) if outs else None
             if return_cache and c is not None:
-                c = {k: np.asarray(v) for k, v in c.items()}
+                c = {name: np.asarray(v) for name, v in c.items()}
             for i, n in enumerate(chunk):
                 if px is not None:
                     out[n] = px[i * b:(i + 1) * b]
                 if return_cache and c is not None:
-                    new_cache.update({f"{n}/{k}": v[i * b:(i + 1) * b] for k, v in c.items()})
+                    new_cache.update({f"{n}/{name}": v[i * b:(i + 1) * b] for name, v in c.items()})
     return out, (new_cache if return_cache else None)
 
 
@@ -1301,11 +1302,13 @@ def tile_plan(cfg: WanVAEConfig, latent_frames: int, height: int, width: int, st
     g = min(len(tile_grid(cfg, height, width)), TILE_GROUPS, k)
     if g <= 1:
         return temporal_spans(latent_frames, stages, inputs)
+    groups = tile_groups(cfg, height, width, g)
+    g = len(groups)
     r = max(1, min(latent_frames, k // g))
     bounds = [round(i * latent_frames / r) for i in range(r + 1)]
     spans = []
     for ri in range(r):
-        for gi, (box, _) in enumerate(tile_groups(cfg, height, width, g)):
+        for gi, (box, _) in enumerate(groups):
             n = ri * g + gi
             spans.append(DecodeSpan(f"decode/{n}", "video", (bounds[ri], bounds[ri + 1]), box,
                                     f"decode/{n - g}" if ri else None, tuple(inputs)))
