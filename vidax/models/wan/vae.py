@@ -1425,7 +1425,9 @@ def tiling_option():
     from vidax.pipeline import Option
 
     return Option("vae_tiling", bool, False, f"decode in overlapping {TILE}-pixel spatial tiles (the reference's "
-                  "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip", stages=("decode",))
+                  "enable_tiling): each program holds one tile, so 720p decodes fit a 16 GiB chip; tiles of one "
+                  "shape decode one per device of the decode slice; with several tiles the decode stages are "
+                  "tile groups x frame ranges", stages=("decode",))
 
 
 def plan_decode_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtype=np.float32, tiled: bool = False,
