@@ -152,20 +152,51 @@ def test_stage_keys_follow_content_not_paths_or_mtimes(ref_pipeline, tmp_path):
     assert all(kc[s] != ka[s] for s in ka if s.startswith("decode/"))  # downstream of sample
 
 
-def test_vae_tiling_option_through_the_stages(tmp_path):
-    """``--vae-tiling``: the decode stages decode in tiles, carry every tile's cache from one stage
-    to the next, and the video is the whole-frame decode's (here one tile covers the frame)."""
+def test_vae_tiling_option_through_the_stages(tmp_path, monkeypatch):
+    """``--vae-tiling`` on a frame of several tiles (32-pixel tiles every 24 here, so a 32x64 frame
+    has 2 x 3): the decode stages are 2 tile groups x 2 frame ranges, each carrying only its own
+    tiles' caches from its group's previous range; mux blends their tiles into the in-memory tiled
+    decode's video, bitwise; one tile stage rerun alone writes the same tiles and touches no other
+    stage. A frame that one tile covers keeps the frame-range plan."""
+    import time
+
+    from stages import cli
     from stages import run as R
     from stages.request import Request, validate
     from stages.store import RunStore, read_array
+    from vidax.models.wan import vae as wvae
+    from vidax.pipeline import to_uint8, to_unit_range
 
-    out = {}
-    for tiling in (False, True):
-        req = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", steps=2, decode_stages=2,
-                               options={"vae_tiling": tiling}))
-        run = RunStore(f"file://{tmp_path / str(tiling)}").run("x")
-        R.generate(run, req, log=lambda m: None)
-        out[tiling] = np.concatenate([read_array(run.group(f"decode/{i}.zarr"), "frames") for i in range(2)], axis=1)
-        if tiling:  # every tile's cache travelled from decode/0 to decode/1
-            assert any(e[0].startswith("0/") for e in run.record("decode/0")["details"]["carry_index"])
-    np.testing.assert_array_equal(out[True], out[False])
+    one = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", options={"vae_tiling": True}))
+    assert all(s.tile is None for s in R.make_pipeline(one).decode_plan(one))
+    monkeypatch.setattr(wvae, "TILE", 32)
+    monkeypatch.setattr(wvae, "TILE_STRIDE", 24)
+    req = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", steps=2, height=32, width=64,
+                           num_frames=5, options={"vae_tiling": True}))
+    url = f"file://{tmp_path}"
+    run = RunStore(url).run("x")
+    R.generate(run, req, log=lambda m: None)
+    pipe = R.make_pipeline(req)
+    plan = pipe.decode_plan(req)
+    assert [(s.name, s.frames, s.tile, s.carry_from) for s in plan] == [
+        ("decode/0", (0, 1), (0, 4, 0, 8), None), ("decode/1", (0, 1), (3, 4, 0, 8), None),
+        ("decode/2", (1, 2), (0, 4, 0, 8), "decode/0"), ("decode/3", (1, 2), (3, 4, 0, 8), "decode/1")]
+    carried = {s.name: {e[0].split("/")[0] for e in run.record(s.name)["details"].get("carry_index", [])}
+               for s in plan}
+    assert carried == {"decode/0": {"0", "1", "2"}, "decode/1": {"3", "4", "5"}, "decode/2": set(), "decode/3": set()}
+    parts = [(s, read_array(run.group(f"{s.name}.zarr"), "frames")) for s in plan]
+    # the tiles of 1 x (4, 4, 2) latents side by side: raw decoder output, blended by mux
+    assert parts[1][1].shape == (1, 1, 8, (4 + 4 + 2) * 8, 3) and parts[1][1].dtype == np.float32
+    params, cfg = pipe.load_vae()
+    z = wvae.denormalize_latents(cfg, read_array(run.group("sample.zarr"), "latents"))
+    want = to_uint8(to_unit_range(wvae.tiled_decode(params, cfg, z)))
+    np.testing.assert_array_equal(pipe.assemble_video(parts), want)
+    assert run.record("mux")["status"] == "done"
+
+    names = R.stage_names(req, pipe)
+    finished = {s: run.record(s)["finished"] for s in names}
+    run.delete("decode/2.zarr")
+    time.sleep(1.1)
+    assert cli.main(["rerun", "x", "--stage", "decode/2", "--store", url]) == 0
+    assert [s for s in names if run.record(s)["finished"] != finished[s]] == ["decode/2"]
+    np.testing.assert_array_equal(read_array(run.group("decode/2.zarr"), "frames"), parts[2][1])

@@ -308,10 +308,13 @@ def test_full_size_key_maps(which):
 
 
 @pytest.mark.parametrize("which", ["wan2.1", "wan2.2"])
-def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path):
+def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path, monkeypatch):
     """``tiled_decode`` = ``AutoencoderKLWan.tiled_decode`` (``enable_tiling`` with the same tile and
     stride): tiles decoded with their own caches, cross-faded, clamped; resumable across frame
-    ranges; and not the same as the whole-frame decode (the tiles really are separate)."""
+    ranges; and not the same as the whole-frame decode (the tiles really are separate). The tiles
+    run one per device (the 8 fake CPU devices), as they do one after the other on one device; and
+    as persisted stages (tile groups x frame ranges, each from its group's carried caches, blended
+    when assembled) they give the same video bitwise."""
     from vidax.models.wan import vae as wvae
 
     cfg = RELEASE if which == "wan2.1" else dict(
@@ -335,3 +338,29 @@ def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path):
     cache = {k: np.asarray(v) for k, v in cache.items()}  # as a decode stage persists it
     b = wvae.tiled_decode(cm.params, cm.model_config, z, start=2, cache=cache, tile=tile, stride=stride)
     np.testing.assert_array_equal(np.concatenate([a, b], axis=2), got)
+
+    # one tile per device = one tile after the other on one device (the four full 4x4-latent tiles)
+    assert len(jax.local_devices()) == 8
+    full = [0, 1, 3, 4]
+    kw = dict(tile=tile, stride=stride, return_cache=False)
+    par, _ = wvae.decode_tiles(cm.params, cm.model_config, z, full, **kw)
+    seq, _ = wvae.decode_tiles(cm.params, cm.model_config, z, full, devices=1, **kw)
+    for n in full:
+        np.testing.assert_allclose(par[n], seq[n], rtol=0, atol=1e-6)
+
+    # persisted stages: 2 tile groups (tile rows {0, 3} and {6}) x 3 frame ranges
+    monkeypatch.setattr(wvae, "TILE", tile)
+    monkeypatch.setattr(wvae, "TILE_STRIDE", stride)
+    plan = wvae.tile_plan(cm.model_config, 3, 7, 9)
+    assert [(s.frames, s.tile, s.carry_from) for s in plan] == [
+        ((0, 1), (0, 7, 0, 9), None), ((0, 1), (6, 7, 0, 9), None),
+        ((1, 2), (0, 7, 0, 9), "decode/0"), ((1, 2), (6, 7, 0, 9), "decode/1"),
+        ((2, 3), (0, 7, 0, 9), "decode/2"), ((2, 3), (6, 7, 0, 9), "decode/3")]
+    parts, carries = [], {}
+    for s in plan:  # latents_mean 0, latents_std 1: the stored latents are z
+        tiles, carries[s.name] = wvae.decode_tile_stage((cm.params, cm.model_config), z, s,
+                                                        carries.get(s.carry_from), plan)
+        parts.append((s, tiles))
+    assert {k.split("/")[0] for k in carries["decode/1"]} == {"6", "7", "8"}  # a group carries its own tiles
+    assert carries["decode/4"] is None  # nothing carries on from the last frame range
+    np.testing.assert_array_equal(wvae.assemble_tile_stages(cm.model_config, parts[::-1]), got)

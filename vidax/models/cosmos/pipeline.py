@@ -185,7 +185,7 @@ def _single_device_step(cfg: cdit.CosmosDiTConfig, sched_key: tuple, use_cfg: bo
     return step
 
 
-class CosmosPredict(Pipeline):
+class CosmosPredict(wvae.TileStages, Pipeline):
     """Cosmos-Predict2.5 (2B / 14B) text-, image- and video-to-world on the pipeline protocol, over
     the library methods :meth:`encode_prompts`, :meth:`encode_conditioning`, :meth:`sample_latents`,
     :meth:`decode_frames`."""
@@ -485,7 +485,9 @@ class CosmosPredict(Pipeline):
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx),
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
-        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling"))))
+        tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
+        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
+                                           devices=self.pool_devices(request, "decode")))
         return units
 
     def fingerprint(self, component: str) -> str:
@@ -539,6 +541,8 @@ class CosmosPredict(Pipeline):
                                                 "normalised": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
+        if span.tile is not None:  # a tile stage of the tiled decode (wvae.TileStages)
+            return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),

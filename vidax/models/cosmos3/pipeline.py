@@ -186,7 +186,7 @@ def _single_device_step(cfg: mot.Cosmos3Config, sched_key: tuple, use_cfg: bool,
     return step
 
 
-class Cosmos3Omni(Pipeline):
+class Cosmos3Omni(wvae.TileStages, Pipeline):
     """Cosmos3 (Nano / Edge) text-, image- and video-to-video on the pipeline protocol."""
 
     FAMILY = "cosmos3"
@@ -525,7 +525,9 @@ class Cosmos3Omni(Pipeline):
                                 (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
                                  tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
-        units.append(wvae.plan_decode_unit(vcfg, b, h, w, tiled=bool(request.options.get("vae_tiling"))))
+        tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
+        units.append(wvae.plan_decode_unit(vcfg, b, h, w, tiled=tiled,
+                                           devices=self.pool_devices(request, "decode")))
         return units
 
     def fingerprint(self, component: str) -> str:
@@ -586,6 +588,8 @@ class Cosmos3Omni(Pipeline):
                                                 "normalised": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
+        if span.tile is not None:  # a tile stage of the tiled decode (wvae.TileStages)
+            return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
         return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),

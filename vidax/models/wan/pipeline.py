@@ -21,6 +21,21 @@ channel-concatenated mask + VAE latent of the first frame), ``boundary_ratio`` w
 ``transformer_2`` (Wan2.2 A14B: a high-noise and a low-noise expert, only one on device at a time)
 and ``expand_timesteps`` (Wan2.2 TI2V-5B: the first latent frame is substituted with the image's
 latent before every model call and the DiT gets per-token timesteps, zero on the known frame).
+
+Decode stages (:meth:`WanT2V.decode_plan`): latent frame ranges (``decode_stages`` of them,
+default up to 4), each carrying the VAE's causal cache to the next. With ``vae_tiling`` the decode
+runs in the reference's overlapping 256-pixel tiles (``vae.tiled_decode``); when the frame holds
+more than one tile and ``decode_stages`` is not 1, the stages are **tile groups x frame ranges**
+(``vae.tile_plan``, the same for Cosmos and Cosmos3): 2 groups (bands of tile rows) x
+``min(latent frames, decode_stages // 2)`` ranges, ``decode_stages`` defaulting to 8 -- so at most
+8 stages, ``decode_stages`` bounding the count. Stage ``2 r + g`` decodes group ``g``'s tiles over
+range ``r`` and carries their caches from stage ``2 (r - 1) + g``: the two groups are independent
+chains, each stage persisted and rerunnable alone. A tile stage stores its tiles' raw decoder
+output (float32, side by side: about 7x the bytes of the final uint8 frames, the overlaps
+included), and mux blends them as diffusers' tiled decode does -- bitwise the in-memory
+``tiled_decode``. Inside any tiled stage, tiles of one shape decode one per device of the decode
+slice at once (``vae.decode_tiles``); the plan itself depends on the request alone, never on the
+device count, so a stage's key is the same on any slice.
 """
 from __future__ import annotations
 
@@ -124,7 +139,7 @@ _EMB_DIMS = ("batch", "token", "channel")
 _LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
 
 
-class WanT2V(Pipeline):
+class WanT2V(wvae.TileStages, Pipeline):
     """Wan text-to-video (and, from an image-to-video source, image-to-video). ``source``: a
     preset name or a checkpoint folder. Implements the :class:`vidax.pipeline.Pipeline` protocol
     (``encode`` / ``sample`` / ``decode``) over the library methods (``encode_prompts``,
@@ -645,7 +660,10 @@ class WanT2V(Pipeline):
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
         """Latent frames ``span.frames`` -> uint8 frames, from the causal-conv cache ``carry`` that
-        the previous span left; returns the cache for the next span."""
+        the previous span left; returns the cache for the next span. A tile stage (``span.tile``,
+        see the class docstring) returns its tiles' raw decoder output instead."""
+        if span.tile is not None:
+            return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry,
                                            tiling=bool(request.options.get("vae_tiling")))
@@ -684,7 +702,9 @@ class WanT2V(Pipeline):
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
                                 jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx, img),
                                 weights=runner.params, note=f"batch {nb} x {tokens:,} tokens"))
-        return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=bool(request.options.get("vae_tiling")))]
+        tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
+        return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
+                                              devices=self.pool_devices(request, "decode"))]
 
     # ------------------------------------------------------------------ probe hooks (``vidax probe``)
     def vae_encode(self, video: np.ndarray) -> np.ndarray:
