@@ -108,9 +108,12 @@ def classify_thunk(instr: dict | None) -> tuple[str, float]:
     body = "\n".join(instr["body"])
     convs = [ln for ln in instr["body"] if " convolution(" in ln]
     if convs:
-        c = _conv_info(convs[0], instr["body"])
-        if c is None:
+        infos = [_conv_info(ln, instr["body"]) for ln in convs]
+        if any(i is None for i in infos):
             return "conv (unparsed)", 0.0
+        # YNNPACK fuses the per-tap convs of one causal conv (and their sum, the bias and often the
+        # next norm) into one fusion: count every conv's FLOPs, name it by the first
+        c = dict(infos[0], flops=sum(i["flops"] for i in infos))
         if c["kernel"] == "2x2":  # one output phase of nearest-2x + 3x3 conv
             return f"upsample conv ->{c['cout']} @{2 * c['res']}px", c["flops"]
         if c["kernel"] == "3x3":
@@ -183,16 +186,24 @@ def profile_vidax(case: dict, runs: int, tmp: Path) -> dict:
             walls[a["run_id"]] = walls.get(a["run_id"], 0.0) + e["dur"]
     progs = list(instrs.values())
     cats: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    thunks: dict[tuple, float] = {}
     wall = 0.0
     for rid, evs in by_run.items():
         names = {e["args"]["hlo_op"] for e in evs}
         prog = max(progs, key=lambda p: len(names & p.keys()))
         wall += walls.get(rid, 0.0)
         for e in evs:
-            cat, flops = classify_thunk(prog.get(e["args"]["hlo_op"]))
+            ins = prog.get(e["args"]["hlo_op"])
+            cat, flops = classify_thunk(ins)
             cats[cat][0] += e["dur"] / 1e3 / runs
             cats[cat][1] += flops / runs
-    return {"categories": {k: {"ms": v[0], "flops": v[1]} for k, v in cats.items()}, "wall_ms": wall / 1e3 / runs}
+            key = (e["args"]["hlo_op"], ins["shape"].split("{")[0] if ins else "", cat)
+            thunks[key] = thunks.get(key, 0.0) + e["dur"] / 1e3 / runs
+    top = sorted(thunks.items(), key=lambda kv: -kv[1])
+    return {"categories": {k: {"ms": v[0], "flops": v[1]} for k, v in cats.items()}, "wall_ms": wall / 1e3 / runs,
+            "top_thunks": [{"op": k[0], "shape": k[1], "category": k[2], "ms": v} for k, v in top[:60]],
+            "top_data_movement": [{"op": k[0], "shape": k[1], "ms": v} for k, v in top
+                                  if k[2].startswith("data movement")][:15]}
 
 
 def profile_torch(case: dict, runs: int) -> dict:
@@ -217,7 +228,12 @@ def profile_torch(case: dict, runs: int) -> dict:
             x = shapes[0] if shapes else []
             w = shapes[1] if len(shapes) > 1 else []
             flops = 0.0
-            if len(x) == 5 and len(w) == 5:  # WanCausalConv3d: padded explicitly, then a VALID conv
+            if len(w) in (4, 5) and all(k == 1 for k in w[2:]) and len(x) == len(w):
+                cat = "matmul (1x1 convs, attention)"
+                flops = 2.0 * w[0] * w[1]
+                for d in (x[0], *x[2:]):
+                    flops *= d
+            elif len(x) == 5 and len(w) == 5:  # WanCausalConv3d: padded explicitly, then a VALID conv
                 t, h, wd = (x[2] - w[2] + 1), (x[3] - w[3] + 1), (x[4] - w[4] + 1)
                 flops = 2.0 * x[0] * w[0] * w[1] * w[2] * w[3] * w[4] * t * h * wd
                 if w[3] == 1 and w[4] == 1:
@@ -280,15 +296,13 @@ def category_table(prof: dict, title: str) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=2, help="decodes per profile")
-    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--pairs", type=int, default=9, help="paired decodes (0: profile only)")
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--conv-impl", default=None, help="vidax conv_impl (default: the library's)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import numpy as np
-
     from benchmarks.core import vae_decode_real_width
     from benchmarks.harness import matmul_roof, paired, write_json
 
@@ -299,8 +313,13 @@ def main(argv=None) -> dict:
             pv = profile_vidax(case, a.runs, Path(tmp))
         pt = profile_torch(case, a.runs)
         print(category_table(pv, "vidax (XLA:CPU thunks, fused programs)"), "\n")
+        print("vidax's largest data-movement thunks: " + "; ".join(
+            f"{t['op']} {t['shape']} {t['ms']:.1f} ms" for t in pv["top_data_movement"][:8]), "\n")
         print(category_table(pt, "diffusers (torch.profiler, self CPU time)"), "\n")
         out.update(vidax=pv, diffusers=pt)
+    if a.pairs <= 0:
+        write_json(a.json, out)
+        return out
     roof = matmul_roof()
     res = paired(case["vidax"], case["reference"], pairs=a.pairs, roof=roof, budget_s=a.budget)
     s = res.summary()
@@ -309,7 +328,6 @@ def main(argv=None) -> dict:
           f"roof {s['roof_gflops']:.0f} GFLOP/s; ratios {[round(r, 2) for r in res.ratios]}")
     out["paired"] = {**s, "ratios": res.ratios}
     write_json(a.json, out)
-    del np
     return out
 
 
