@@ -109,9 +109,10 @@ def offload_chunk1():
 CASES = [dit_1p3b, umt5_xxl, offload_chunk1]
 
 
-def vae_decode_real_width():
+def vae_decode_real_width(conv_impl=None):
     """Wan2.1 VAE decode at the released widths (base_dim 96, z 16): 2 latent frames at 16x16 ->
-    5 x 128 x 128 pixels, vs diffusers' AutoencoderKLWan."""
+    5 x 128 x 128 pixels, vs diffusers' AutoencoderKLWan. ``conv_impl``: vidax's (None: its default).
+    ``vidax_lowered`` gives the two chunk programs (first, later) lowered, for their optimized HLO."""
     import jax
     import torch
     from diffusers import AutoencoderKLWan
@@ -131,9 +132,17 @@ def vae_decode_real_width():
         with torch.no_grad():
             ref.decode(zt, return_dict=False)
 
+    def lowered():
+        impl = vae._conv_impl(conv_impl)
+        kw = dict(cfg=cfg, attn_impl=None, conv_impl=impl)
+        _, cache = vae.decode(state, cfg, z, stop=1, return_cache=True, conv_impl=conv_impl)
+        return [vae._decode_chunk_jit.lower(state, jax.device_put(z[:, :, :1]), None, first=True, **kw),
+                vae._decode_chunk_jit.lower(state, jax.device_put(z[:, :, 1:2]), cache, first=False, **kw)]
+
     return dict(component="VAE decode (vs diffusers AutoencoderKLWan)",
                 config="Wan2.1 widths: base_dim 96, z 16, latents 2x16x16 -> 5x128x128 px",
-                vidax=lambda: np.asarray(vae.decode(state, cfg, z)), reference=reference, flops=None)
+                vidax=lambda: np.asarray(vae.decode(state, cfg, z, conv_impl=conv_impl)), reference=reference,
+                flops=None, vidax_lowered=lowered, vidax_inputs=(state, cfg, z))
 
 
 CASES.append(vae_decode_real_width)

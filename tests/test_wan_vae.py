@@ -185,15 +185,16 @@ def test_encode_chunks_and_cache():
 
 
 def test_conv_impls_agree():
-    """The 3-D conv formulation (the default off CPU) equals the CPU default's folded 2-D convs, through
-    cached chunks and the stride-2 time conv of a temporal downsample."""
+    """The 3-D conv formulation (the default off CPU) equals the folded 2-D convs and the CPU default's
+    per-tap 2-D convs, through cached chunks and the stride-2 time conv of a temporal downsample."""
     from vidax.models.wan import vae
 
     cfg = vae.WanVAEConfig(**{**RELEASE, "base_dim": 8})
     state = vae.init_params(cfg, seed=6)
     for fn, a in ((vae.decode, _latents(1, cfg.z_dim, 2, 2, 3, seed=10)), (vae.encode, _video(1, 5, 16, 24, seed=11))):
-        assert_parity(fn(state, cfg, a, conv_impl="native"), fn(state, cfg, a, conv_impl="fold"),
-                      what=f"{fn.__name__}: native vs fold")
+        native = fn(state, cfg, a, conv_impl="native")
+        for impl in ("fold", "taps"):
+            assert_parity(native, fn(state, cfg, a, conv_impl=impl), what=f"{fn.__name__}: native vs {impl}")
 
 
 def _tamper(folder, dst, fn):
