@@ -20,7 +20,7 @@ demo: $(STAMP)
 		--prompt "A red panda paddling a canoe across a misty lake at sunrise"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --dist load -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan && $(BIN)/python -m benchmarks.compile
