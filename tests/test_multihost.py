@@ -39,8 +39,7 @@ def _free_port() -> int:
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIDAX_") or k == "VIDAX_FAMILIES"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
-               JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                VIDAX_COMPILE_CACHE="off", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra)
