@@ -101,13 +101,3 @@ def pytest_sessionfinish(session, exitstatus):
     elif _CRASHED:
         print(f"\nworker crashes, the tests run again: {_CRASHED}")
 
-
-# the longest tests start first, so that under ``--dist load`` neither worker ends the session
-# alone on one of them
-_LONG_FIRST = ("test_network_cut_at_every_request_of_a_commit_is_repaired",
-               "test_generate_deployment_local_and_distributed_same_video",
-               "test_killed_worker_fails_the_parent_within_its_timeout")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in _LONG_FIRST)  # stable sort

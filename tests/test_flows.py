@@ -14,7 +14,8 @@ SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames"
 @pytest.fixture(scope="module")
 def deployed(prefect_server):
     srv = prefect_server
-    srv.cli("work-pool", "create", POOL, "--type", "process")
+    # (--overwrite: a worker that ran this module's tests before, in another chunk, made it already)
+    srv.cli("work-pool", "create", POOL, "--type", "process", "--overwrite")
     for name in DEPLOYMENTS:  # every deployment from infra/prefect.yaml, its pool overridden for the test
         srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", name, "--pool", POOL, "--no-prompt")
     srv.worker(POOL)
