@@ -47,16 +47,24 @@ class StageError(RuntimeError):
 
 
 # ------------------------------------------------------------------ identity
+#: CPython 3.11's parser is not safe to run from several threads at once (a batch's prompts run
+#: their stages in threads): "SystemError: AST constructor recursion depth mismatch"
+_AST_LOCK = threading.Lock()
+
+
 def _source_digest(path: Path) -> str:
     """Digest of a Python file's code: its syntax tree without docstrings, so comment and
     docstring edits do not invalidate stored runs."""
-    tree = ast.parse(path.read_bytes())
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+    source = path.read_bytes()
+    with _AST_LOCK:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        dump = ast.dump(tree, annotate_fields=False)
+    return hashlib.sha256(dump.encode()).hexdigest()
 
 
 _ROOT = Path(__file__).resolve().parent.parent
