@@ -55,7 +55,9 @@ def dit_forward():
                 vidax=vidax, reference=reference, flops=flops)
 
 
-def vae_decode():
+def _vae_case(latents: tuple, **decode_kw):
+    """(vidax, reference) callables decoding the same random latents of shape ``latents`` with one
+    perturbed ``AutoencoderKLHunyuanVideo15`` (channels 32-64-64-128-128, z 32) on both sides."""
     import numpy as np
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15
@@ -67,15 +69,20 @@ def vae_decode():
     ref = perturb(AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(32, 64, 64, 128, 128),
                                               layers_per_block=2))
     vae = hvae.load_vae(_save(ref), hvae.HunyuanVideo15VAEConfig.from_diffusers(dict(ref.config)))
-    z = np.random.default_rng(0).standard_normal((1, 32, 4, 8, 8)).astype(np.float32)
+    z = np.random.default_rng(0).standard_normal(latents).astype(np.float32)
 
     def vidax():
-        hvae.decode(vae, z)  # numpy out: blocks until done
+        hvae.decode(vae, z, **decode_kw)  # numpy out: blocks until done
 
     def reference():
         with torch.no_grad():
             ref.decode(torch.from_numpy(z))
 
+    return vidax, reference
+
+
+def vae_decode():
+    vidax, reference = _vae_case((1, 32, 4, 8, 8))
     return dict(component="VAE decode, staged (vs diffusers `AutoencoderKLHunyuanVideo15`)",
                 config="channels 32-64-64-128-128, z 32, latents 4x8x8 -> 13x128x128 px", vidax=vidax,
                 reference=reference)
@@ -84,26 +91,7 @@ def vae_decode():
 def vae_decode_chunked():
     """The stages' decode: temporal chunks of 2 latent frames carrying the causal state, against
     the reference's all-frames decode of the same latents (same numerics, less memory per call)."""
-    import numpy as np
-    import torch
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    from tests.refutil import perturb
-    from vidax.models.hunyuanvideo15 import vae as hvae
-
-    torch.manual_seed(0)
-    ref = perturb(AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(32, 64, 64, 128, 128),
-                                              layers_per_block=2))
-    vae = hvae.load_vae(_save(ref), hvae.HunyuanVideo15VAEConfig.from_diffusers(dict(ref.config)))
-    z = np.random.default_rng(0).standard_normal((1, 32, 6, 4, 8)).astype(np.float32)
-
-    def vidax():
-        hvae.decode(vae, z, chunk=2)
-
-    def reference():
-        with torch.no_grad():
-            ref.decode(torch.from_numpy(z))
-
+    vidax, reference = _vae_case((1, 32, 6, 4, 8), chunk=2)
     return dict(component="VAE decode, temporal chunks of 2 latent frames (vs diffusers' all-frames decode)",
                 config="channels 32-64-64-128-128, z 32, latents 6x4x8 -> 21x64x128 px", vidax=vidax,
                 reference=reference)
