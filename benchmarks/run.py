@@ -54,14 +54,15 @@ def environment() -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| component | config | vidax (s) | reference (s) | vidax / reference [q1-q3] | pairs | "
-             "vidax GFLOP/s | % of roof |",
+             "vidax GFLOP/s | % of roof [q1-q3] |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['component']} | {r.get('config', '')} | - | - | error: {r['error']} | | | |")
             continue
         gf = r["flops"] / r["a_s"] / 1e9 if r.get("flops") else None
-        pct = f"{100 * gf / r['roof_gflops']:.0f}%" if gf and r.get("roof_gflops") else "n/a"
+        pct = (f"{100 * r['roof_frac']:.0f}% [{100 * r['roof_frac_q1']:.0f}-{100 * r['roof_frac_q3']:.0f}]"
+               if r.get("roof_frac") else "n/a")
         lines.append(f"| {r['component']} | {r['config']} | {r['a_s']:.3f} | {r['b_s']:.3f} | "
                      f"{r['ratio']:.2f}x [{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}] | {r['pairs']} | "
                      f"{f'{gf:.1f}' if gf else 'n/a'} | {pct} |")
@@ -89,7 +90,7 @@ def main(argv=None) -> list[dict]:
             c = case()
             res = paired(c["vidax"], c["reference"], pairs=a.pairs, roof=roof, budget_s=a.budget)
             row = {"case": case.__name__, "component": c["component"], "config": c["config"],
-                   "flops": c.get("flops"), **res.summary(), "ratios": res.ratios}
+                   "flops": c.get("flops"), **res.summary(c.get("flops")), "ratios": res.ratios}
         except Exception as e:  # noqa: BLE001 - one broken case does not hide the others
             row = {"case": case.__name__, "component": case.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
