@@ -53,30 +53,42 @@ def dit_forward():
                 vidax=lambda: fwd(params, cfg, xj, tj, cj, None, rj).block_until_ready(), reference=run_ref)
 
 
-def vae_decode():
-    """CogVideoX VAE decode through its frame batches (3 + 2 latent frames -> 17 frames)."""
+def _vae_case(cfg: dict, latents: tuple, config: str, **kw):
     import torch
     from diffusers import AutoencoderKLCogVideoX
 
     from vidax import compat
 
-    cfg = dict(block_out_channels=(32, 64, 64, 64), latent_channels=16, layers_per_block=1, norm_num_groups=8)
     ref = _perturbed(AutoencoderKLCogVideoX(**cfg), 1)
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="vidax-bench-cogvae-")
     ref.save_pretrained(folder)
     ours = compat.load_pretrained(folder)
-    z = np.random.default_rng(0).standard_normal((1, 16, 5, 16, 16)).astype(np.float32)
+    z = np.random.default_rng(0).standard_normal(latents).astype(np.float32)
     zt = torch.from_numpy(z)
 
     def run_ref():
         with torch.no_grad():
             ref.decode(zt)
 
-    return dict(component="VAE decode (vs diffusers `AutoencoderKLCogVideoX`)",
-                config="block_out_channels 32-64, z 16, latents 5x16x16 -> 17x128x128 px",
-                vidax=lambda: ours.decode(z), reference=run_ref)
+    return dict(component="VAE decode (vs diffusers `AutoencoderKLCogVideoX`)", config=config,
+                vidax=lambda: ours.decode(z, **kw), reference=run_ref)
 
 
-CASES = [dit_forward, vae_decode]
+def vae_decode():
+    """CogVideoX VAE decode through its frame batches (3 + 2 latent frames -> 17 frames), narrow."""
+    return _vae_case(dict(block_out_channels=(32, 64, 64, 64), latent_channels=16, layers_per_block=1,
+                          norm_num_groups=8), (1, 16, 5, 16, 16),
+                     "block_out_channels 32-64, z 16, latents 5x16x16 -> 17x128x128 px")
+
+
+def vae_decode_real_width(**kw):
+    """The CogVideoX 2B/5B VAE's widths (block_out_channels 128-256-256-512, 3 resnets per block,
+    32 groups), 3 latent frames at 8x8 -> 9 x 64 x 64 pixels."""
+    return _vae_case(dict(block_out_channels=(128, 256, 256, 512), latent_channels=16, layers_per_block=3,
+                          norm_num_groups=32), (1, 16, 3, 8, 8),
+                     "CogVideoX widths: channels 128-256-256-512, z 16, latents 3x8x8 -> 9x64x64 px", **kw)
+
+
+CASES = [dit_forward, vae_decode, vae_decode_real_width]

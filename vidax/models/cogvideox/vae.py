@@ -19,7 +19,7 @@ spans of whole batches concatenate bitwise to one decode.
 
 Layout: the public functions take and return the reference layout ``[B, C, F, H, W]``; inside,
 everything is channels-last. Convs over time run as 3-D convs (``conv_impl="native"``) or, on CPU
-where XLA's 3-D conv is slow, with the time taps folded into channels (``"fold"``); in the
+where XLA's 3-D conv is slow, as one 2-D conv per time tap (``"taps"``, :mod:`vidax.core.conv`); in the
 spatially conditioned norms the 1x1 convs run at the latent's resolution before the nearest
 upsampling (the same numbers: both are per position).
 
@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core import conv as vconv
 from vidax.core import nn
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
 
@@ -160,19 +161,12 @@ class _Ctx:
         return self.old is None
 
 
-def _conv_impl(impl):
-    if impl is None:
-        return "fold" if jax.default_backend() == "cpu" else "native"
-    if impl not in ("fold", "native"):
-        raise ValueError(f"conv_impl must be 'fold' or 'native', got {impl!r}")
-    return impl
+_conv_impl = vconv.conv_impl
 
 
 def _conv2d(x, w, stride=1, padding=((1, 1), (1, 1))):
     """[N, H, W, C] x [kh, kw, C, O]."""
-    return jax.lax.conv_general_dilated(x, w.astype(x.dtype), (stride, stride), padding,
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                        precision=jax.lax.Precision.HIGHEST)
+    return vconv.conv2d(x, w, (stride, stride), padding)
 
 
 def _per_frame(fn, x):
@@ -215,16 +209,7 @@ class CausalConv3d(Conv):
             x = jnp.concatenate([prev, x], axis=1)
             ctx.new[name] = x[:, -(kt - 1):]
         ph, pw = (kh - 1) // 2, (kw - 1) // 2
-        b, t = x.shape[0], x.shape[1] - kt + 1
-        if ctx.conv_impl == "native":
-            y = jax.lax.conv_general_dilated(x, k.astype(x.dtype), (1, 1, 1), ((0, 0), (ph, ph), (pw, pw)),
-                                             dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
-                                             precision=jax.lax.Precision.HIGHEST)
-        else:  # time taps folded into channels: one 2-D conv per output frame
-            xs = jnp.concatenate([x[:, j:j + t] for j in range(kt)], axis=-1)
-            kf = k.transpose(1, 2, 0, 3, 4).reshape(kh, kw, kt * k.shape[3], k.shape[4])
-            y = _per_frame(lambda f: _conv2d(f, kf, padding=((ph, ph), (pw, pw))), xs)
-        return y + self.bias[...].astype(y.dtype)
+        return vconv.conv3d(x, k, self.bias[...], padding=((0, 0), (ph, ph), (pw, pw)), impl=ctx.conv_impl)
 
 
 class GroupNorm(nnx.Module):
@@ -434,7 +419,7 @@ class CogVideoXVAE(nnx.Module):
     def _dtype(self):
         return self.decoder.conv_in.kernel[...].dtype
 
-    def decode_batch(self, z, cache, *, conv_impl: str = "fold"):
+    def decode_batch(self, z, cache, *, conv_impl: str = "taps"):
         """One decoder batch: ``z`` [B, C, T, h, w] -> (pixels [B, 3, T', H, W] (unclamped, as the
         reference), new cache). ``cache`` None: the video's first batch."""
         ctx = _Ctx(cache, conv_impl)
@@ -444,7 +429,7 @@ class CogVideoXVAE(nnx.Module):
         x = self.decoder(ctx, z)
         return x.transpose(0, 4, 1, 2, 3), ctx.new
 
-    def encode_batch(self, x, cache, *, conv_impl: str = "fold"):
+    def encode_batch(self, x, cache, *, conv_impl: str = "taps"):
         """One encoder batch: ``x`` [B, 3, T, H, W] -> (moments [B, 2 z, t, h, w], new cache)."""
         ctx = _Ctx(cache, conv_impl)
         x = x.transpose(0, 2, 3, 4, 1).astype(self._dtype())

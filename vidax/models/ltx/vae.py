@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core import conv as vconv
 from vidax.core import nn
 from vidax.models.ltx import layers as L
 from vidax.weights import KeyMap, Rule, open_checkpoint
@@ -139,9 +140,7 @@ class CausalConv3d(nnx.Module):
         if ph or pw:
             mode = "reflect" if self.pad_mode == "reflect" else "constant"
             x = jnp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw), (0, 0)), mode=mode)
-        y = jax.lax.conv_general_dilated(x, self.kernel[...].astype(x.dtype), self.stride, "VALID",
-                                         dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=_HI)
-        return y + self.bias[...].astype(y.dtype)
+        return vconv.conv3d(x, self.kernel[...], self.bias[...], self.stride, "VALID")
 
 
 class Conv1x1(nnx.Module):

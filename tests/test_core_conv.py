@@ -1,0 +1,41 @@
+"""``vidax.core.conv.conv3d``: every formulation (per time tap, folded taps, one 3-D conv) equals
+PyTorch's ``conv3d`` (float32, with a bias) over strides, paddings and kernel shapes."""
+import numpy as np
+import pytest
+
+from vidax.core import conv as vconv
+
+
+@pytest.mark.parametrize("kernel,strides,padding", [
+    ((3, 3, 3), (1, 1, 1), ((2, 0), (1, 1), (1, 1))),  # causal in time, 'same' in space
+    ((3, 3, 3), (2, 2, 2), ((0, 0), (0, 0), (0, 0))),
+    ((1, 3, 3), (1, 2, 2), ((0, 0), (1, 1), (1, 1))),
+    ((4, 1, 1), (2, 1, 1), ((1, 1), (0, 0), (0, 0))),
+    ((1, 1, 1), (1, 1, 1), "VALID"),
+])
+@pytest.mark.parametrize("impl", vconv.IMPLS)
+def test_conv3d_matches_torch(kernel, strides, padding, impl):
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 7, 9, 10, 5)).astype(np.float32)  # [B, T, H, W, C]
+    w = rng.standard_normal((*kernel, 5, 6)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    got = np.asarray(vconv.conv3d(x, w, b, strides, padding, impl=impl))
+    pads = ((0, 0),) * 3 if padding == "VALID" else padding
+    xt = torch.nn.functional.pad(torch.from_numpy(x).permute(0, 4, 1, 2, 3),
+                                 [p for pair in reversed(pads) for p in pair])
+    want = torch.nn.functional.conv3d(xt, torch.from_numpy(w).permute(4, 3, 0, 1, 2), torch.from_numpy(b),
+                                      stride=strides).permute(0, 2, 3, 4, 1).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-5)
+
+
+def test_conv3d_names_what_is_wrong():
+    x = np.zeros((1, 2, 4, 4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"2 \(padded\) frames are fewer than the kernel's 3 time taps"):
+        vconv.conv3d(x, np.zeros((3, 3, 3, 3, 4), np.float32), impl="taps")
+    with pytest.raises(ValueError, match=r"x \(1, 2, 4, 4, 3\) .* w \(3, 3, 3, 5, 4\)"):
+        vconv.conv3d(x, np.zeros((3, 3, 3, 5, 4), np.float32))
+    with pytest.raises(ValueError, match="conv_impl must be one of"):
+        vconv.conv3d(x, np.zeros((1, 1, 1, 3, 4), np.float32), impl="fast")

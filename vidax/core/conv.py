@@ -1,0 +1,78 @@
+"""3-D convolutions of channels-last video (``[B, T, H, W, C]``, kernels ``[kt, kh, kw, in, out]``)
+at full precision, formulated for the backend they run on.
+
+XLA:CPU's generic 3-D convolution is several times slower than its 2-D one (YNNPACK), so on CPU a
+3-D conv runs as one 2-D conv per time tap (kernel ``w[k]``, a contiguous slice of the stored
+kernel; input frames ``k, k + st, ...``), summed: XLA fuses the taps' sum with the bias and the
+following elementwise work (``"taps"``), or with the time taps folded into the channel axis: one 2-D
+conv of a kt times wider input with a transposed kernel (``"fold"``). Elsewhere it is one
+``conv_general_dilated`` (``"native"``). Which is fastest depends on the widths and the frame count
+(``benchmarks/``): each model picks its default. Both compute the same
+conv (up to float rounding). The Wan VAE's causal conv (``vidax/models/wan/vae.py``) does the same
+per tap and also reads the taps that reach into its causal cache without concatenating it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HI = jax.lax.Precision.HIGHEST
+IMPLS = ("taps", "fold", "native")
+
+
+def conv_impl(impl: str | None, cpu: str = "taps") -> str:
+    """``impl`` checked; None: ``cpu`` on CPU, ``"native"`` elsewhere."""
+    if impl is None:
+        impl = cpu if jax.default_backend() == "cpu" else "native"
+    if impl not in IMPLS:
+        raise ValueError(f"conv_impl must be one of {IMPLS} or None, got {impl!r}")
+    return impl
+
+
+def _pairs(p, n: int):
+    if isinstance(p, str):
+        return ((0, 0),) * n if p == "VALID" else None
+    return tuple((int(a), int(b)) for a, b in p) if len(p) == n else None
+
+
+def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
+    """Frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out] (no bias); 1x1 stride 1: a matmul."""
+    if w.shape[:2] == (1, 1) and tuple(strides) == (1, 1) and all(tuple(p) == (0, 0) for p in padding):
+        return jnp.matmul(x, w[0, 0].astype(x.dtype), precision=_HI)
+    return jax.lax.conv_general_dilated(x, w.astype(x.dtype), tuple(strides), padding,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HI)
+
+
+def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)), *, impl: str | None = None):
+    """``x`` [B, T, H, W, in] convolved with ``w`` [kt, kh, kw, in, out] (plus ``bias`` [out]):
+    ``strides`` (st, sh, sw), zero ``padding`` ((t0, t1), (h0, h1), (w0, w1)) or ``"VALID"``. ``impl``: see
+    :func:`conv_impl`. Returns [B, T', H', W', out]."""
+    strides = tuple(int(s) for s in strides)
+    padding = _pairs(padding, 3)
+    if len(strides) != 3 or padding is None or x.ndim != 5 or w.ndim != 5 or x.shape[-1] != w.shape[3]:
+        raise ValueError(f"conv3d: x {tuple(x.shape)} [B, T, H, W, in] and w {tuple(w.shape)} [kt, kh, kw, in, "
+                         f"out] with 3 strides and 3 padding pairs, got strides {strides}, padding {padding}")
+    impl = conv_impl(impl)
+    if impl == "native":
+        y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), strides, padding,
+                                         dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=_HI)
+    else:
+        if padding[0] != (0, 0):
+            x = jnp.pad(x, ((0, 0), padding[0], (0, 0), (0, 0), (0, 0)))
+        kt, st = w.shape[0], strides[0]
+        b, t = x.shape[:2]
+        tout = (t - kt) // st + 1
+        if tout < 1:
+            raise ValueError(f"conv3d: {t} (padded) frames are fewer than the kernel's {kt} time taps")
+        xs = [x[:, k:k + st * (tout - 1) + 1:st] for k in range(kt)]  # the frames tap k meets
+        if impl == "fold":
+            xs = [jnp.concatenate(xs, axis=-1)] if kt > 1 else xs
+            ws = [w.transpose(1, 2, 0, 3, 4).reshape(*w.shape[1:3], kt * w.shape[3], w.shape[4])]
+        else:
+            ws = list(w)
+        y = None
+        for xk, wk in zip(xs, ws):
+            yk = conv2d(xk.reshape(b * tout, *xk.shape[2:]), wk, strides[1:], padding[1:])
+            y = yk if y is None else y + yk
+        y = y.reshape(b, tout, *y.shape[1:])
+    return y if bias is None else y + bias.astype(y.dtype)
