@@ -12,6 +12,8 @@ from vidax.core import conv as vconv
     ((1, 3, 3), (1, 2, 2), ((0, 0), (1, 1), (1, 1))),
     ((4, 1, 1), (2, 1, 1), ((1, 1), (0, 0), (0, 0))),
     ((1, 1, 1), (1, 1, 1), "VALID"),
+    ((3, 3, 3), (1, 1, 1), "VALID"),  # run as the 'same' conv, cropped
+    ((2, 3, 3), (1, 1, 1), ((1, 0), (0, 1), (0, 0))),  # partly padded, cropped unevenly
 ])
 @pytest.mark.parametrize("impl", vconv.IMPLS)
 def test_conv3d_matches_torch(kernel, strides, padding, impl):

@@ -36,11 +36,24 @@ def _pairs(p, n: int):
 
 
 def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
-    """Frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out] (no bias); 1x1 stride 1: a matmul."""
+    """Frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out] (no bias); 1x1 stride 1: a matmul.
+
+    A stride-1 conv whose output is smaller than its input (less than 'same' padding, e.g. VALID on
+    an input padded beforehand) runs as the 'same'-padded conv with the extra border cropped: on
+    XLA:CPU the 'same' conv of the same input is 3-8 times faster than the VALID one."""
     if w.shape[:2] == (1, 1) and tuple(strides) == (1, 1) and all(tuple(p) == (0, 0) for p in padding):
         return jnp.matmul(x, w[0, 0].astype(x.dtype), precision=_HI)
-    return jax.lax.conv_general_dilated(x, w.astype(x.dtype), tuple(strides), padding,
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HI)
+    crop = None
+    if tuple(strides) == (1, 1) and any(k - 1 > p0 + p1 for k, (p0, p1) in zip(w.shape[:2], padding)):
+        extra = [max(0, k - 1 - p0 - p1) for k, (p0, p1) in zip(w.shape[:2], padding)]
+        padding = tuple((p0 + e // 2, p1 + e - e // 2) for e, (p0, p1) in zip(extra, padding))
+        crop = extra
+    y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), tuple(strides), padding,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HI)
+    if crop:
+        (eh, ew), (h, wd) = crop, y.shape[1:3]
+        y = y[:, eh // 2:h - (eh - eh // 2), ew // 2:wd - (ew - ew // 2)]
+    return y
 
 
 def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)), *, impl: str | None = None):

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core import conv as vconv
 from vidax.core import nn
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
 
@@ -124,7 +125,8 @@ def _p(rngs, init, shape, dtype):
 
 
 class Conv3d(nnx.Module):
-    """A plain 3-D conv (channels-last; ``kernel`` [kt, kh, kw, Cin, Cout]), no padding."""
+    """A plain 3-D conv (channels-last; ``kernel`` [kt, kh, kw, Cin, Cout]), no padding; per time tap on
+    CPU (:func:`vidax.core.conv.conv3d`)."""
 
     def __init__(self, cin: int, cout: int, k=1, stride=1, *, rngs: nnx.Rngs, param_dtype=F32):
         k = (k,) * 3 if isinstance(k, int) else tuple(k)
@@ -136,10 +138,8 @@ class Conv3d(nnx.Module):
         w = self.kernel[...].astype(x.dtype)
         if self.k == (1, 1, 1) and self.stride == (1, 1, 1):
             y = jnp.matmul(x, w.reshape(w.shape[-2:]), precision=jax.lax.Precision.HIGHEST)
-        else:
-            y = jax.lax.conv_general_dilated(x, w, self.stride, "VALID", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
-                                             precision=jax.lax.Precision.HIGHEST)
-        return y + self.bias[...].astype(y.dtype)
+            return y + self.bias[...].astype(y.dtype)
+        return vconv.conv3d(x, w, self.bias[...], self.stride, "VALID")
 
 
 class CausalConv3d(nnx.Module):
