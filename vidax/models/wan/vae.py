@@ -46,9 +46,10 @@ On the first chunk the reference skips the time convs of temporal down/upsamples
 duplicating shortcut keeps only its last frame); that is what ``first`` switches.
 
 Conv formulation (same results up to float rounding): ``conv_impl="native"`` runs the convs over
-time as 3-D convs (``nnx.Conv``); ``"fold"`` (the default on CPU, where XLA's 2-D conv is several
-times faster than its generic 3-D one) folds the time taps into the channel axis and runs 2-D convs
-per frame. Either way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the
+time as 3-D convs (``nnx.Conv``); ``"taps"`` (the default on CPU, where XLA's 2-D conv is several
+times faster than its generic 3-D one) runs one 2-D conv per time tap and sums them; ``"fold"``
+folds the time taps into the channel axis and runs one 2-D conv per frame (see
+:meth:`CausalConv3d.over_time`; :mod:`vidax.core.conv` is the same for plain 3-D convs). Either way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the
 low-resolution frames (one per output pixel phase), and 1x1 convs as matmuls.
 """
 from __future__ import annotations
