@@ -101,6 +101,8 @@ def _run_local(store: str, run_id: str, stage: str, key: str, force: bool = Fals
 STAGE_TIMEOUTS = {"encode": 3600, "sample": 6 * 3600, "decode": 3600, "mux": 1800}
 #: a Running child whose stage has no live lease for this long is taken for crashed (dead worker)
 CRASH_GRACE = float(os.environ.get("VIDAX_CRASH_GRACE", "60"))
+#: how often a parent reads its stage's child run state (seconds)
+CHILD_POLL_SECONDS = float(os.environ.get("VIDAX_CHILD_POLL_SECONDS", "2"))
 
 
 def stage_timeout(kind: str) -> float:
@@ -169,7 +171,7 @@ def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: di
                                   f"(its worker died)"))
                 state = asyncio.run(read_state())
                 break
-        time.sleep(2.0)
+        time.sleep(CHILD_POLL_SECONDS)
     if state is None or not state.is_completed():
         # (a crashed child is announced by Prefect's own flow-run state event, which the rerun
         # automation listens to; a failed one by the vidax.stage.failed event its flow emits)

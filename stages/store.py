@@ -77,6 +77,8 @@ def is_transient(exc: BaseException | None) -> bool:
 #: transient-error retries: attempts and the first backoff (doubling, with jitter); env-overridable
 RETRY_ATTEMPTS = int(os.environ.get("VIDAX_STORAGE_RETRIES", "6"))
 RETRY_BASE_S = float(os.environ.get("VIDAX_STORAGE_BACKOFF", "0.25"))
+#: how long a new lease on an object store settles before it is read back (see ``_confirm_lease``)
+LEASE_CONFIRM_S = float(os.environ.get("VIDAX_LEASE_CONFIRM_SECONDS", "0.2"))
 
 
 def retry(fn, *args, attempts: int | None = None, base: float | None = None, what: str = "storage request", **kw):
@@ -597,7 +599,7 @@ class Run:
         # object stores without precondition support (emulators) let two creators both succeed:
         # the last write wins, so read back after a moment and yield if it is not ours
         if not self.store.local:
-            time.sleep(0.2)
+            time.sleep(LEASE_CONFIRM_S)
         cur = self.lease(stage)
         if cur is not None and cur.owner == owner:
             _HELD.add(owner)

@@ -40,6 +40,9 @@ class PrefectServer:
             "PREFECT_SERVER_API_PORT": str(self.port),
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home}/prefect.db",
             "PREFECT_LOGGING_LEVEL": "INFO",
+            # workers pick up scheduled runs within 1 s (default 10 s), parents poll children twice a second
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "VIDAX_CHILD_POLL_SECONDS": "0.5",
             "PYTHONUNBUFFERED": "1",
             # flow-run processes import this checkout (and the test-only family under tests/)
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
