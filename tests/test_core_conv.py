@@ -41,3 +41,20 @@ def test_conv3d_names_what_is_wrong():
         vconv.conv3d(x, np.zeros((3, 3, 3, 5, 4), np.float32))
     with pytest.raises(ValueError, match="conv_impl must be one of"):
         vconv.conv3d(x, np.zeros((1, 1, 1, 3, 4), np.float32), impl="fast")
+
+
+def test_default_impl_is_part_of_the_jit_key():
+    """The plan compiles accelerator programs on a CPU host under ``default_impl("native")``: the
+    same jitted function then lowers to one 3-D conv, and outside it to the CPU's per-tap convs,
+    never a program traced under the other default."""
+    import jax
+
+    f = jax.jit(lambda x, w: vconv.conv3d(x, w))
+    x, w = np.ones((1, 3, 8, 8, 4), np.float32), np.ones((3, 3, 3, 4, 4), np.float32)
+    convs = lambda: f.lower(x, w).as_text().count("stablehlo.convolution")  # noqa: E731
+    assert convs() == 3  # one per time tap (this CPU's default)
+    with vconv.default_impl("native"):
+        assert vconv.conv_impl(None) == "native" and convs() == 1
+    assert convs() == 3
+    with pytest.raises(ValueError, match="conv_impl must be one of"):
+        vconv.default_impl("fast")

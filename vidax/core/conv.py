@@ -20,8 +20,51 @@ _HI = jax.lax.Precision.HIGHEST
 IMPLS = ("taps", "fold", "native")
 
 
+def _default_state():
+    """A JAX config state part of the jit key, so a program traced under one default is never
+    reused under another (``jax._src.config``; a plain context variable where it is missing)."""
+    try:
+        from jax._src import config as jcfg
+
+        return jcfg.enum_state("vidax_conv_impl", ["auto", *IMPLS], "auto",
+                               "vidax: how 3-D convs run when a call does not say (auto: by backend)",
+                               include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # noqa: BLE001 - another JAX version: no jit-key entry
+        import contextlib
+        import contextvars
+
+        var = contextvars.ContextVar("vidax_conv_impl", default="auto")
+
+        class _State:
+            value = property(lambda self: var.get())
+
+            @contextlib.contextmanager
+            def __call__(self, v):
+                tok = var.set(v)
+                try:
+                    yield
+                finally:
+                    var.reset(tok)
+
+        return _State()
+
+
+_DEFAULT = _default_state()
+
+
+def default_impl(impl: str):
+    """Context manager: 3-D convs that do not name their formulation use ``impl`` (e.g. ``"native"``
+    while the plan compiles an accelerator's programs on a CPU host)."""
+    if impl not in IMPLS:
+        raise ValueError(f"conv_impl must be one of {IMPLS}, got {impl!r}")
+    return _DEFAULT(impl)
+
+
 def conv_impl(impl: str | None, cpu: str = "taps") -> str:
-    """``impl`` checked; None: ``cpu`` on CPU, ``"native"`` elsewhere."""
+    """``impl`` checked; None: the :func:`default_impl` in force, else ``cpu`` on CPU and
+    ``"native"`` elsewhere."""
+    if impl is None and _DEFAULT.value != "auto":
+        impl = _DEFAULT.value
     if impl is None:
         impl = cpu if jax.default_backend() == "cpu" else "native"
     if impl not in IMPLS:
