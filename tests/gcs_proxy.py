@@ -64,12 +64,13 @@ class FaultProxy:
                     return
                 if isinstance(action, int):
                     msg = b'{"error": {"code": %d, "message": "injected"}}' % action
+                    # recorded before the reply: the client may look at the log as soon as it has it
+                    proxy._record(self.command, self.path, len(body), 0)
                     self.send_response(action)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
                     self.wfile.write(msg)
-                    proxy._record(self.command, self.path, len(body), 0)
                     return
                 conn = http.client.HTTPConnection(proxy.up_host, proxy.up_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "transfer-encoding",
