@@ -294,9 +294,6 @@ def test_network_cut_at_every_request_of_a_commit_is_repaired(proxy, monkeypatch
     _gen(ref, req)
     want = _results(ref, req)
     monkeypatch.setattr(S, "RETRY_ATTEMPTS", 3)  # a cut network fails fast, so every N is affordable
-    # (and without the production backoff's sleeps: ours, and gcsfs' own 0.5-1.5 s per retried request)
-    monkeypatch.setattr(S, "RETRY_BASE_S", 0.01)
-    monkeypatch.setenv("VIDAX_GCS_RETRIES", "1")
     monkeypatch.setattr(S, "LEASE_CONFIRM_S", 0.0)  # one writer here: no lease race to settle
     # where the sample stage's requests are in a run: count them once
     probe = RunStore(_gs("probe")).run("r")
