@@ -7,7 +7,7 @@ kernel; input frames ``k, k + st, ...``), summed: XLA fuses the taps' sum with t
 following elementwise work (``"taps"``), or with the time taps folded into the channel axis: one 2-D
 conv of a kt times wider input with a transposed kernel (``"fold"``). Elsewhere it is one
 ``conv_general_dilated`` (``"native"``). Which is fastest depends on the widths and the frame count
-(``benchmarks/``): each model picks its default. Both compute the same
+(``benchmarks/``); ``"taps"`` is the CPU default. All compute the same
 conv (up to float rounding). The Wan VAE's causal conv (``vidax/models/wan/vae.py``) does the same
 per tap and also reads the taps that reach into its causal cache without concatenating it.
 """
@@ -60,13 +60,13 @@ def default_impl(impl: str):
     return _DEFAULT(impl)
 
 
-def conv_impl(impl: str | None, cpu: str = "taps") -> str:
-    """``impl`` checked; None: the :func:`default_impl` in force, else ``cpu`` on CPU and
+def conv_impl(impl: str | None) -> str:
+    """``impl`` checked; None: the :func:`default_impl` in force, else ``"taps"`` on CPU and
     ``"native"`` elsewhere."""
     if impl is None and _DEFAULT.value != "auto":
         impl = _DEFAULT.value
     if impl is None:
-        impl = cpu if jax.default_backend() == "cpu" else "native"
+        impl = "taps" if jax.default_backend() == "cpu" else "native"
     if impl not in IMPLS:
         raise ValueError(f"conv_impl must be one of {IMPLS} or None, got {impl!r}")
     return impl

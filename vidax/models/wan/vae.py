@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core import conv as vconv
 from vidax.core import nn
 from vidax.core.attention import attention
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
@@ -291,17 +292,10 @@ def _decoder_plan(cfg: WanVAEConfig) -> tuple[list[_Up], int]:
 
 # ----------------------------------------------------------------------------------- array helpers
 _HIGHEST = jax.lax.Precision.HIGHEST
-CONV_IMPLS = ("taps", "fold", "native")
-
-
-def _conv_impl(conv_impl: str | None) -> str:
-    """How the convs over time run (see :meth:`CausalConv3d.over_time`): ``"taps"`` (the default on
-    CPU), ``"fold"`` or ``"native"`` (the default elsewhere)."""
-    if conv_impl is None:
-        return "taps" if jax.default_backend() == "cpu" else "native"
-    if conv_impl not in CONV_IMPLS:
-        raise ValueError(f"conv_impl must be one of {CONV_IMPLS} or None, got {conv_impl!r}")
-    return conv_impl
+CONV_IMPLS = vconv.IMPLS
+#: how the convs over time run (see :meth:`CausalConv3d.over_time`): ``"taps"`` (the default on CPU),
+#: ``"fold"`` or ``"native"`` (the default elsewhere, and under ``vidax.core.conv.default_impl``)
+_conv_impl = vconv.conv_impl
 
 
 class _Ctx:
