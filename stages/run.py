@@ -15,7 +15,6 @@ verify) is skipped, anything else reruns.
 from __future__ import annotations
 
 import ast
-import gc
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from stages.store import (CorruptDocument, DigestMismatch, IOCounter, Run, is_tr
                           read_array, unpack)
 from vidax.core.jit import CompileCounter
 from vidax.core.mesh import agree, barrier, is_leader, process_count
+from vidax.core.runtime import collect_own_garbage
 from vidax.pipeline import DecodeSpan, Named, Pipeline
 
 STAGE_KINDS = ("encode", "sample", "decode", "mux")
@@ -696,7 +696,9 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
     t0, started = time.perf_counter(), now()
     kind = stage.split("/")[0]
     inputs = _Inputs(run, records)
-    with CompileCounter() as compiles:  # programs compiled vs read from the persistent cache
+    # compiles: programs compiled vs read from the persistent cache; the stage's garbage (its
+    # weights) is freed when it returns, without a walk of the whole process's heap
+    with CompileCounter() as compiles, collect_own_garbage():
         if kind == "decode":
             outputs = run_decode(run, req, pipe, keys[stage], log, inputs, plan[stage])
         elif kind == "sample":
@@ -706,7 +708,6 @@ def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) ->
         else:
             outputs = {"encode": run_encode, "mux": run_mux}[kind](run, req, pipe, keys[stage], log, inputs)
     details = {k[1:]: outputs.pop(k) for k in list(outputs) if k.startswith("_")}
-    gc.collect()
     seconds = time.perf_counter() - t0
     hw = hardware()
     if process_count() > 1:

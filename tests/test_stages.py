@@ -180,6 +180,7 @@ def test_no_device_arrays_survive_a_stage(tmp_path):
     run = RunStore(f"file://{tmp_path}").run("live")
     pipe = R.make_pipeline(req)
     keys = R.stage_keys(req, pipe)
+    R.generate(RunStore(f"file://{tmp_path}/warm").run("w"), req, log=lambda m: None)  # caches filled
     gc.collect()
     baseline = {id(a) for a in jax.live_arrays()}
     for stage in keys:
@@ -187,6 +188,46 @@ def test_no_device_arrays_survive_a_stage(tmp_path):
         gc.collect()
         alive = [a for a in jax.live_arrays() if id(a) not in baseline]
         assert not alive, f"after {stage}: {len(alive)} device arrays alive, e.g. {[a.shape for a in alive[:5]]}"
+
+
+def test_a_stage_frees_its_garbage_without_walking_the_whole_heap(tmp_path):
+    """No collection by the caller and none automatic: the stage itself frees what it dropped (its
+    weights, even where cycles hold them), and every collection while it ran left the heap that
+    existed before it frozen -- a long-lived worker does not pay a full heap walk per stage."""
+    import gc
+
+    import jax
+
+    req = validate(Request(**REQ))
+    run = RunStore(f"file://{tmp_path}").run("own")
+    pipe = R.make_pipeline(req)
+    keys = R.stage_keys(req, pipe)
+    R.generate(RunStore(f"file://{tmp_path}/warm").run("w"), req, log=lambda m: None)  # caches filled
+    gc.collect()
+    old_heap = [object() for _ in range(200_000)]  # a long-lived process's heap
+    walks = []
+
+    def seen(phase, info):
+        if phase == "start":
+            walks.append((info["generation"], gc.get_freeze_count()))
+
+    baseline = {id(a) for a in jax.live_arrays()}
+    gc.disable()
+    gc.callbacks.append(seen)
+    try:
+        for stage in keys:
+            before = len(gc.get_objects())
+            walks.clear()
+            R.run_stage(run, req, pipe, stage, keys, log=lambda m: None)
+            assert walks, f"{stage}: nothing collected"
+            assert all(frozen >= before for _, frozen in walks), f"{stage}: {walks} (heap {before})"
+            alive = [a for a in jax.live_arrays() if id(a) not in baseline]
+            assert not alive, f"after {stage}: {len(alive)} device arrays alive, e.g. {[a.shape for a in alive[:5]]}"
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
+    del old_heap
 
 
 # ------------------------------------------------------------------ validation

@@ -12,7 +12,10 @@ the environment says so, and turn on JAX's persistent compilation cache.
 """
 from __future__ import annotations
 
+import gc
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 _done = False
@@ -59,3 +62,33 @@ def is_leader() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+_scope_lock = threading.Lock()
+_scopes = 0  # work units inside collect_own_garbage() now (a batch may run several in threads)
+
+
+@contextmanager
+def collect_own_garbage():
+    """Run a unit of work (a stage) and collect, when it ends, the garbage it made -- not the whole heap.
+
+    What the work drops (its weights, traced programs' temporaries) is freed when it returns even
+    where reference cycles hold it, as a full ``gc.collect()`` would; but a full collection walks
+    every object of the process, which in a long-lived worker (a Prefect worker, a ``vidax batch``
+    of many prompts) costs seconds per call. Objects that existed before the first of the
+    concurrent units started are frozen (``gc.freeze``) until the last one ends, so collections
+    during and after the work walk only what was allocated since.
+    """
+    global _scopes
+    with _scope_lock:
+        if _scopes == 0:
+            gc.freeze()
+        _scopes += 1
+    try:
+        yield
+    finally:
+        with _scope_lock:
+            gc.collect()
+            _scopes -= 1
+            if _scopes == 0:
+                gc.unfreeze()
