@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,13 @@ demo: $(STAMP)
 	$(BIN)/vidax generate --model wan2.1-t2v-1.3b --preset tiny --store vidax-runs \
 		--prompt "A red panda paddling a canoe across a misty lake at sunrise"
 
+# the fast tier (CI): every check, exhaustive sweeps sampled (VIDAX_TEST_SEED reproduces a sample)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist load -q --durations=25 tests
+
+# everything: every item of every sweep
+test-all: $(STAMP)
+	VIDAX_TEST_ALL=1 $(BIN)/python -m pytest -n 2 --dist load -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan && $(BIN)/python -m benchmarks.compile

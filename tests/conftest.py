@@ -20,6 +20,7 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+from tests import sweep  # noqa: E402 - draws VIDAX_TEST_SEED here, before pytest-xdist starts workers
 from vidax.core import runtime  # noqa: E402
 
 runtime.compile_cache()  # before the first compilation of this process
@@ -91,6 +92,10 @@ def pytest_runtest_logreport(report):
     if report.nodeid in _CRASHED and report.when in ("setup", "call") and report.outcome != "rerun":
         if report.when == "call" or report.failed:
             _CRASHED[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(sweep.describe())
 
 
 def pytest_sessionfinish(session, exitstatus):

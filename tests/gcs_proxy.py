@@ -28,6 +28,8 @@ from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from tests.reaper import dies_with_parent
+
 
 class FaultProxy:
     def __init__(self, upstream: str):
@@ -183,8 +185,9 @@ def start_emulator(bucket: str) -> tuple[subprocess.Popen, str]:
     port = s.getsockname()[1]
     s.close()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
-                             bucket, "-q", "-M"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(dies_with_parent([str(exe), "start", "--host", "127.0.0.1", "--port", str(port),
+                                              "--default-bucket", bucket, "-q", "-M"]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30
     while time.time() < deadline:
         try:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.reaper import dies_with_parent
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -51,7 +53,7 @@ class PrefectServer:
 
     def start(self):
         log = open(self.home / "server.log", "w")
-        p = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+        p = subprocess.Popen(dies_with_parent([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", self.port]),
                              env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
         self.procs.append(p)
         deadline = time.time() + 120
@@ -74,7 +76,7 @@ class PrefectServer:
 
     def worker(self, pool: str, env=None):
         log = open(self.home / f"worker-{pool}.log", "a")
-        p = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+        p = subprocess.Popen(dies_with_parent([BIN / "prefect", "worker", "start", "--pool", pool, "--type", "process"]),
                              env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
         self.procs.append(p)
         return p
