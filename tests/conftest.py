@@ -20,7 +20,9 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-from tests import sweep  # noqa: E402 - draws VIDAX_TEST_SEED here, before pytest-xdist starts workers
+# drawn here, in the controlling process, before pytest-xdist starts the workers that inherit them:
+# the sweeps' seed and the child processes' compilation cache
+from tests import children, sweep  # noqa: E402
 from vidax.core import runtime  # noqa: E402
 
 runtime.compile_cache()  # before the first compilation of this process
@@ -96,6 +98,13 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(sweep.describe())
+
+
+def pytest_unconfigure(config):
+    if children.MADE_CACHE and not hasattr(config, "workerinput"):  # the controller: the session is over
+        import shutil
+
+        shutil.rmtree(children.COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -28,7 +28,7 @@ from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from tests.reaper import dies_with_parent
+from tests.children import dies_with_parent
 
 
 class FaultProxy:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reaper import dies_with_parent
+from tests.children import ENV, dies_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -34,7 +34,7 @@ class PrefectServer:
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
         self.env = {
-            **os.environ,
+            **ENV,  # flow runs share the session's compilation cache
             "PREFECT_HOME": str(self.home),
             "PREFECT_API_URL": self.api,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

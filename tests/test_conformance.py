@@ -5,7 +5,6 @@ declare. A new family gets these checks by registering.
 
 ``make test`` kills, resumes and reruns one case per family (a seeded sample, ``tests/sweep.py``)
 and runs every other case's stages once; ``make test-all`` kills every case."""
-import os
 import re
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
 from tests import sweep
 from vidax import registry
+from tests.children import ENV
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 IMAGE_CASES = {"none": [False], "required": [True], "optional": [False, True]}
 ALL_CASES = [(m, img) for m in sorted(registry.MODELS) for img in IMAGE_CASES[registry.MODELS[m].image]]
 

@@ -21,8 +21,8 @@ from stages.request import Request, validate
 from stages.store import RunStore, read_array
 from tests import sweep
 from tests.gcs_proxy import FaultProxy
+from tests.children import ENV
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 SMALL = dict(prompt="a kite over the dunes", height=32, width=32, num_frames=9, steps=2, checkpoint_every=1, seed=5)
 
 

@@ -1,5 +1,4 @@
 """Staged, resumable runs: store, keys, commit records, resume, rerun, validation, CLI."""
-import os
 import re
 import signal
 import socket
@@ -15,10 +14,10 @@ from stages import run as R
 from stages.request import Request, validate
 from stages.store import RunStore, read_array
 from vidax.video import read_mp4
+from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
            num_frames=9, steps=4, guidance=4.0, seed=7, checkpoint_every=1)
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _gen(store_url, run_id="r1", **over):
