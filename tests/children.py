@@ -1,10 +1,11 @@
 """The tests' child processes (CLI runs killed on purpose, racing writers, Prefect servers, workers
 and their flow runs, the GCS emulator): their environment and their lifetime.
 
-- :data:`ENV`: this environment, unbuffered, with one persistent compilation cache for every child
-  of the test session (``VIDAX_TEST_COMPILE_CACHE``, made once by the controlling process before
-  pytest-xdist starts its workers): a child compiles a program only the first time any child of the
-  session sees it. The test processes themselves keep the cache off (``tests/conftest.py``).
+- One persistent compilation cache per test session (``VIDAX_TEST_COMPILE_CACHE``, made once by
+  the controlling process before pytest-xdist starts its workers, removed at the end) is the
+  default ``VIDAX_COMPILE_CACHE`` of the workers and of every child: a program is compiled only the
+  first time any process of the session sees it. ``VIDAX_COMPILE_CACHE=off make test`` turns it off.
+- :data:`ENV`: this environment, unbuffered, for the children.
 - :func:`dies_with_parent`: a pytest-xdist worker killed by a native crash runs no fixture
   teardown, so the servers it started would outlive it. The wrapped command gets SIGKILL when its
   parent exits (``PR_SET_PDEATHSIG``, set in the child just before it execs the command: it
@@ -20,7 +21,8 @@ MADE_CACHE = "VIDAX_TEST_COMPILE_CACHE" not in os.environ  # this process made i
 if MADE_CACHE:
     os.environ["VIDAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="vidax-test-jax-")
 COMPILE_CACHE = os.environ["VIDAX_TEST_COMPILE_CACHE"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "VIDAX_COMPILE_CACHE": COMPILE_CACHE}
+os.environ.setdefault("VIDAX_COMPILE_CACHE", COMPILE_CACHE)
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 _PRELUDE = ("import ctypes, os, sys; ctypes.CDLL(None, use_errno=True).prctl(1, 9); "  # PR_SET_PDEATHSIG, SIGKILL
             "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execvp(sys.argv[2], sys.argv[2:])")

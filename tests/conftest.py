@@ -9,13 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test-only audio+video family (tests/toyfamily) goes through every registry-wide test
 os.environ.setdefault("VIDAX_FAMILIES", "tests.toyfamily.recipes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# No persistent compilation cache in the test session by default: JAX 0.10's CPU executable
-# serialization (the cache write) segfaulted once in a full run (tests/test_ltx_vae.py, in
-# `executable.serialize()`), and pytest-xdist then hung with both workers idle. Tests that check the
-# cache set their own (tests/test_compile_once.py). `VIDAX_COMPILE_CACHE=/some/dir make test`
-# shares one across workers and stage subprocesses again (faster, at that risk).
-os.environ.setdefault("VIDAX_COMPILE_CACHE", "off")
-os.environ.setdefault("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.2")
+# One persistent compilation cache per test session, for the test workers and every child process
+# (tests/children.py). JAX 0.10's CPU executable serialization (the cache write) segfaulted once in
+# a full run (tests/test_ltx_vae.py, in `executable.serialize()`); a worker killed that way is
+# replaced and its test run again (below). `VIDAX_COMPILE_CACHE=off make test` turns it off.
+os.environ.setdefault("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.1")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

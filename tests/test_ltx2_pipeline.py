@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import sweep
 from tests.refutil import assert_parity, perturb, to_numpy
 
 DIT = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=4, cross_attention_dim=16,
@@ -174,7 +175,8 @@ def test_mp4_has_a_sound_track_of_the_video_length(tmp_path):
     assert "Audio:" not in info
 
 
-@pytest.mark.parametrize("mesh,chunk", [("tp=2", None), ("sp=2", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)])
+@pytest.mark.parametrize("mesh,chunk", sweep.sample([("tp=2", None), ("sp=2", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)],
+                                                2, "ltx2-meshes"))
 def test_scale_equals_one_device(folder, mesh, chunk):
     """The audio+video DiT on a mesh (video tokens over sp, audio replicated; heads and FFNs over
     tp) and with offloaded blocks equals one device, per-token (I2V) timesteps and STG included."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import sweep
 from tests.refutil import assert_parity, perturb, to_numpy
 from vidax import compat
 from vidax.weights import CheckpointMismatchError, save_safetensors
@@ -118,8 +119,8 @@ def test_mismatched_checkpoint_is_reported(ref_folder, tmp_path):
     assert key in msg and "transformer_blocks.0.ff.net.2.bias" in msg and "1 missing" in msg and "1 mis-shaped" in msg
 
 
-@pytest.mark.parametrize("mesh,chunk", [("tp=2", None), ("sp=2", None), ("dp=2,tp=2,sp=2", None),
-                                        (None, 1), ("tp=2,sp=2", 1)])
+@pytest.mark.parametrize("mesh,chunk", sweep.sample([("tp=2", None), ("sp=2", None), ("dp=2,tp=2,sp=2", None),
+                                                     (None, 1), ("tp=2,sp=2", 1)], 3, "ltx-meshes"))
 def test_scale_equals_one_device(ref_folder, mesh, chunk):
     _, path = ref_folder
     kw = _inputs(f=2, h=4, w=4)

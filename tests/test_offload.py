@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import sweep
 from tests.test_sharding import CFG, assert_close, inputs, perturbed_params, reference
 from vidax.core import offload as vo
 from vidax.core import sharding as vsh
@@ -21,11 +22,11 @@ def setup():
     return params, (x, t, ctx), reference(params, OCFG, x, t, ctx)
 
 
-@pytest.mark.parametrize("chunk,prefetch,mesh", [
+@pytest.mark.parametrize("chunk,prefetch,mesh", sweep.sample([
     (1, True, None), (2, True, None), ("all", True, None), (1, False, None), (2, False, None),
     (1, True, "tp=2"), (2, False, "tp=4"), (1, True, "sp=2"), (2, True, "sp=4"), (1, True, "tp=2,sp=2"),
     (2, False, "tp=2,sp=4"),
-])
+], 5, "offload-variants"))
 def test_offload_equals_resident(setup, chunk, prefetch, mesh):
     params, (x, t, ctx), ref = setup
     r = dit.WanDiTRunner(params, OCFG, mesh, offload_chunk_size=chunk, prefetch=prefetch)

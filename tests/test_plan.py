@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import sweep
 from stages import cli
 from stages.plan import parse_bytes, parse_pools, plan
 from stages.request import RequestError
@@ -89,7 +90,7 @@ def test_dtype_defaults_to_the_release_s():
         validate(Request(model="wan2.1-t2v-14b", prompt="x", dtype="float16"))
 
 
-@pytest.mark.parametrize("model", REAL)
+@pytest.mark.parametrize("model", sweep.sample_per_group(REAL, lambda m: registry.MODELS[m].family, 1, "plan"))
 def test_every_real_recipe_plans_on_its_pool(model):
     """At its default size and dtype, every stage of every release fits the pool it is routed to."""
     p = plan(model)

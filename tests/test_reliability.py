@@ -148,9 +148,10 @@ def test_lost_logical_dtype_is_caught(tmp_path):
 
 
 # ------------------------------------------------------------------ corrupt documents repaired
-@pytest.mark.parametrize("doc", ["records/sample.json", "records/decode-1.json", "sample.zarr/zarr.json",
-                                 "decode/0.zarr/frames/zarr.json", "request.json", "manifest.json"])
-@pytest.mark.parametrize("garbage", [b"", b"{not json", b"\x00\xff" * 10])
+@pytest.mark.parametrize("doc,garbage", sweep.sample_per_group(  # every document; all three garbages: test-all
+    [(d, g) for d in ["records/sample.json", "records/decode-1.json", "sample.zarr/zarr.json",
+                      "decode/0.zarr/frames/zarr.json", "request.json", "manifest.json"]
+     for g in [b"", b"{not json", b"\x00\xff" * 10]], lambda c: c[0], 1, "corrupt-docs"))
 def test_corrupt_documents_are_repaired(tmp_path, reference, capsys, doc, garbage):
     req, want = reference
     url = str(tmp_path / "s")
@@ -182,7 +183,7 @@ def _killed_run(url, extra_env=None, steps=4):
     return args
 
 
-@pytest.mark.parametrize("damage", ["chunk", "array-meta", "marker", "marker-garbage"])
+@pytest.mark.parametrize("damage", sweep.sample(["chunk", "array-meta", "marker", "marker-garbage"], 2, "damage"))
 def test_damaged_checkpoint_is_never_resumed_from(tmp_path, damage):
     url = str(tmp_path / "s")
     args = _killed_run(url)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tests import sweep
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import sharding as vsh
@@ -345,7 +346,8 @@ def test_load_pretrained_with_mesh_and_offload(tmp_path):
 
 
 # ------------------------------------------------------------------ through the pipeline
-@pytest.mark.parametrize("mesh,offload", [("dp=2,tp=2", None), ("dp=2,sp=2", None), ("sp=2", 1), (None, "all")])
+@pytest.mark.parametrize("mesh,offload", sweep.sample([("dp=2,tp=2", None), ("dp=2,sp=2", None), ("sp=2", 1), (None, "all")], 2,
+                                                     "wan-pipeline-meshes"))
 def test_pipeline_sampling_sharded_and_offloaded_matches_single_device(mesh, offload):
     from vidax.models.wan.pipeline import WanT2V
 
@@ -362,8 +364,9 @@ def test_pipeline_sampling_sharded_and_offloaded_matches_single_device(mesh, off
     assert err <= 1e-5 * max(1.0, float(np.max(np.abs(ref))))
 
 
-@pytest.mark.parametrize("source,mesh,offload,image", [("tiny-a14b", "tp=2", 1, False), ("tiny-a14b-i2v", "sp=2", 1, True),
-                                                       ("tiny-ti2v-i2v", "sp=2", None, True), ("tiny-ti2v", "dp=2,sp=2", None, False)])
+@pytest.mark.parametrize("source,mesh,offload,image", sweep.sample(
+    [("tiny-a14b", "tp=2", 1, False), ("tiny-a14b-i2v", "sp=2", 1, True), ("tiny-ti2v-i2v", "sp=2", None, True),
+     ("tiny-ti2v", "dp=2,sp=2", None, False)], 2, "wan22-meshes"))
 def test_wan22_sampling_sharded_matches_single_device(source, mesh, offload, image):
     """Wan2.2: per-token timesteps / latent substitution under SP, two experts under TP/SP + offload."""
     from vidax.models.wan.pipeline import WanT2V

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import sweep
 from tests.refutil import assert_parity, perturb
 
 DIT = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=32,
@@ -219,7 +220,8 @@ def test_fit_size():
     assert ((h // 16) * (w // 16)) % 2 == 0 and abs(h * w - 624 * 624) < 0.1 * 624 * 624
 
 
-@pytest.mark.parametrize("preset", ["tiny-i2v", "tiny-a14b-i2v", "tiny-ti2v-i2v", "tiny-a14b", "tiny-ti2v"])
+@pytest.mark.parametrize("preset", sweep.sample(["tiny-i2v", "tiny-a14b-i2v", "tiny-ti2v-i2v", "tiny-a14b", "tiny-ti2v"], 2,
+                                                "wan-presets"))
 def test_tiny_presets_generate(preset):
     from vidax.models.wan.pipeline import WanI2V, WanT2V
 

@@ -51,6 +51,12 @@ def compile_cache() -> str | None:
     if d is not None:
         if "://" not in d:
             Path(d).mkdir(parents=True, exist_ok=True)
+            # A size bound turns on JAX's LRU eviction and with it a file lock around every read and
+            # write of the directory: processes sharing it (a worker's flow runs, a test session's
+            # workers) never read an entry another one is still writing. VIDAX_COMPILE_CACHE_MAX_GB
+            # (default 32).
+            gb = float(os.environ.get("VIDAX_COMPILE_CACHE_MAX_GB", "32"))
+            jax.config.update("jax_compilation_cache_max_size", int(gb * 2**30))
         jax.config.update("jax_compilation_cache_dir", d)
         jax.config.update("jax_persistent_cache_min_compile_time_secs",
                           float(os.environ.get("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.5")))
