@@ -23,6 +23,7 @@ MAX_GUIDANCE = 100.0
 MAX_STEPS = 1000
 MAX_FPS = 240.0
 MAX_PROMPT_CHARS = 20_000
+MIN_IMAGE_SIDE = 16  # pixels (or the VAE's spatial factor, if larger)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -193,6 +194,10 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
             raise RequestError("image", str(e)) from None
         except Exception as e:  # noqa: BLE001 - anything else unreadable
             raise RequestError("image", f"cannot read {r.image!r} as an image ({type(e).__name__}: {e})") from None
+        least = max(MIN_IMAGE_SIDE, int(geo.spatial))
+        if min(ih, iw) < least:
+            raise RequestError("image", f"{r.image} is {iw}x{ih} pixels; a first frame needs at least {least} "
+                                        f"pixels on each side")
         if r.height is None or r.width is None:
             area = recipe.settings(r.preset).get("area", 480 * 832)
             try:

@@ -128,6 +128,13 @@ def read_video(url: str) -> np.ndarray:
         return np.asarray(iio.imread(f.name, plugin="FFMPEG"))
 
 
+def video_read_error(url: str, e: BaseException) -> str:
+    """One line saying why a conditioning clip cannot be read (never ffmpeg's whole stderr)."""
+    if isinstance(e, FileNotFoundError):
+        return f"{url}: no such file"
+    return f"{url}: not a readable video ({type(e).__name__}); give an mp4/webm/... clip"
+
+
 def video_digest(url: str) -> str:
     from vidax.weights.source import filesystem
 
@@ -293,7 +300,7 @@ class CosmosPredict(wvae.TileStages, Pipeline):
             try:
                 n = len(read_video(o["video"]))
             except Exception as e:  # noqa: BLE001 - missing file, undecodable clip
-                raise OptionError("video", f"cannot read {o['video']!r} as a video ({type(e).__name__}: {e})") from None
+                raise OptionError("video", video_read_error(o["video"], e)) from None
             need = 4 * (int(o.get("cond_frames") or 2) - 1) + 1
             if n < need:
                 raise OptionError("video", f"{o['video']} has {n} frames; Video2World with cond_frames="

@@ -38,7 +38,7 @@ import numpy as np
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat
 from vidax.models.cosmos import vae as cvae
-from vidax.models.cosmos.pipeline import read_video, video_digest, video_pixels
+from vidax.models.cosmos.pipeline import read_video, video_digest, video_pixels, video_read_error
 from vidax.models.cosmos3 import mot
 from vidax.models.cosmos3.prompt import ShortPromptWarning, short_prompt_warning
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
@@ -296,6 +296,7 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
     # ------------------------------------------------------------------ checks
     def check(self, request) -> None:
         o = request.options
+        self._check_mesh(getattr(request, "mesh", None))
         if o.get("video") is not None and getattr(request, "image", None) is not None:
             raise OptionError("video", "give either --image (image-to-video) or --video (video-to-video), not both")
         if o.get("video") is not None and request.num_frames == 1:
@@ -315,11 +316,30 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
             try:
                 n = len(read_video(o["video"]))
             except Exception as e:  # noqa: BLE001
-                raise OptionError("video", f"cannot read {o['video']!r} as a video ({type(e).__name__}: {e})") from None
+                raise OptionError("video", video_read_error(o["video"], e)) from None
             need = 4 * (int(o.get("cond_frames") or 2) - 1) + 1
             if n < need:
                 raise OptionError("video", f"{o['video']} has {n} frames; {need} are needed for cond_frames="
                                            f"{o.get('cond_frames')}")
+
+    def _check_mesh(self, mesh) -> None:
+        """The MoT's divisibility rules (key/value heads, MLP width, vocabulary over tp...) at
+        validation, not only when the sample stage builds its runner."""
+        if not isinstance(mesh, str) or mesh == "auto":
+            return
+        from vidax.core import mesh as vmesh
+
+        try:
+            sizes = vmesh.parse_mesh_spec(mesh)
+        except ValueError:
+            return  # the request's own mesh check names it
+        n = jax.device_count()
+        known = int(np.prod([max(1, int(v)) for v in sizes.values()]))
+        sizes = {a: (n // known if int(v) == -1 else int(v)) for a, v in sizes.items()}
+        try:
+            vmesh.check_divisible(mot.parallel_constraints(self.model_config()), sizes, max_devices=n)
+        except vmesh.ShardingConfigError as e:
+            raise OptionError("mesh", f"{mesh!r}: {e}") from None
 
     def warn_prompts(self, prompts) -> list[str]:
         """Warn (``ShortPromptWarning`` + the log) about short unstructured prompts when this model

@@ -63,7 +63,7 @@ class TinyPreset:
     byt5: object = None  # vidax.text.t5.T5Config
     siglip: object = None  # vidax.text.siglip.SiglipVisionConfig
     pipeline_class: str = _T2V
-    max_text_tokens: int = 32
+    max_text_tokens: int = 256  # a 20-word prompt fits (the byte tokenizer reads a token a byte)
     glyph_tokens: int = 16
     seed: int = 0
     tile_sample: int = 48  # the VAE's spatial tile in pixels (the release: 256): the stages' tiled decode runs

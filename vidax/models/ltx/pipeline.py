@@ -14,6 +14,7 @@ reference's shifted sigmas), ``decode`` (the VAE, spatially tiled into persisted
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -639,6 +640,9 @@ class LTX2Preset:
 
 LTX2_PRESETS = {"tiny": LTX2Preset()}
 
+#: the reference's STG block (LTX-2's 48-block DiT)
+_STG_DEFAULT = "28"
+
 #: LTX2Pipeline's defaults (guidance in x0 space)
 LTX2_GUIDANCE = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0,
                      guidance_rescale=0.7, audio_guidance_rescale=0.7)
@@ -685,7 +689,7 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
         Option("audio_guidance", float, 7.0, "classifier-free guidance of the audio stream", minimum=0.0, maximum=100.0),
         Option("stg_scale", float, 1.0, "spatio-temporal guidance (video)", minimum=0.0, maximum=100.0),
         Option("audio_stg_scale", float, 1.0, "spatio-temporal guidance (audio)", minimum=0.0, maximum=100.0),
-        Option("stg_blocks", str, "28", "blocks whose self-attention spatio-temporal guidance skips (comma list)"),
+        Option("stg_blocks", str, _STG_DEFAULT, "blocks whose self-attention spatio-temporal guidance skips (comma list)"),
         Option("modality_scale", float, 3.0, "modality-isolation guidance (video)", minimum=0.0, maximum=100.0),
         Option("audio_modality_scale", float, 3.0, "modality-isolation guidance (audio)", minimum=0.0, maximum=100.0),
         Option("guidance_rescale", float, 0.7, "guidance rescale (video)", minimum=0.0, maximum=1.0),
@@ -735,6 +739,7 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
                         patch=(d.patch_size_t, d.patch_size, d.patch_size), num_heads=d.num_heads)
 
     def check(self, request) -> None:
+        self._check_stg_blocks(request.options.get("stg_blocks"))  # configs only (as geometry())
         if request.options.get("vae_decoder") == "diffusion" and not self.has_diffusion_decoder:
             raise OptionError("vae_decoder", f"{self.source}: this checkpoint has no diffusion_decoder/")
         if self.preset is None and self._folder is None:
@@ -745,6 +750,23 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
             if missing:
                 raise OptionError("checkpoint", f"{self.folder}: missing {', '.join(missing)}/ (diffusers layout)")
         _check_prompt_lengths(self.load_tokenizer(), request, self.max_text_len)
+
+    def _check_stg_blocks(self, value) -> None:
+        """``stg_blocks``: a comma list of block indices within the DiT's depth. The declared
+        default (the reference's block 28) is let through on a shallower DiT (the tiny preset),
+        where it skips no block, as before; any other value out of range is refused."""
+        if value is None:
+            return
+        depth = self.dit_config().num_layers
+        parts = [s.strip() for s in str(value).split(",")]
+        ok = bool(parts) and all(re.fullmatch(r"\d+", s) for s in parts)
+        blocks = [int(s) for s in parts] if ok else []
+        if ok and all(b < depth for b in blocks):
+            return
+        if ok and value == _STG_DEFAULT:
+            return
+        raise OptionError("stg_blocks", f"{value!r}: give a comma list of DiT block indices between 0 and "
+                                        f"{depth - 1} (this DiT has {depth} blocks), e.g. {min(depth - 1, 28)}")
 
     @property
     def has_diffusion_decoder(self) -> bool:
