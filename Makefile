@@ -19,13 +19,14 @@ demo: $(STAMP)
 	$(BIN)/vidax generate --model wan2.1-t2v-1.3b --preset tiny --store vidax-runs \
 		--prompt "A red panda paddling a canoe across a misty lake at sunrise"
 
-# the fast tier (CI): every check, exhaustive sweeps sampled (VIDAX_TEST_SEED reproduces a sample)
+# the fast tier (CI): every check, exhaustive sweeps sampled (VIDAX_TEST_SEED reproduces a sample);
+# PYTEST_ARGS adds options (e.g. --junitxml=times.xml for python -m benchmarks.test_times)
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist load -q --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --dist load -q --durations=25 $(PYTEST_ARGS) tests
 
 # everything: every item of every sweep
 test-all: $(STAMP)
-	VIDAX_TEST_ALL=1 $(BIN)/python -m pytest -n 2 --dist load -q --durations=25 tests
+	VIDAX_TEST_ALL=1 $(BIN)/python -m pytest -n 2 --dist load -q --durations=25 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan && $(BIN)/python -m benchmarks.compile
