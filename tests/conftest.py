@@ -48,6 +48,28 @@ def gcs_emulator():
 
 
 @pytest.fixture(scope="session")
+def seeded_store(tmp_path_factory):
+    """A store holding one finished tiny run (built once per worker; the bad-input catalogues
+    check that a refusal leaves it byte-identical)."""
+    from stages import cli
+
+    root = tmp_path_factory.mktemp("seeded") / "store"
+    assert cli.main(["generate", "--prompt", "a lighthouse", "--frames", "5", "--steps", "1", "--height", "32",
+                     "--width", "32", "--run-id", "keep", "--store", str(root)]) == 0
+    return root
+
+
+@pytest.fixture
+def store(seeded_store, tmp_path):
+    """A copy of :func:`seeded_store` for one test."""
+    import shutil
+
+    d = tmp_path / "store"
+    shutil.copytree(seeded_store, d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def cond_image(tmp_path_factory):
     """A 160x90 RGB PNG (random pixels) to condition image-to-video runs on."""
     import numpy as np

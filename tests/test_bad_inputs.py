@@ -5,7 +5,6 @@ exception type (Python API, prompt files), a message naming the culprit, and a s
 byte-identical before and after (it already holds a finished run, which must stay untouched)."""
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,22 +19,6 @@ from stages.store import RunStore, StoreError
 
 
 # ------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def seeded_store(tmp_path_factory):
-    """A store holding one finished tiny run (built once)."""
-    root = tmp_path_factory.mktemp("seeded") / "store"
-    assert cli.main(["generate", "--prompt", "a lighthouse", "--frames", "5", "--steps", "1", "--height", "32",
-                     "--width", "32", "--run-id", "keep", "--store", str(root)]) == 0
-    return root
-
-
-@pytest.fixture
-def store(seeded_store, tmp_path):
-    d = tmp_path / "store"
-    shutil.copytree(seeded_store, d)
-    return d
-
-
 def tree_digest(root: Path) -> dict:
     if not root.exists():
         return {}

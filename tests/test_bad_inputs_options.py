@@ -3,9 +3,6 @@ clips that used to pass validation and fail later (or fail with a wall of text).
 
 Each refused case: exit code 2, one line ``vidax: error: <field>: ...`` on stderr, and a store that
 is byte-identical before and after (it already holds a finished run)."""
-import hashlib
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,29 +10,7 @@ import pytest
 from stages import cli
 from stages.prompts import parse_prompt_file
 from stages.request import Request, RequestError, validate
-
-
-@pytest.fixture(scope="module")
-def seeded_store(tmp_path_factory):
-    """A store holding one finished tiny run (built once)."""
-    root = tmp_path_factory.mktemp("seeded") / "store"
-    assert cli.main(["generate", "--prompt", "a lighthouse", "--frames", "5", "--steps", "1", "--height", "32",
-                     "--width", "32", "--run-id", "keep", "--store", str(root)]) == 0
-    return root
-
-
-@pytest.fixture
-def store(seeded_store, tmp_path):
-    d = tmp_path / "store"
-    shutil.copytree(seeded_store, d)
-    return d
-
-
-def tree_digest(root: Path) -> dict:
-    if not root.exists():
-        return {}
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from tests.test_bad_inputs import tree_digest
 
 
 def refused(store, capsys, args, field, *texts):
