@@ -8,7 +8,10 @@ the environment says so, and turn on JAX's persistent compilation cache.
   ``~/.cache/vidax/jax``; a bucket path such as ``gs://bucket/jax-cache`` or a shared volume lets a
   whole pool reuse them; ``off`` disables it). A stage process then compiles a program only the
   first time any process of the pool sees its shape. ``VIDAX_COMPILE_CACHE_MIN_SECONDS`` (default
-  0.5): only programs that took at least this long to compile are kept.
+  0.5): only programs that took at least this long to compile are kept. ``VIDAX_COMPILE_CACHE_MAX_GB``
+  (default 32): a local directory's size bound (least recently used entries go first).
+- :func:`collect_own_garbage`: a stage frees what it dropped when it returns, without walking the
+  whole heap of a long-lived process.
 """
 from __future__ import annotations
 
