@@ -26,11 +26,6 @@ def test_a_sweep_sample_is_reproducible_from_its_seed(monkeypatch):
     assert sweep.sample(items, 5, "x") == items and sweep.sample_per_group(items, lambda i: i % 4, 2, "y") == items
 
 
-def test_seed_reaches_workers_unchanged():
-    """The controller draws the seed before the workers start; a worker sees the same one."""
-    assert os.environ["VIDAX_TEST_SEED"] == str(sweep.SEED)
-
-
 def test_an_emulator_dies_with_the_process_that_started_it(tmp_path):
     """A pytest-xdist worker killed by a crash runs no teardown: its GCS emulator must not outlive it."""
     script = ("import sys, time; from tests.gcs_proxy import start_emulator; "
