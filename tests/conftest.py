@@ -1,9 +1,10 @@
 import os
 
-# Fake CPU devices for sharding tests; must be set before JAX is imported anywhere. (XLA:CPU's
-# backend optimisation level 0 halves the compile time of the tiny test programs, but both full
-# runs with it had a worker killed by a SIGSEGV inside the XLA compile: it is not used.)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Fake CPU devices for sharding tests, and the XLA:CPU optimisation level of the tier; both must be
+# set before JAX is imported anywhere (tests/children.py: ``xla_flags``).
+from tests.sweep import xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test-only audio+video family (tests/toyfamily) goes through every registry-wide test

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import zarr
 
+from tests.sweep import xla_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 10  # VIDAX_DISTRIBUTED_TIMEOUT of the two-process job
 ARGS = ["--prompt", "a red fox in fresh snow", "--mesh", "dp=2,tp=2", "--steps", "2", "--frames", "1",
@@ -39,7 +41,7 @@ def _free_port() -> int:
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIDAX_") or k == "VIDAX_FAMILIES"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                VIDAX_COMPILE_CACHE="off", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra)
