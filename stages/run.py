@@ -154,7 +154,12 @@ def _fingerprints(pipe: Pipeline, kind: str, req: Request) -> dict:
     comps = list(pipe.COMPONENTS.get(kind, ()))
     if kind == "encode" and req.image is not None:
         comps += list(pipe.COMPONENTS.get("image", ()))
-    return {c: pipe.fingerprint(c) for c in comps}
+    out = {c: pipe.fingerprint(c) for c in comps}
+    if kind == "sample" and req.lora:  # LoRAs change the DiT's weights: their content and scale enter
+        from vidax.weights import lora
+
+        out["lora"] = [lora.fingerprint(s) for s in lora.parse_specs(req.lora)]
+    return out
 
 
 def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:

@@ -317,6 +317,25 @@ class Pipeline:
             raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a folder")
         return {}
 
+    #: LoRA adapters (:class:`vidax.weights.lora.LoraSpec`) merged into the DiT(s) at load
+    loras: tuple = ()
+
+    def lora_targets(self) -> dict:
+        """``{name: vidax.weights.lora.Target}``: the checkpoints a LoRA adapts (a family with one
+        DiT names it ``dit``); empty when this family or source takes no LoRA."""
+        return {}
+
+    def lora_merging(self, name: str):
+        """A context in which loading DiT ``name`` merges the LoRAs that apply to it."""
+        import contextlib
+
+        if not self.loras:
+            return contextlib.nullcontext()
+        from vidax.weights import lora
+
+        targets = self.lora_targets()
+        return lora.merging(targets[name], lora.for_target(self.loras, name, targets))
+
     @property
     def folder(self):
         """The checkpoint folder on local disk (a remote source is fetched into the cache on first

@@ -1,0 +1,32 @@
+"""Wan LoRA names: the alias table beside the DiT's key maps.
+
+A Wan LoRA names its modules either as diffusers does (``blocks.0.attn1.to_q``, PEFT / diffusers
+training scripts) or as the original release does (``blocks.0.self_attn.q``: ComfyUI, kohya,
+musubi-tuner, AI-Toolkit, the lightx2v / CausVid distillation LoRAs). Both key maps of
+:mod:`vidax.models.wan.dit` map onto the same vidax parameters, so a checkpoint in either layout
+answers to both sets of names.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from vidax.models.wan import dit as wdit
+from vidax.weights.lora import Target, keymap_aliases
+
+_RELEASE_PREFIX = "model.diffusion_model."
+
+
+def aliases(cfg: wdit.WanDiTConfig):
+    """``names -> {alias: name}`` for a Wan DiT checkpoint with config ``cfg``."""
+    dif, orig = wdit.diffusers_keymap(cfg), wdit.original_keymap(cfg)
+
+    def table(names):
+        bare = {n.removeprefix(_RELEASE_PREFIX): n for n in names}
+        own, other = (orig, dif) if wdit._is_original(bare) else (dif, orig)
+        return {a: bare[n] for a, n in keymap_aliases(list(bare), own, [other]).items()}
+
+    return table
+
+
+def target(name: str, path: Path, cfg: wdit.WanDiTConfig, what: str) -> Target:
+    return Target(name, Path(path), aliases(cfg), what)
