@@ -205,3 +205,118 @@ def test_several_loras_add(wan_folder, tmp_path):
     both, _ = _vidax_dit(wan_folder, [f"{a}:0.5", f"{b}:1.5"])
     k = "blocks.1.ffn.net.2.weight"
     np.testing.assert_allclose(both[k], base[k] + (ma[k] - base[k]) + (mb[k] - base[k]), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ (c) keys and bad LoRAs
+def _keys(folder, lora=None, model="wan2.1-t2v-1.3b"):
+    from stages import run as R
+    from stages.request import Request, validate
+
+    req = validate(Request(model=model, checkpoint=str(folder), prompt="a red kite", height=32, width=32,
+                           num_frames=5, steps=2, lora=lora))
+    return R.stage_keys(req, R.make_pipeline(req))
+
+
+def test_stage_keys_follow_lora_content_and_scale(wan_folder, tmp_path):
+    import fsspec
+
+    a = _save(make_lora("peft", seed=5), tmp_path / "a.safetensors")
+    b = _save(make_lora("peft", seed=6), tmp_path / "b.safetensors")
+    copy = tmp_path / "elsewhere" / "renamed.safetensors"
+    copy.parent.mkdir()
+    shutil.copy(a, copy)
+    with fsspec.open("memory://loras/a.safetensors", "wb") as f:  # the same bytes behind a URL
+        f.write(a.read_bytes())
+    none, ka, kb = _keys(wan_folder), _keys(wan_folder, f"{a}:0.5"), _keys(wan_folder, [f"{b}:0.5"])
+    assert none["encode"] == ka["encode"] == kb["encode"]  # a DiT LoRA leaves the prompt encode alone
+    assert len({none["sample"], ka["sample"], kb["sample"]}) == 3
+    assert all(ka[s] != none[s] for s in none if s != "encode")  # everything after sample follows
+    assert _keys(wan_folder, f"{a}:0.75")["sample"] != ka["sample"]
+    assert _keys(wan_folder, f"{copy}:0.5")["sample"] == ka["sample"]  # content, not path
+    assert _keys(wan_folder, "memory://loras/a.safetensors:0.5")["sample"] == ka["sample"]
+    assert _keys(wan_folder, [f"{a}:0.5", f"{b}:0.5"])["sample"] not in (ka["sample"], kb["sample"])
+
+
+@pytest.fixture(scope="module")
+def bad_loras(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_loras")
+    good = _save(make_lora("peft", seed=7), d / "good.safetensors")
+    data = good.read_bytes()
+    (d / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+    (d / "garbage.safetensors").write_bytes(b"\x00" * 64)
+    torch.save({k: torch.from_numpy(v) for k, v in make_lora("peft", seed=7).items()}, d / "pickled.pt")
+    shutil.copy(d / "pickled.pt", d / "pickled-renamed.safetensors")
+    i2v = make_lora("kohya", seed=8, modules=_modules()[:1])
+    i2v["diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight"] = np.ones((RANK, 24), np.float32)
+    i2v["diffusion_model.blocks.0.cross_attn.k_img.lora_up.weight"] = np.ones((24, RANK), np.float32)
+    _save(i2v, d / "i2v.safetensors")
+    _save(make_lora("peft", modules=[("blocks.0.attn1.to_q", "", 40, 40)]), d / "bigger-model.safetensors")
+    deep = make_lora("peft", modules=[("blocks.7.attn1.to_q", "", 24, 24)])
+    _save(deep, d / "more-layers.safetensors")
+    _save({"text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight": np.ones((RANK, 32), np.float32),
+           "text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight": np.ones((32, RANK), np.float32)},
+          d / "text-encoder.safetensors")
+    _save({"transformer.blocks.0.attn1.to_q.lora_A.weight": np.ones((RANK, 24), np.float32)}, d / "half.safetensors")
+    _save({"transformer.blocks.0.attn1.to_q.weight": np.ones((24, 24), np.float32)}, d / "a-model.safetensors")
+    return d
+
+
+BAD = [
+    ("truncated.safetensors", ["truncated.safetensors", "not a readable safetensors"]),
+    ("garbage.safetensors", ["garbage.safetensors", "not a readable safetensors"]),
+    ("pickled.pt", ["pickled.pt", "a pickle"]),
+    ("pickled-renamed.safetensors", ["pickled-renamed.safetensors", "a pickle"]),
+    ("i2v.safetensors", ["i2v.safetensors", "match no module", "blocks.0.cross_attn.k_img.lora_down.weight"]),
+    ("bigger-model.safetensors", ["bigger-model.safetensors", "shape mismatch", "blocks.0.attn1.to_q"]),
+    ("more-layers.safetensors", ["more-layers.safetensors", "match no module", "blocks.7.attn1.to_q"]),
+    ("text-encoder.safetensors", ["match no module", "text_encoder.encoder.block.0"]),
+    ("half.safetensors", ["half.safetensors", "incomplete", "blocks.0.attn1.to_q"]),
+    ("a-model.safetensors", ["a-model.safetensors", "no LoRA layout", "transformer.blocks.0.attn1.to_q.weight"]),
+    ("missing.safetensors", ["missing.safetensors", "no such file"]),
+    ("good.safetensors:nan", ["finite"]),
+    ("high=good.safetensors:1", ["no DiT 'high'"]),
+]
+
+
+@pytest.mark.parametrize("spec,texts", BAD, ids=[b[0] for b in BAD])
+def test_bad_loras_exit_2_naming_file_and_keys(wan_folder, bad_loras, store, capsys, spec, texts):
+    from stages import cli
+    from tests.test_bad_inputs import tree_digest
+
+    if "=" in spec:
+        t, rest = spec.split("=", 1)
+        spec = f"{t}={bad_loras / rest}"
+    else:
+        spec = str(bad_loras / spec)
+    before = tree_digest(store)
+    rc = cli.main(["generate", "--checkpoint", str(wan_folder), "--prompt", "a red kite", "--height", "32",
+                   "--width", "32", "--frames", "5", "--steps", "1", "--lora", spec, "--store", str(store)])
+    out, err = capsys.readouterr()
+    err = err.strip()
+    assert rc == 2, (out, err)
+    assert err.count("\n") == 0 and err.startswith("vidax: error: lora:"), err
+    for t in texts:
+        assert t in err, err
+    assert tree_digest(store) == before, "the store changed"
+
+
+def test_lora_needs_a_checkpoint(store, capsys, bad_loras):
+    from stages import cli
+
+    rc = cli.main(["generate", "--prompt", "x", "--frames", "5", "--steps", "1", "--height", "32", "--width", "32",
+                   "--lora", str(bad_loras / "good.safetensors"), "--store", str(store)])
+    assert rc == 2 and "give --checkpoint" in capsys.readouterr().err
+
+
+def test_spec_parsing():
+    from vidax.weights.lora import LoraError, LoraSpec, parse_spec, parse_specs
+
+    assert parse_spec("a.safetensors") == LoraSpec("a.safetensors", 1.0, None)
+    assert parse_spec("high=a.safetensors:0.5") == LoraSpec("a.safetensors", 0.5, "high")
+    assert parse_spec("gs://b/x.safetensors") == LoraSpec("gs://b/x.safetensors", 1.0, None)
+    assert parse_spec("low=gs://b/x.safetensors:-1") == LoraSpec("gs://b/x.safetensors", -1.0, "low")
+    assert str(parse_spec("low=gs://b/x.safetensors:2")) == "low=gs://b/x.safetensors:2"
+    assert parse_specs(None) == [] and len(parse_specs(["a:1", "b:2"])) == 2
+    for bad in ("", ":1", "a:inf", 3):
+        with pytest.raises(LoraError):
+            parse_spec(bad)

@@ -139,7 +139,8 @@ def read_file(path: Path, shown: str | None = None) -> dict[str, LazyTensor]:
     try:
         tensors = _safetensors_file(path)
     except CheckpointFormatError as e:
-        raise LoraError(f"{shown}: not a readable safetensors file ({str(e).split(': ', 1)[-1]})") from None
+        why = str(e).split(": ", 1)[-1]
+        raise LoraError(f"{shown}: {why if why.startswith('not a readable') else 'not a readable safetensors file (' + why + ')'}") from None
     if not tensors:
         raise LoraError(f"{shown}: holds no tensors")
     return tensors
