@@ -320,3 +320,89 @@ def test_spec_parsing():
     for bad in ("", ":1", "a:inf", 3):
         with pytest.raises(LoraError):
             parse_spec(bad)
+
+
+# ------------------------------------------------------------------ (d) Wan2.2 A14B experts, Wan2.1 I2V
+@pytest.fixture(scope="module")
+def a14b_folder(tmp_path_factory):
+    """Wan2.2 A14B-shaped: two experts (``transformer`` high noise, ``transformer_2`` low noise)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**VAE)
+    t1, t2 = perturb(WanTransformer3DModel(**DIT), seed=11), perturb(WanTransformer3DModel(**DIT), seed=12)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                    num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=t1, transformer_2=t2, vae=vae,
+                       scheduler=sched, boundary_ratio=0.875)
+    folder = tmp_path_factory.mktemp("wan_a14b")
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def test_a14b_unnamed_loras_go_to_both_experts_named_ones_to_one(a14b_folder, tmp_path):
+    """As diffusers: ``load_lora_weights`` (high-noise expert) + ``load_into_transformer_2=True``
+    (low-noise expert); an unnamed --lora adapts both, high= / low= one."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from vidax.models.wan.pipeline import WanT2V
+    from vidax.weights.lora import parse_specs
+
+    both = _save(make_lora("kohya", seed=21), tmp_path / "both.safetensors")
+    low = _save(make_lora("peft", seed=22), tmp_path / "low.safetensors")
+    t1 = WanTransformer3DModel.from_pretrained(a14b_folder / "transformer")
+    t2 = WanTransformer3DModel.from_pretrained(a14b_folder / "transformer_2")
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=t1, transformer_2=t2, vae=None, scheduler=None)
+    pipe.load_lora_weights(str(both), adapter_name="both")
+    pipe.load_lora_weights(str(both), adapter_name="both", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer", "transformer_2"], lora_scale=0.8)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(low), adapter_name="low", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer_2"], lora_scale=1.3)
+    pipe.unload_lora_weights()
+    refs = {1: t1.state_dict(), 2: t2.state_dict()}
+
+    vx = WanT2V(a14b_folder)
+    assert sorted(vx.lora_targets()) == ["high", "low"]
+    vx.loras = tuple(parse_specs([f"{both}:0.8", f"low={low}:1.3"]))
+    for expert in (1, 2):
+        state, _ = vx._load_dit_host(expert)
+        from flax import nnx
+
+        q = np.asarray(nnx.to_pure_dict(state)["blocks"]["attn1"]["q"]["kernel"])
+        for i in range(2):
+            ref = refs[expert][f"blocks.{i}.attn1.to_q.weight"].numpy().T
+            assert _rel(q[i], ref) <= 1e-5, f"expert {expert} block {i}: {_rel(q[i], ref):.2e}"
+    # the keys follow each expert's LoRAs
+    base = dict(model="wan2.2-t2v-a14b", checkpoint=str(a14b_folder), prompt="x", height=32, width=32, num_frames=5,
+                steps=2)
+    from stages import run as R
+    from stages.request import Request
+
+    def key(lora):
+        req = Request(**base, lora=lora).resolved()
+        return R.stage_keys(req, R.make_pipeline(req))["sample"]
+
+    assert len({key(None), key(f"high={low}:1"), key(f"low={low}:1"), key(f"{low}:1")}) == 4
+
+
+def test_i2v_lora_with_image_keys(tmp_path):
+    """A Wan2.1 I2V LoRA (the cross-attention's image k/v, ``k_img`` / ``v_img``) on an I2V DiT."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    cfg = {**DIT, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 24}
+    tr = perturb(WanTransformer3DModel(**cfg), seed=31)
+    tr.save_pretrained(tmp_path / "i2v" / "transformer")
+    mods = _modules() + [(f"blocks.{i}.attn2.add_{n}_proj", f"blocks.{i}.cross_attn.{n}_img", 24, 24)
+                         for i in range(2) for n in ("k", "v")]
+    lora = _save(make_lora("kohya", seed=32, modules=mods), tmp_path / "i2v.safetensors")
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, transformer=tr, vae=None, scheduler=None,
+                                   image_encoder=None, image_processor=None)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora(lora_scale=0.9)
+    pipe.unload_lora_weights()
+    ref = {k: v.detach().numpy() for k, v in tr.state_dict().items()}
+    merged, _ = _vidax_dit(tmp_path / "i2v", [f"{lora}:0.9"])
+    worst = max(_rel(merged[k], ref[k]) for k in ref)
+    assert worst <= 1e-5 and _rel(merged["blocks.1.attn2.add_v_proj.weight"], ref["blocks.1.attn2.add_v_proj.weight"]) <= 1e-5
