@@ -406,3 +406,63 @@ def test_i2v_lora_with_image_keys(tmp_path):
     merged, _ = _vidax_dit(tmp_path / "i2v", [f"{lora}:0.9"])
     worst = max(_rel(merged[k], ref[k]) for k in ref)
     assert worst <= 1e-5 and _rel(merged["blocks.1.attn2.add_v_proj.weight"], ref["blocks.1.attn2.add_v_proj.weight"]) <= 1e-5
+
+
+def test_peft_metadata_alpha_as_diffusers_reads_it(wan_folder, tmp_path):
+    """A diffusers-saved LoRA carries its LoraConfig (``lora_adapter_metadata``): alpha / r, with
+    per-module ``alpha_pattern`` / ``rank_pattern``, scales the update."""
+    from peft import LoraConfig
+    from safetensors.numpy import save_file
+
+    mods = _modules()
+    cfg = LoraConfig(r=RANK, lora_alpha=8, alpha_pattern={"blocks.1.ffn.net.2": 2},
+                     target_modules=[m[0] for m in mods]).to_dict()
+    cfg = {f"transformer.{k}": (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}  # as a pipeline saves
+    path = tmp_path / "meta.safetensors"
+    save_file(make_lora("peft", seed=41), str(path), metadata={"lora_adapter_metadata": json.dumps(cfg, default=str)})
+    ref = fused_transformer(wan_folder, path, 0.5)
+    merged, _ = _vidax_dit(wan_folder, [f"{path}:0.5"])
+    base, _ = _vidax_dit(wan_folder, [])
+    worst = max(_rel(merged[k], ref[k]) for k in ref)
+    assert worst <= 1e-5, f"max relative error {worst:.2e}"
+    # the metadata matters: alpha 8 / r 4 doubles the update, the pattern's 2 / 4 halves it
+    plain = _save(make_lora("peft", seed=41), tmp_path / "plain.safetensors")
+    pm, _ = _vidax_dit(wan_folder, [f"{plain}:0.5"])
+    for k, f in (("blocks.0.attn1.to_q.weight", 2.0), ("blocks.1.ffn.net.2.weight", 0.5)):
+        np.testing.assert_allclose(merged[k] - base[k], f * (pm[k] - base[k]), rtol=1e-4, atol=1e-6)
+
+
+def test_compat_load_pretrained_with_lora_matches_fused_forward(wan_folder, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from tests.refutil import assert_parity
+    from vidax.compat import load_pretrained
+
+    lora = _save(make_lora("musubi", seed=51), tmp_path / "m.safetensors")
+    fused_transformer(wan_folder, lora, 1.2, dst=tmp_path / "fused")
+    ref_model = WanTransformer3DModel.from_pretrained(tmp_path / "fused" / "transformer").eval()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 16, 2, 8, 8)).astype(np.float32)
+    ctx = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    t = np.asarray([500.0], np.float32)
+    with torch.no_grad():
+        ref = ref_model(hidden_states=torch.from_numpy(x), timestep=torch.from_numpy(t),
+                        encoder_hidden_states=torch.from_numpy(ctx), return_dict=False)[0].numpy()
+    ours = load_pretrained(wan_folder / "transformer", lora=f"{lora}:1.2")
+    assert_parity(ours.forward(hidden_states=x, timestep=t, encoder_hidden_states=ctx), ref, tol=1e-5,
+                  what="DiT forward with a merged LoRA")
+
+
+def test_prompt_file_lines_take_lora(wan_folder, bad_loras, tmp_path):
+    from stages.prompts import parse_prompt_file
+
+    good, trunc = bad_loras / "good.safetensors", bad_loras / "truncated.safetensors"
+    common = dict(model="wan2.1-t2v-1.3b", checkpoint=str(wan_folder), height=32, width=32, num_frames=5, steps=1)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({**common, "prompt": "a red kite", **extra}) for extra in (
+        {"lora": f"{good}:0.5"}, {"lora": [f"{good}:0.5", str(good)]}, {"lora": f"{trunc}:1"}, {})) + "\n")
+    lines = parse_prompt_file(str(f))
+    assert lines[0].request.lora == [f"{good}:0.5"]
+    assert lines[1].request.lora == [f"{good}:0.5", f"{good}:1"]
+    assert lines[2].request is None and "lora:" in lines[2].error and "truncated.safetensors" in lines[2].error
+    assert lines[3].request.lora is None

@@ -146,6 +146,43 @@ def read_file(path: Path, shown: str | None = None) -> dict[str, LazyTensor]:
     return tensors
 
 
+def peft_config(path: Path, shown: str) -> dict | None:
+    """The PEFT ``LoraConfig`` a diffusers / PEFT file may carry in its safetensors metadata
+    (``lora_adapter_metadata``: ``r``, ``lora_alpha``, ``rank_pattern``, ``alpha_pattern``)."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+    if raw is None:
+        return None
+    try:
+        cfg = json.loads(raw)
+        assert isinstance(cfg, dict)
+    except (ValueError, AssertionError):
+        raise LoraError(f"{shown}: its lora_adapter_metadata is not a JSON object") from None
+    if any(k.startswith("transformer.") for k in cfg):  # a pipeline's save_lora_weights: per component
+        cfg = {k.removeprefix("transformer."): v for k, v in cfg.items() if k.startswith("transformer.")}
+    if cfg.get("use_dora"):
+        raise LoraError(f"{shown}: a DoRA adapter (use_dora); only plain LoRA weights can be merged")
+    return cfg
+
+
+def _pattern(patterns: dict, module: str):
+    for pat, v in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pat})$", module):
+            return v
+    return None
+
+
+def peft_factor(cfg: dict, module: str, rank: int) -> float:
+    """alpha / r (or alpha / sqrt(r) with rsLoRA) of ``module`` under a PEFT config."""
+    r = _pattern(cfg.get("rank_pattern"), module) or cfg.get("r") or rank
+    alpha = _pattern(cfg.get("alpha_pattern"), module) or cfg.get("lora_alpha") or r
+    return float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else float(r))
+
+
 @dataclass
 class Module:
     """One adapted module of a LoRA file: its tensors by role, and the file's names for them."""
@@ -232,7 +269,7 @@ def keymap_aliases(names: Sequence[str], own, others: Iterable) -> dict[str, str
 
 
 def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shapes: Mapping[str, tuple],
-            aliases: Mapping[str, str], what: str) -> dict[str, list[Delta]]:
+            aliases: Mapping[str, str], what: str, peft: dict | None = None) -> dict[str, list[Delta]]:
     """``{checkpoint tensor name: [Delta]}`` for one LoRA file, or :class:`LoraError` naming the
     keys that match no module of the model and the shapes that do not fit."""
     mods = modules(lora, shown)
@@ -268,14 +305,17 @@ def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shape
             if not rank or len(up.shape) < 2 or up.shape[1] != rank or math.prod(up.shape[2:]) != 1:
                 misshaped.append(f"{m.name} (down {list(down.shape)}, up {list(up.shape)}: ranks differ)")
                 continue
-            alpha = rank
             if "alpha" in p:
                 a = np.asarray(p["alpha"].read(), np.float64)
                 if a.size != 1 or not np.isfinite(a).all():
                     misshaped.append(f"{m.name} (alpha {a.tolist()!r:.40} is not one finite number)")
                     continue
                 alpha = float(a.reshape(()))
-            factor = scale * alpha / rank
+                factor = scale * alpha / rank
+            elif peft is not None:
+                factor = scale * peft_factor(peft, m.name, rank)
+            else:
+                factor = scale
             full = (up.shape[0],) + tuple(down.shape[1:])
             if full != tuple(ckpt_shapes[w]):
                 misshaped.append(f"{m.name} (gives {list(full)}, the model's {w} is {list(ckpt_shapes[w])})")
@@ -316,8 +356,10 @@ def plan(specs: Sequence[LoraSpec], target: Target, ckpt: Mapping[str, LazyTenso
     aliases = target.aliases(list(shapes))
     out: dict[str, list[Delta]] = {}
     for spec in specs:
-        tensors = read_file(local_file(spec), spec.path)
-        for name, ds in resolve(tensors, spec.path, spec.scale, shapes, aliases, target.what).items():
+        path = local_file(spec)
+        tensors = read_file(path, spec.path)
+        peft = peft_config(path, spec.path)
+        for name, ds in resolve(tensors, spec.path, spec.scale, shapes, aliases, target.what, peft).items():
             out.setdefault(name, []).extend(ds)
     return out
 

@@ -30,3 +30,10 @@ def aliases(cfg: wdit.WanDiTConfig):
 
 def target(name: str, path: Path, cfg: wdit.WanDiTConfig, what: str) -> Target:
     return Target(name, Path(path), aliases(cfg), what)
+
+
+def compat_aliases(class_name: str, config: dict):
+    """For ``vidax.compat.load_pretrained(folder, lora=...)``."""
+    if class_name != "WanTransformer3DModel":
+        raise KeyError(class_name)
+    return aliases(wdit.WanDiTConfig.from_diffusers(config))
