@@ -325,6 +325,17 @@ class Pipeline:
         DiT names it ``dit``); empty when this family or source takes no LoRA."""
         return {}
 
+    def transformer_lora_targets(self, aliases, what: str) -> dict:
+        """The usual ``lora_targets``: one DiT, ``transformer/`` of a diffusers folder; none for a
+        preset. ``aliases``: the family's table (``vidax.models.<family>.lora``)."""
+        if self.preset is not None:
+            return {}
+        from pathlib import Path
+
+        from vidax.weights.lora import Target
+
+        return {"dit": Target("dit", Path(self.folder) / "transformer", aliases, what)}
+
     def lora_merging(self, name: str):
         """A context in which loading DiT ``name`` merges the LoRAs that apply to it."""
         import contextlib

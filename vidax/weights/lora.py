@@ -268,6 +268,20 @@ def keymap_aliases(names: Sequence[str], own, others: Iterable) -> dict[str, str
     return out
 
 
+def two_layout_aliases(diffusers_map, original_map, is_original: Callable[[Sequence[str]], bool],
+                       release_prefix: str = "model.diffusion_model."):
+    """The alias table of a family with a diffusers and an original-release key map (the same
+    parameters under two sets of names): ``names -> {alias: name}`` answering to both, whichever
+    layout the checkpoint has (its names may carry ``release_prefix``, as single-file releases do)."""
+
+    def table(names):
+        bare = {n.removeprefix(release_prefix): n for n in names}
+        own, other = (original_map, diffusers_map) if is_original(list(bare)) else (diffusers_map, original_map)
+        return {a: bare[n] for a, n in keymap_aliases(list(bare), own, [other]).items()}
+
+    return table
+
+
 def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shapes: Mapping[str, tuple],
             aliases: Mapping[str, str], what: str, peft: dict | None = None) -> dict[str, list[Delta]]:
     """``{checkpoint tensor name: [Delta]}`` for one LoRA file, or :class:`LoraError` naming the

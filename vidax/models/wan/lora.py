@@ -11,21 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from vidax.models.wan import dit as wdit
-from vidax.weights.lora import Target, keymap_aliases
-
-_RELEASE_PREFIX = "model.diffusion_model."
-
+from vidax.weights.lora import Target, two_layout_aliases
 
 def aliases(cfg: wdit.WanDiTConfig):
     """``names -> {alias: name}`` for a Wan DiT checkpoint with config ``cfg``."""
-    dif, orig = wdit.diffusers_keymap(cfg), wdit.original_keymap(cfg)
-
-    def table(names):
-        bare = {n.removeprefix(_RELEASE_PREFIX): n for n in names}
-        own, other = (orig, dif) if wdit._is_original(bare) else (dif, orig)
-        return {a: bare[n] for a, n in keymap_aliases(list(bare), own, [other]).items()}
-
-    return table
+    return two_layout_aliases(wdit.diffusers_keymap(cfg), wdit.original_keymap(cfg), wdit._is_original)
 
 
 def target(name: str, path: Path, cfg: wdit.WanDiTConfig, what: str) -> Target:

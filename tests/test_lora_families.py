@@ -1,0 +1,150 @@
+"""LoRA adapters on every family diffusers has a LoRA loader for: the DiT a family pipeline loads
+with ``--lora L:S`` equals the DiT it loads from the folder whose transformer diffusers fused
+(``lora_state_dict`` + ``load_lora_adapter`` + ``fuse_lora(lora_scale=S)`` + ``save_pretrained``),
+tensor by tensor. Wan (all variants, end to end through the stages) is in ``test_lora.py``."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.refutil import perturb
+
+
+def _case(family):
+    """(model id, diffusers pipeline class, transformer class, config, model_index class name)."""
+    import diffusers as d
+
+    if family == "cogvideox":
+        from tests.test_cogvideox_pipeline import BASE
+        return "cogvideox-2b", d.CogVideoXPipeline, d.CogVideoXTransformer3DModel, BASE, "CogVideoXPipeline"
+    if family == "cosmos":
+        from tests.cosmos_fixtures import DIT
+        return ("cosmos2.5-2b", d.Cosmos2_5_PredictBasePipeline, d.CosmosTransformer3DModel, DIT,
+                "Cosmos2_5_PredictBasePipeline")
+    if family == "ltx":
+        from tests.test_ltx_pipeline import DIT
+        return "ltx-video-0.9", d.LTXPipeline, d.LTXVideoTransformer3DModel, DIT, "LTXPipeline"
+    if family == "ltx2":
+        from tests.test_ltx2_pipeline import DIT
+        return "ltx2-t2v", d.LTX2Pipeline, d.LTX2VideoTransformer3DModel, DIT, "LTX2Pipeline"
+    if family == "hunyuanvideo":
+        from tests.test_hunyuanvideo_pipeline import DIT
+        return "hunyuanvideo-t2v", d.HunyuanVideoPipeline, d.HunyuanVideoTransformer3DModel, DIT, "HunyuanVideoPipeline"
+    raise ValueError(family)
+
+
+def _linears(model, limit=None):
+    """Every nn.Linear inside the repeated blocks: (name, out, in)."""
+    out = [(n, m.out_features, m.in_features) for n, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear) and "blocks." in n]
+    return out[:limit] if limit else out
+
+
+def _peft_lora(model, seed, rank=4, prefix="transformer.", rename=lambda n: n, A="lora_A", B="lora_B"):
+    rng = np.random.default_rng(seed)
+    sd = {}
+    for n, o, i in _linears(model):
+        sd[f"{prefix}{rename(n)}.{A}.weight"] = (0.3 * rng.standard_normal((rank, i))).astype(np.float32)
+        sd[f"{prefix}{rename(n)}.{B}.weight"] = (0.3 * rng.standard_normal((o, rank))).astype(np.float32)
+    return sd
+
+
+def _fuse(pipeline_cls, transformer_cls, folder, lora_path, scale, dst):
+    tr = transformer_cls.from_pretrained(folder / "transformer")
+    sd = pipeline_cls.lora_state_dict(str(lora_path))
+    sd = sd[0] if isinstance(sd, tuple) else sd
+    tr.load_lora_adapter(sd, prefix="transformer", adapter_name="x")
+    tr.fuse_lora(lora_scale=scale)
+    tr.unload_lora()
+    tr.save_pretrained(dst)
+
+
+def _host_dit(pipe):
+    """The pipeline's DiT as host numpy leaves (whichever of the family's loaders it has)."""
+    import jax
+
+    state, _ = pipe._load_dit_host() if hasattr(pipe, "_load_dit_host") else pipe.load_dit()
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _build(model, folder):
+    from vidax import registry
+
+    return registry.get(model).build(None, str(folder), False)
+
+
+FAMILIES = ["cogvideox", "cosmos", "ltx", "ltx2", "hunyuanvideo"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_lora_matches_diffusers_fuse(family, tmp_path):
+    from safetensors.numpy import save_file
+
+    from vidax.weights.lora import check, parse_specs
+
+    model, pcls, tcls, cfg, index_class = _case(family)
+    torch.manual_seed(0)
+    tr = perturb(tcls(**cfg), seed=1)
+    folder = tmp_path / "base"
+    tr.save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": index_class}))
+    lora = tmp_path / "lora.safetensors"
+    save_file(_peft_lora(tr, seed=2), str(lora))
+    fused = tmp_path / "fused"
+    _fuse(pcls, tcls, folder, lora, 0.7, fused / "transformer")
+    (fused / "model_index.json").write_text(json.dumps({"_class_name": index_class}))
+
+    pipe = _build(model, folder)
+    targets = pipe.lora_targets()
+    assert list(targets) == ["dit"]
+    pipe.loras = tuple(parse_specs([f"{lora}:0.7"]))
+    check(pipe.loras, targets)
+    ours, ref, plain = _host_dit(pipe), _host_dit(_build(model, fused)), _host_dit(_build(model, folder))
+    assert len(ours) == len(ref)
+    moved = sum(not np.array_equal(a, b) for a, b in zip(plain, ref))
+    assert moved >= len(_linears(tr)) // 2, f"the LoRA changed only {moved} tensors: a weak test"
+    worst = max(float(np.max(np.abs(a.astype(np.float64) - b)) / max(1e-12, float(np.max(np.abs(b)))))
+                for a, b in zip(ours, ref) if a.size)
+    assert worst <= 1e-5, f"{family}: max relative error {worst:.2e} against diffusers' fused DiT"
+
+
+@pytest.mark.parametrize("family", ["ltx", "ltx2"])
+def test_ltx_comfyui_layout(family, tmp_path):
+    """LTX-Video / LTX-2 LoRAs as ComfyUI and LTX-Video-Trainer write them (``diffusion_model.``,
+    the original release's names, ``lora_down`` / ``lora_up`` + ``alpha``)."""
+    from safetensors.numpy import save_file
+
+    from vidax.models.ltx import dit as ldit
+    from vidax.models.ltx import dit2 as ldit2
+    from vidax.models.ltx import lora as llora
+    from vidax.weights import open_checkpoint
+    from vidax.weights import lora as vlora
+
+    model, pcls, tcls, cfg, index_class = _case(family)
+    torch.manual_seed(0)
+    tr = perturb(tcls(**cfg), seed=3)
+    folder = tmp_path / "base"
+    tr.save_pretrained(folder / "transformer")
+    ren = (lambda n: n.replace("norm_q", "q_norm").replace("norm_k", "k_norm"))
+    sd = _peft_lora(tr, seed=4, prefix="diffusion_model.", rename=ren, A="lora_A", B="lora_B")
+    lora = tmp_path / "comfy.safetensors"
+    save_file(sd, str(lora))
+    _fuse(pcls, tcls, folder, lora, 1.1, tmp_path / "fused")
+    ref = {k: v.read() for k, v in open_checkpoint(tmp_path / "fused").items()}
+    path = folder / "transformer"
+    vcfg = (ldit.LTXDiTConfig if family == "ltx" else ldit2.LTX2DiTConfig).from_diffusers(
+        json.loads((path / "config.json").read_text()))
+    table = llora.aliases(vcfg) if family == "ltx" else llora.aliases2(vcfg)
+    with vlora.merging(vlora.Target("dit", path, table, "LTX DiT"), vlora.parse_specs(f"{lora}:1.1")):
+        ours = {k: v.read() for k, v in open_checkpoint(path).items()}
+    worst = max(float(np.max(np.abs(ours[k] - ref[k])) / max(1e-12, float(np.max(np.abs(ref[k]))))) for k in ref)
+    assert worst <= 1e-5, worst
+    # the original release's top-level names resolve too (patchify_proj -> proj_in)
+    t = vlora.Target("dit", path, table, "LTX DiT")
+    save_file({"diffusion_model.patchify_proj.lora_down.weight": np.ones((2, cfg["in_channels"]), np.float32),
+               "diffusion_model.patchify_proj.lora_up.weight": np.ones((tr.config.num_attention_heads
+                                                                        * tr.config.attention_head_dim, 2), np.float32)},
+              str(tmp_path / "top.safetensors"))
+    plan = vlora.plan(vlora.parse_specs(str(tmp_path / "top.safetensors")), t)
+    assert list(plan) == ["proj_in.weight"]
