@@ -148,3 +148,62 @@ def test_ltx_comfyui_layout(family, tmp_path):
               str(tmp_path / "top.safetensors"))
     plan = vlora.plan(vlora.parse_specs(str(tmp_path / "top.safetensors")), t)
     assert list(plan) == ["proj_in.weight"]
+
+
+def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
+    """Original-release HunyuanVideo LoRAs adapt fused projections (``img_attn_qkv``,
+    ``single_blocks.N.linear1`` = q/k/v + MLP) and the (shift, scale)-ordered final modulation: the
+    merge equals merging in the original layout and then splitting as the checkpoint loader does;
+    the double-block part also equals diffusers' conversion + fuse."""
+    from safetensors.numpy import save_file
+
+    from vidax.models.hunyuanvideo import dit as hdit
+    from vidax.models.hunyuanvideo import lora as hlora
+    from vidax.weights import lora as vlora
+    from vidax.weights import open_checkpoint
+
+    model, pcls, tcls, cfg, _ = _case("hunyuanvideo")
+    torch.manual_seed(0)
+    tr = perturb(tcls(**cfg), seed=5)
+    path = tmp_path / "base" / "transformer"
+    tr.save_pretrained(path)
+    sd = {k: v.detach().numpy() for k, v in tr.state_dict().items()}
+    hcfg = hdit.HunyuanVideoConfig.from_diffusers(dict(tr.config))
+    orig = hdit.diffusers_to_original_names(hcfg, sd)
+    rng = np.random.default_rng(6)
+    lora, merged_orig, rank, alpha, scale = {}, dict(orig), 4, 2.0, 0.9
+    for name, w in orig.items():
+        if w.ndim != 2 or not name.startswith(("double_blocks.", "single_blocks.", "txt_in.individual",
+                                               "final_layer.adaLN")):
+            continue
+        mod = name.removesuffix(".weight")
+        down = (0.3 * rng.standard_normal((rank, w.shape[1]))).astype(np.float32)
+        up = (0.3 * rng.standard_normal((w.shape[0], rank))).astype(np.float32)
+        lora.update({f"diffusion_model.{mod}.lora_down.weight": down, f"diffusion_model.{mod}.lora_up.weight": up,
+                     f"diffusion_model.{mod}.alpha": np.asarray(alpha, np.float32)})
+        merged_orig[name] = w + scale * alpha / rank * (up @ down)
+    assert any("linear1" in k for k in lora) and any("img_attn_qkv" in k for k in lora)
+    save_file(lora, str(tmp_path / "orig.safetensors"))
+    expected = {k: np.asarray(v) for k, v in hdit.original_to_diffusers(merged_orig, hcfg).items()}
+    target = vlora.Target("dit", path, hlora.table, "HunyuanVideo DiT")
+    with vlora.merging(target, vlora.parse_specs(f"{tmp_path / 'orig.safetensors'}:{scale}")):
+        ours = {k: v.read() for k, v in open_checkpoint(path).items()}
+    assert set(ours) == set(expected)
+    worst = max(float(np.max(np.abs(ours[k] - expected[k])) / max(1e-12, float(np.max(np.abs(expected[k])))))
+                for k in expected)
+    assert worst <= 1e-5, worst
+    assert not np.allclose(ours["single_transformer_blocks.1.proj_mlp.weight"], sd["single_transformer_blocks.1.proj_mlp.weight"])
+    assert not np.allclose(ours["norm_out.linear.weight"], sd["norm_out.linear.weight"])
+
+    # diffusers' own conversion (double blocks; its single-block split assumes the 13B width)
+    dbl = {}
+    for k, v in lora.items():
+        if k.startswith("diffusion_model.double_blocks.") and not k.endswith(".alpha"):
+            dbl[k.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B.")] = v
+    save_file(dbl, str(tmp_path / "dbl.safetensors"))
+    _fuse(pcls, tcls, tmp_path / "base", tmp_path / "dbl.safetensors", scale, tmp_path / "fused")
+    ref = {k: v.read() for k, v in open_checkpoint(tmp_path / "fused").items()}
+    with vlora.merging(target, vlora.parse_specs(f"{tmp_path / 'dbl.safetensors'}:{scale}")):
+        ours = {k: v.read() for k, v in open_checkpoint(path).items()}
+    worst = max(float(np.max(np.abs(ours[k] - ref[k])) / max(1e-12, float(np.max(np.abs(ref[k]))))) for k in ref)
+    assert worst <= 1e-5, worst

@@ -231,7 +231,9 @@ def _few(items, n=4) -> str:
 @dataclass(frozen=True)
 class Target:
     """A checkpoint a LoRA can adapt: ``path`` (what the loader passes to ``open_checkpoint``),
-    ``aliases(names)`` (the family's table: alternative tensor names -> the checkpoint's names)."""
+    ``aliases(shapes)`` (the family's table from the checkpoint's ``{name: shape}``: alternative
+    tensor names -> the checkpoint's names, or for a fused module of another layout a tuple of
+    ``(name, src0, src1, dst0, dst1)`` row ranges, see :class:`Delta`)."""
 
     name: str
     path: Path
@@ -241,11 +243,42 @@ class Target:
 
 @dataclass
 class Delta:
-    """What one LoRA adds to one checkpoint tensor (reference layout)."""
+    """What one LoRA adds to one checkpoint tensor (reference layout): ``kind`` "lowrank"
+    (``factor * up @ down``) or "full" (``factor * tensor``); ``rows``: ``(src0, src1, dst0, dst1)``
+    when the LoRA adapts a fused module of another layout and rows ``src0:src1`` of its update are
+    rows ``dst0:dst1`` of this tensor (None: the whole tensor)."""
 
-    kind: str  # "lowrank" | "full" | "bias_lowrank"
+    kind: str
     tensors: tuple
     factor: float
+    rows: tuple | None = None
+
+
+def _parts(alias) -> list:
+    """An alias table value as ``[(tensor name, (src0, src1, dst0, dst1) | None)]``: a name is the
+    whole tensor; a tuple of ``(name, src0, src1, dst0, dst1)`` splits a fused module's rows."""
+    if isinstance(alias, str):
+        return [(alias, None)]
+    return [(t, (a0, a1, b0, b1)) for t, a0, a1, b0, b1 in alias]
+
+
+def _place(out: dict, alias, shape: tuple, ckpt_shapes: Mapping[str, tuple], delta: Delta) -> str | None:
+    """Add ``delta`` (an update of ``shape``) to ``out`` under ``alias``; a mismatch as text."""
+    parts = _parts(alias)
+    if parts[0][1] is None:
+        name = parts[0][0]
+        if shape != tuple(ckpt_shapes[name]):
+            return f"the model's {name} is {list(ckpt_shapes[name])}"
+        out.setdefault(name, []).append(delta)
+        return None
+    rows = max(r[1] for _, r in parts)
+    for name, (a0, a1, b0, b1) in parts:
+        t = tuple(ckpt_shapes[name])
+        if rows != shape[0] or shape[1:] != t[1:] or b1 > t[0] or a1 - a0 != b1 - b0:
+            return f"the model's {', '.join(n for n, _ in parts)} are {[list(ckpt_shapes[n]) for n, _ in parts]}"
+    for name, r in parts:
+        out.setdefault(name, []).append(Delta(delta.kind, delta.tensors, delta.factor, r))
+    return None
 
 
 def identity_aliases(names: Sequence[str]) -> dict[str, str]:
@@ -283,7 +316,7 @@ def two_layout_aliases(diffusers_map, original_map, is_original: Callable[[Seque
 
 
 def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shapes: Mapping[str, tuple],
-            aliases: Mapping[str, str], what: str, peft: dict | None = None) -> dict[str, list[Delta]]:
+            aliases: Mapping, what: str, peft: dict | None = None) -> dict[str, list[Delta]]:
     """``{checkpoint tensor name: [Delta]}`` for one LoRA file, or :class:`LoraError` naming the
     keys that match no module of the model and the shapes that do not fit."""
     mods = modules(lora, shown)
@@ -328,26 +361,21 @@ def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shape
                 factor = scale * alpha / rank
             elif peft is not None:
                 factor = scale * peft_factor(peft, m.name, rank)
-            else:
-                factor = scale
             full = (up.shape[0],) + tuple(down.shape[1:])
-            if full != tuple(ckpt_shapes[w]):
-                misshaped.append(f"{m.name} (gives {list(full)}, the model's {w} is {list(ckpt_shapes[w])})")
+            bad = _place(out, w, full, ckpt_shapes, Delta("lowrank", (up, down), factor))
+            if bad:
+                misshaped.append(f"{m.name} (gives {list(full)}, {bad})")
                 continue
-            out.setdefault(w, []).append(Delta("lowrank", (up, down), factor))
             if "up_bias" in p:
-                if tuple(p["up_bias"].shape) != tuple(ckpt_shapes[b]):
-                    misshaped.append(f"{m.name}.lora_B.bias ({list(p['up_bias'].shape)}, the model's {b} is "
-                                     f"{list(ckpt_shapes[b])})")
+                bad = _place(out, b, tuple(p["up_bias"].shape), ckpt_shapes, Delta("full", (p["up_bias"],), factor))
+                if bad:
+                    misshaped.append(f"{m.name}.lora_B.bias ({list(p['up_bias'].shape)}, {bad})")
                     continue
-                out.setdefault(b, []).append(Delta("full", (p["up_bias"],), factor))
         for role, tgt in (("diff", w), ("diff_b", b)):
             if role in p:
-                if tuple(p[role].shape) != tuple(ckpt_shapes[tgt]):
-                    misshaped.append(f"{m.name}.{role} ({list(p[role].shape)}, the model's {tgt} is "
-                                     f"{list(ckpt_shapes[tgt])})")
-                    continue
-                out.setdefault(tgt, []).append(Delta("full", (p[role],), scale))
+                bad = _place(out, tgt, tuple(p[role].shape), ckpt_shapes, Delta("full", (p[role],), scale))
+                if bad:
+                    misshaped.append(f"{m.name}.{role} ({list(p[role].shape)}, {bad})")
     problems = []
     if unmatched:
         problems.append(f"{len(unmatched)} key(s) match no module of {what}: {_few(unmatched)}")
@@ -367,7 +395,7 @@ def plan(specs: Sequence[LoraSpec], target: Target, ckpt: Mapping[str, LazyTenso
 
     ckpt = ckpt if ckpt is not None else open_checkpoint(target.path)
     shapes = {n: tuple(t.shape) for n, t in ckpt.items()}
-    aliases = target.aliases(list(shapes))
+    aliases = target.aliases(shapes)  # name -> shape (iterates as the names)
     out: dict[str, list[Delta]] = {}
     for spec in specs:
         path = local_file(spec)
@@ -378,12 +406,16 @@ def plan(specs: Sequence[LoraSpec], target: Target, ckpt: Mapping[str, LazyTenso
     return out
 
 
-def delta_array(d: Delta, shape: tuple) -> np.ndarray:
+def add_delta(w: np.ndarray, d: Delta) -> None:
+    """``w += d`` in place (float32; ``d.rows``: only those rows)."""
+    a0, a1, b0, b1 = d.rows if d.rows is not None else (0, w.shape[0], 0, w.shape[0])
     if d.kind == "lowrank":
         up, down = (np.asarray(t.read(), np.float32) for t in d.tensors)
         r = down.shape[0]
-        return (d.factor * (up.reshape(up.shape[0], r) @ down.reshape(r, -1))).reshape(shape)
-    return d.factor * np.asarray(d.tensors[0].read(), np.float32).reshape(shape)
+        upd = up.reshape(up.shape[0], r)[a0:a1] @ down.reshape(r, -1)
+    else:
+        upd = np.asarray(d.tensors[0].read(), np.float32)[a0:a1]
+    w[b0:b1] += (d.factor * upd).reshape((b1 - b0,) + w.shape[1:])
 
 
 def merged(ckpt: Checkpoint, deltas: Mapping[str, list[Delta]]) -> Checkpoint:
@@ -395,7 +427,7 @@ def merged(ckpt: Checkpoint, deltas: Mapping[str, list[Delta]]) -> Checkpoint:
         def read(base=base, ds=ds):
             w = np.array(base.read(), np.float32)
             for d in ds:
-                w += delta_array(d, w.shape)
+                add_delta(w, d)
             return w
 
         tensors[name] = LazyTensor(name, tuple(base.shape), np.dtype(np.float32), read)
