@@ -266,13 +266,17 @@ def _check_loras(r: Request, pipe, plan: bool) -> Request:
         return dataclasses.replace(r, lora=None)
     if not r.checkpoint:
         raise RequestError("lora", "LoRAs adapt real weights: give --checkpoint (a preset's weights are random)")
-    if pipe.preset is None and pipe._folder is None:  # a remote checkpoint not fetched yet: checked at load
-        return dataclasses.replace(r, lora=[str(s) for s in specs])
-    targets = pipe.lora_targets()
-    if not targets:
+    from vidax.pipeline import Pipeline
+
+    if type(pipe).lora_targets is Pipeline.lora_targets:
         raise RequestError("lora", f"{r.model}: LoRAs are not supported for this model family yet")
+    remote = pipe.preset is None and pipe._folder is None  # a remote checkpoint not fetched yet
+    targets = {} if remote else pipe.lora_targets()
     try:
-        if not plan:
+        if remote:  # the files themselves now; their keys against the weights' headers when fetched
+            for s in specs:
+                vlora.modules(vlora.read_file(vlora.local_file(s), s.path), s.path)
+        elif not plan:
             vlora.check(specs, targets)
     except vlora.LoraError as e:
         raise RequestError("lora", str(e)) from None

@@ -466,3 +466,17 @@ def test_prompt_file_lines_take_lora(wan_folder, bad_loras, tmp_path):
     assert lines[1].request.lora == [f"{good}:0.5", f"{good}:1"]
     assert lines[2].request is None and "lora:" in lines[2].error and "truncated.safetensors" in lines[2].error
     assert lines[3].request.lora is None
+
+
+def test_families_without_lora_support_refuse(tmp_path, bad_loras):
+    """A family whose pipeline has no LoRA targets says so (never a LoRA silently dropped)."""
+    from stages.request import Request, RequestError, _check_loras
+    from vidax.pipeline import Pipeline
+
+    class NoLora(Pipeline):
+        preset, _folder = None, tmp_path
+
+    req = Request(model="wan2.1-t2v-1.3b", checkpoint=str(tmp_path), prompt="x",
+                  lora=str(bad_loras / "good.safetensors"))
+    with pytest.raises(RequestError, match="not supported for this model family"):
+        _check_loras(req, NoLora(), False)
