@@ -480,3 +480,24 @@ def test_families_without_lora_support_refuse(tmp_path, bad_loras):
                   lora=str(bad_loras / "good.safetensors"))
     with pytest.raises(RequestError, match="not supported for this model family"):
         _check_loras(req, NoLora(), False)
+
+
+@pytest.mark.parametrize("scale_kw", [dict(mesh="tp=2"), dict(offload_chunk_size=1)], ids=["tp", "offload"])
+def test_merged_weights_are_placed_as_any(wan_folder, tmp_path, scale_kw):
+    """Tensor-parallel placement and offloading take the merged weights as they take a checkpoint's:
+    the runner holds the diffusers-fused folder's weights."""
+    import jax
+
+    from vidax.models.wan.pipeline import WanT2V
+    from vidax.weights.lora import parse_specs
+
+    lora = _save(make_lora("kohya", seed=61), tmp_path / "k.safetensors")
+    fused_transformer(wan_folder, lora, 0.8, dst=tmp_path / "fused")
+    ours = WanT2V(wan_folder, **scale_kw)
+    ours.loras = tuple(parse_specs(f"{lora}:0.8"))
+    a, _ = ours.load_dit()
+    b, _ = WanT2V(tmp_path / "fused", **scale_kw).load_dit()
+    la, lb = (jax.tree.leaves((r.rest, r.blocks)) for r in (a, b))  # placed (tp) or host-streamed (offload)
+    assert len(la) == len(lb) and len(la) > 10
+    worst = max(_rel(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+    assert worst <= 1e-5, worst
