@@ -284,6 +284,10 @@ def _check_loras(r: Request, pipe, plan: bool) -> Request:
         raise RequestError("lora", f"{e}") from None
     except Exception as e:  # noqa: BLE001 - an unreachable URL, a damaged checkpoint header
         raise RequestError("lora", f"cannot read {', '.join(s.path for s in specs)} ({type(e).__name__}: {e})") from None
+    from vidax.weights.source import is_url, local_path
+
+    # a local file by its absolute path: a stage run later from another folder finds it
+    specs = [s if is_url(s.path) else dataclasses.replace(s, path=str(local_path(s.path).resolve())) for s in specs]
     pipe.loras = tuple(specs)
     return dataclasses.replace(r, lora=[str(s) for s in specs])
 

@@ -316,6 +316,7 @@ def test_spec_parsing():
     assert parse_spec("gs://b/x.safetensors") == LoraSpec("gs://b/x.safetensors", 1.0, None)
     assert parse_spec("low=gs://b/x.safetensors:-1") == LoraSpec("gs://b/x.safetensors", -1.0, "low")
     assert str(parse_spec("low=gs://b/x.safetensors:2")) == "low=gs://b/x.safetensors:2"
+    assert parse_spec(str(parse_spec("a:0.123456789012"))).scale == 0.123456789012  # the canonical text is exact
     assert parse_specs(None) == [] and len(parse_specs(["a:1", "b:2"])) == 2
     for bad in ("", ":1", "a:inf", 3):
         with pytest.raises(LoraError):
@@ -501,3 +502,12 @@ def test_merged_weights_are_placed_as_any(wan_folder, tmp_path, scale_kw):
     assert len(la) == len(lb) and len(la) > 10
     worst = max(_rel(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
     assert worst <= 1e-5, worst
+
+
+def test_relative_lora_paths_are_stored_absolute(wan_folder, bad_loras, monkeypatch):
+    from stages.request import Request, validate
+
+    monkeypatch.chdir(bad_loras)
+    req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(wan_folder), prompt="a red kite", height=32,
+                           width=32, num_frames=5, steps=1, lora="good.safetensors:0.25"))
+    assert req.lora == [f"{bad_loras / 'good.safetensors'}:0.25"]

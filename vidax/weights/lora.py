@@ -65,7 +65,9 @@ class LoraSpec:
     target: str | None = None
 
     def __str__(self) -> str:
-        return (f"{self.target}=" if self.target else "") + f"{self.path}:{self.scale:g}"
+        short = f"{self.scale:g}"
+        scale = short if float(short) == self.scale else repr(float(self.scale))  # exact, short when it can be
+        return (f"{self.target}=" if self.target else "") + f"{self.path}:{scale}"
 
 
 _TARGET_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.+)$")
