@@ -278,6 +278,17 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A store folder with content (the LoRA checks fail before the store is opened: what matters is
+    that nothing in it changes; the suite's seeded store costs a whole tiny run to build)."""
+    d = tmp_path_factory.mktemp("lora_store")
+    (d / "runs" / "earlier").mkdir(parents=True)
+    (d / "runs" / "earlier" / "request.json").write_text(json.dumps({"prompt": "an earlier run"}))
+    (d / "runs" / "earlier" / "manifest.json").write_text(json.dumps({"stages": []}))
+    return d
+
+
 @pytest.mark.parametrize("spec,texts", BAD, ids=[b[0] for b in BAD])
 def test_bad_loras_exit_2_naming_file_and_keys(wan_folder, bad_loras, store, capsys, spec, texts):
     from stages import cli
