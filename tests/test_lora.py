@@ -148,7 +148,8 @@ def _generate(store, checkpoint, lora=None, **over):
     from stages import cli
     from stages.store import RunStore, read_array
 
-    args = ["generate", "--model", "wan2.1-t2v-1.3b", "--checkpoint", str(checkpoint), "--prompt", "a red kite",
+    args = ["generate", "--model", over.pop("model", "wan2.1-t2v-1.3b"), "--checkpoint", str(checkpoint),
+            "--prompt", "a red kite",
             "--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--guidance", "3",
             "--scheduler", "unipc", "--shift", "3", "--decode-stages", "1", "--run-id", "r", "--store", str(store)]
     for k, v in over.items():
@@ -522,3 +523,47 @@ def test_relative_lora_paths_are_stored_absolute(wan_folder, bad_loras, monkeypa
     req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(wan_folder), prompt="a red kite", height=32,
                            width=32, num_frames=5, steps=1, lora="good.safetensors:0.25"))
     assert req.lora == [f"{bad_loras / 'good.safetensors'}:0.25"]
+
+
+def test_a14b_end_to_end_high_and_low_loras(wan_folder, tmp_path):
+    """Wan2.2 A14B through the stages: an unnamed LoRA on both experts, ``high=`` on the first,
+    ``low=`` on the second; the latents equal the run on the folder whose two transformers
+    diffusers fused the same way (both experts run: one step each side of the boundary)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    base = tmp_path / "a14b"
+    shutil.copytree(wan_folder, base)
+    torch.manual_seed(1)
+    perturb(WanTransformer3DModel(**DIT), seed=71).save_pretrained(base / "transformer_2")
+    index = json.loads((base / "model_index.json").read_text())
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (base / "model_index.json").write_text(json.dumps(index))
+    both = _save(make_lora("kohya", seed=72), tmp_path / "both.safetensors")
+    high = _save(make_lora("peft", seed=73), tmp_path / "high.safetensors")
+    low = _save(make_lora("musubi", seed=74), tmp_path / "low.safetensors")
+
+    t1 = WanTransformer3DModel.from_pretrained(base / "transformer")
+    t2 = WanTransformer3DModel.from_pretrained(base / "transformer_2")
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=t1, transformer_2=t2, vae=None, scheduler=None)
+    for path, scale, comps in ((both, 0.6, ("transformer", "transformer_2")), (high, 0.9, ("transformer",)),
+                               (low, 1.2, ("transformer_2",))):
+        for c in comps:
+            pipe.load_lora_weights(str(path), adapter_name=f"{path.stem}_{c}", load_into_transformer_2=c != "transformer")
+        pipe.fuse_lora(components=list(comps), lora_scale=scale)
+        pipe.unload_lora_weights()
+    fused = tmp_path / "fused"
+    shutil.copytree(base, fused)
+    for c, t in (("transformer", t1), ("transformer_2", t2)):
+        shutil.rmtree(fused / c)
+        t.save_pretrained(fused / c)
+
+    from vidax.models.wan.pipeline import WanT2V
+
+    vx = WanT2V(base)
+    assert [e for e, _, _ in vx.expert_segments(vx.scheduler(2, "unipc", 3.0))] == [1, 2]  # both experts run
+    over = {"model": "wan2.2-t2v-a14b"}
+    ours = _generate(tmp_path / "s1", base, [f"{both}:0.6", f"high={high}:0.9", f"low={low}:1.2"], **over)
+    ref = _generate(tmp_path / "s2", fused, **over)
+    assert _rel(ours, ref) <= 1e-5, f"latents differ: {_rel(ours, ref):.2e}"
+    swapped = _generate(tmp_path / "s3", base, [f"{both}:0.6", f"low={high}:0.9", f"high={low}:1.2"], **over)
+    assert _rel(swapped, ref) > 1e-4  # the experts' LoRAs are not interchangeable
