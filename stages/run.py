@@ -155,10 +155,14 @@ def _fingerprints(pipe: Pipeline, kind: str, req: Request) -> dict:
     if kind == "encode" and req.image is not None:
         comps += list(pipe.COMPONENTS.get("image", ()))
     out = {c: pipe.fingerprint(c) for c in comps}
-    if kind == "sample" and req.lora:  # LoRAs change the DiT's weights: their content and scale enter
-        from vidax.weights import lora
+    if req.lora and kind in ("encode", "sample"):  # a LoRA's content and scale enter the key of each
+        from vidax.weights import lora                # stage whose weights it changes (DiT: sample)
 
-        out["lora"] = [lora.fingerprint(s) for s in lora.parse_specs(req.lora)]
+        targets = pipe.lora_targets()
+        specs = [s for s in lora.parse_specs(req.lora)
+                 if kind in (lora.stages_touched(s, targets) if targets else {"sample"})]
+        if specs:
+            out["lora"] = [lora.fingerprint(s) for s in specs]
     return out
 
 

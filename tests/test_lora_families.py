@@ -97,7 +97,7 @@ def test_family_lora_matches_diffusers_fuse(family, tmp_path):
 
     pipe = _build(model, folder)
     targets = pipe.lora_targets()
-    assert list(targets) == ["dit"]
+    assert list(targets)[0] == "dit" and len(targets) == (2 if family == "ltx2" else 1)  # + LTX-2's connectors
     pipe.loras = tuple(parse_specs([f"{lora}:0.7"]))
     check(pipe.loras, targets)
     ours, ref, plain = _host_dit(pipe), _host_dit(_build(model, fused)), _host_dit(_build(model, folder))
@@ -207,3 +207,69 @@ def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
         ours = {k: v.read() for k, v in open_checkpoint(path).items()}
     worst = max(float(np.max(np.abs(ours[k] - ref[k])) / max(1e-12, float(np.max(np.abs(ref[k]))))) for k in ref)
     assert worst <= 1e-5, worst
+
+
+def test_ltx2_lora_with_connector_keys(tmp_path):
+    """An LTX-2 LoRA that also adapts the text connectors (``text_embedding_projection.`` in the
+    ComfyUI layout): the connectors take those keys (as diffusers' loader splits them), the DiT the
+    rest; both equal diffusers' fused modules, and such a LoRA enters the encode stage's key."""
+    import jax
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from safetensors.numpy import save_file
+
+    from stages import run as R
+    from stages.request import Request
+    from tests.test_ltx2_pipeline import CONN, DIT
+    from vidax.weights.lora import parse_specs
+
+    torch.manual_seed(0)
+    tr, conn = perturb(LTX2VideoTransformer3DModel(**DIT), seed=7), perturb(LTX2TextConnectors(**CONN), seed=8)
+    base = tmp_path / "base"
+    tr.save_pretrained(base / "transformer")
+    conn.save_pretrained(base / "connectors")
+    (base / "model_index.json").write_text(json.dumps({"_class_name": "LTX2Pipeline"}))
+    sd = _peft_lora(tr, seed=9, prefix="diffusion_model.", rename=lambda n: n.replace("norm_q", "q_norm"))
+    rng = np.random.default_rng(10)
+    n_conn = 0
+    for n, m in conn.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            name = n.replace("text_proj_in", "aggregate_embed")
+            sd[f"text_embedding_projection.{name}.lora_A.weight"] = (0.3 * rng.standard_normal((4, m.in_features))).astype(np.float32)
+            sd[f"text_embedding_projection.{name}.lora_B.weight"] = (0.3 * rng.standard_normal((m.out_features, 4))).astype(np.float32)
+            n_conn += 1
+    assert n_conn >= 3
+    lora = tmp_path / "av.safetensors"
+    save_file(sd, str(lora))
+    dit_only = tmp_path / "dit.safetensors"
+    save_file({k: v for k, v in sd.items() if k.startswith("diffusion_model.")}, str(dit_only))
+
+    pipe = LTX2Pipeline(scheduler=None, vae=None, audio_vae=None, text_encoder=None, tokenizer=None, connectors=conn,
+                        transformer=tr, vocoder=None)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora(components=["transformer", "connectors"], lora_scale=0.8)
+    pipe.unload_lora_weights()
+    fused = tmp_path / "fused"
+    tr.save_pretrained(fused / "transformer")
+    conn.save_pretrained(fused / "connectors")
+    (fused / "model_index.json").write_text(json.dumps({"_class_name": "LTX2Pipeline"}))
+
+    ours = _build("ltx2-t2v", base)
+    assert sorted(ours.lora_targets()) == ["connectors", "dit"]
+    ours.loras = tuple(parse_specs(f"{lora}:0.8"))
+    ref = _build("ltx2-t2v", fused)
+    for get in (lambda p: p.load_dit()[0], lambda p: p.load_connectors().state):
+        a = [np.asarray(x) for x in jax.tree.leaves(get(ours))]
+        b = [np.asarray(x) for x in jax.tree.leaves(get(ref))]
+        assert len(a) == len(b) > 4
+        worst = max(float(np.max(np.abs(x - y)) / max(1e-12, float(np.max(np.abs(y))))) for x, y in zip(a, b) if y.size)
+        assert worst <= 1e-5, worst
+
+    def keys(spec):  # what enters each stage's key for its weights (the folder has no VAE for the rest)
+        req = Request(model="ltx2-t2v", checkpoint=str(base), prompt="x", lora=spec)
+        pipe = R.make_pipeline(req)
+        return {k: R._fingerprints(pipe, k, req) for k in ("encode", "sample")}
+
+    plain, av, dit = keys(None), keys(f"{lora}:0.8"), keys(f"{dit_only}:0.8")
+    assert av["encode"] != plain["encode"] and av["sample"] != plain["sample"]
+    assert dit["encode"] == plain["encode"] and dit["sample"] != plain["sample"]

@@ -345,7 +345,8 @@ class Pipeline:
         from vidax.weights import lora
 
         targets = self.lora_targets()
-        return lora.merging(targets[name], lora.for_target(self.loras, name, targets))
+        specs = lora.for_target(self.loras, name, targets)
+        return lora.merging(targets[name], specs, [targets[n] for n in targets])
 
     @property
     def folder(self):

@@ -241,6 +241,12 @@ class Target:
     path: Path
     aliases: Callable[[Sequence[str]], dict[str, str]]
     what: str
+    #: module-name prefixes this target takes (stripped before its alias table): a LoRA's modules
+    #: under them go here only; modules under no target's claims go to the targets without claims
+    #: (a model's components split a LoRA, its experts each take it whole)
+    claims: tuple = ()
+    #: the stage kind whose key the LoRAs of this target enter
+    stage: str = "sample"
 
 
 @dataclass
@@ -317,11 +323,28 @@ def two_layout_aliases(diffusers_map, original_map, is_original: Callable[[Seque
     return table
 
 
-def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shapes: Mapping[str, tuple],
+def claimed(mods: Mapping[str, Module], target: Target, targets: Sequence[Target] = ()) -> dict[str, Module]:
+    """The modules of a LoRA that go to ``target`` (claim prefixes stripped), ``targets`` being
+    all the model's targets the LoRA applies to."""
+    out = {}
+    others = [c for t in targets for c in t.claims]
+    for name, m in mods.items():
+        if target.claims:
+            pre = next((c for c in target.claims if name.startswith(c)), None)
+            if pre is not None:
+                out[name[len(pre):]] = Module(name[len(pre):], m.flat, m.parts, m.keys)
+        elif not any(name.startswith(c) for c in others):
+            out[name] = m
+    return out
+
+
+def resolve(lora, shown: str, scale: float, ckpt_shapes: Mapping[str, tuple],
             aliases: Mapping, what: str, peft: dict | None = None) -> dict[str, list[Delta]]:
-    """``{checkpoint tensor name: [Delta]}`` for one LoRA file, or :class:`LoraError` naming the
-    keys that match no module of the model and the shapes that do not fit."""
-    mods = modules(lora, shown)
+    """``{checkpoint tensor name: [Delta]}`` for one LoRA file (its tensors, or its modules already
+    grouped), or :class:`LoraError` naming the keys that match no module of the model and the
+    shapes that do not fit."""
+    first = next(iter(lora.values()), None)
+    mods = lora if isinstance(first, Module) else modules(lora, shown)
     flat_index: dict[str, str | None] = {}
     for a in aliases:
         for suf in (".weight", ".bias"):
@@ -390,22 +413,34 @@ def resolve(lora: Mapping[str, LazyTensor], shown: str, scale: float, ckpt_shape
     return out
 
 
-def plan(specs: Sequence[LoraSpec], target: Target, ckpt: Mapping[str, LazyTensor] | None = None
-         ) -> dict[str, list[Delta]]:
-    """Every delta that ``specs`` add to ``target``'s tensors (headers read; data read at merge)."""
+def plan(specs: Sequence[LoraSpec], target: Target, ckpt: Mapping[str, LazyTensor] | None = None,
+         targets: Sequence[Target] = ()) -> dict[str, list[Delta]]:
+    """Every delta that ``specs`` add to ``target``'s tensors (headers read; data read at merge);
+    ``targets``: every target of the model (which modules other targets claim)."""
     from .io import open_checkpoint
 
-    ckpt = ckpt if ckpt is not None else open_checkpoint(target.path)
-    shapes = {n: tuple(t.shape) for n, t in ckpt.items()}
-    aliases = target.aliases(shapes)  # name -> shape (iterates as the names)
     out: dict[str, list[Delta]] = {}
+    shapes = aliases = None
     for spec in specs:
         path = local_file(spec)
-        tensors = read_file(path, spec.path)
+        mods = claimed(modules(read_file(path, spec.path), spec.path), target, targets)
+        if not mods:
+            continue  # nothing of this LoRA goes to this target: its checkpoint is not opened
+        if shapes is None:
+            ckpt = ckpt if ckpt is not None else open_checkpoint(target.path)
+            shapes = {n: tuple(t.shape) for n, t in ckpt.items()}
+            aliases = target.aliases(shapes)  # name -> shape (iterates as the names)
         peft = peft_config(path, spec.path)
-        for name, ds in resolve(tensors, spec.path, spec.scale, shapes, aliases, target.what, peft).items():
+        for name, ds in resolve(mods, spec.path, spec.scale, shapes, aliases, target.what, peft).items():
             out.setdefault(name, []).extend(ds)
     return out
+
+
+def stages_touched(spec: LoraSpec, targets: Mapping[str, Target]) -> set[str]:
+    """The stage kinds whose weights ``spec`` changes (headers read)."""
+    mods = modules(read_file(local_file(spec), spec.path), spec.path)
+    names = applies_to(spec, targets)
+    return {targets[t].stage for t in names if claimed(mods, targets[t], [targets[n] for n in names])}
 
 
 def add_delta(w: np.ndarray, d: Delta) -> None:
@@ -442,6 +477,7 @@ class _Active:
     path: Path
     specs: tuple
     target: Target
+    targets: tuple = ()
     used: int = 0
 
 
@@ -455,7 +491,7 @@ def _key(p) -> Path:
 
 
 @contextlib.contextmanager
-def merging(target: Target, specs: Sequence[LoraSpec]):
+def merging(target: Target, specs: Sequence[LoraSpec], targets: Sequence[Target] = ()):
     """Inside this block, ``open_checkpoint(target.path)`` returns the checkpoint with ``specs``
     merged. Raises on exit if the loader never opened ``target.path`` (a loader that reads its
     weights another way would silently drop the LoRA)."""
@@ -463,7 +499,7 @@ def merging(target: Target, specs: Sequence[LoraSpec]):
     if not specs:
         yield
         return
-    act = _Active(_key(target.path), specs, target)
+    act = _Active(_key(target.path), specs, target, tuple(targets))
     token = _ACTIVE.set(_ACTIVE.get() + (act,))
     try:
         yield
@@ -482,7 +518,7 @@ def apply_active(ckpt: Checkpoint, path) -> Checkpoint:
     for act in active:
         if act.path == k:
             act.used += 1
-            return merged(ckpt, plan(act.specs, act.target, ckpt))
+            return merged(ckpt, plan(act.specs, act.target, ckpt, act.targets))
     return ckpt
 
 
@@ -495,8 +531,9 @@ def check(specs: Sequence[LoraSpec], targets: Mapping[str, Target]) -> None:
             raise LoraError(f"{spec}: this model has no DiT {spec.target!r}; "
                             + (f"its targets: {', '.join(names)} (or none: all)" if len(names) > 1
                                else "name no target (one DiT)"))
-        for t in applies_to(spec, targets):
-            plan([spec], targets[t])
+        names = applies_to(spec, targets)
+        for t in names:
+            plan([spec], targets[t], targets=[targets[n] for n in names])
 
 
 def applies_to(spec: LoraSpec, targets: Mapping[str, Target]) -> list[str]:

@@ -813,12 +813,16 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
     def load_connectors(self):
         if self.preset:
             return lconn.init(self.preset.connectors, seed=self.preset.seed + 5)
-        return lconn.load(self.folder / "connectors")
+        with self.lora_merging("connectors"):  # a LoRA's connector keys, merged in float32
+            return lconn.load(self.folder / "connectors")
 
     def lora_targets(self) -> dict:
         from vidax.models.ltx import lora as llora
 
-        return self.transformer_lora_targets(llora.aliases2(self.dit_config()), "this LTX-2 DiT (transformer)")
+        out = self.transformer_lora_targets(llora.aliases2(self.dit_config()), "this LTX-2 DiT (transformer)")
+        if out:  # the text connectors (encode stage) take a LoRA's connector keys, as diffusers' loader does
+            out["connectors"] = llora.connectors_target(self.folder / "connectors")
+        return out
 
     def load_dit(self):
         cfg = self.dit_config()
