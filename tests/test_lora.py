@@ -567,3 +567,25 @@ def test_a14b_end_to_end_high_and_low_loras(wan_folder, tmp_path):
     assert _rel(ours, ref) <= 1e-5, f"latents differ: {_rel(ours, ref):.2e}"
     swapped = _generate(tmp_path / "s3", base, [f"{both}:0.6", f"low={high}:0.9", f"high={low}:1.2"], **over)
     assert _rel(swapped, ref) > 1e-4  # the experts' LoRAs are not interchangeable
+
+
+def test_full_diffs_on_norms_head_and_conv(wan_folder, tmp_path):
+    """LyCORIS full deltas as the distillation LoRAs carry them (``head.head.diff``, norm ``.diff``,
+    a conv ``.diff``, ``.diff_b``): ``W + scale * diff`` on the tensor the original name maps to."""
+    rng = np.random.default_rng(81)
+    base, _ = _vidax_dit(wan_folder, [])
+    diffs = {"head.head": "proj_out", "blocks.1.norm3": "blocks.1.norm2", "patch_embedding": "patch_embedding",
+             "blocks.0.self_attn.norm_q": "blocks.0.attn1.norm_q"}
+    sd, want = {}, {}
+    for orig, dif in diffs.items():
+        w = base[f"{dif}.weight"]
+        sd[f"diffusion_model.{orig}.diff"] = rng.standard_normal(w.shape).astype(np.float32)
+        want[f"{dif}.weight"] = w + 0.5 * sd[f"diffusion_model.{orig}.diff"]
+        if f"{dif}.bias" in base:
+            sd[f"diffusion_model.{orig}.diff_b"] = rng.standard_normal(base[f"{dif}.bias"].shape).astype(np.float32)
+            want[f"{dif}.bias"] = base[f"{dif}.bias"] + 0.5 * sd[f"diffusion_model.{orig}.diff_b"]
+    path = _save(sd, tmp_path / "diffs.safetensors")
+    merged, _ = _vidax_dit(wan_folder, [f"{path}:0.5"])
+    assert len(want) >= 6
+    for k in merged:
+        np.testing.assert_allclose(merged[k], want.get(k, base[k]), rtol=1e-6, atol=1e-6, err_msg=k)

@@ -193,6 +193,14 @@ def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
                 for k in expected)
     assert worst <= 1e-5, worst
     assert not np.allclose(ours["single_transformer_blocks.1.proj_mlp.weight"], sd["single_transformer_blocks.1.proj_mlp.weight"])
+    # musubi-tuner / kohya write the same modules flattened: lora_unet_double_blocks_0_img_attn_qkv
+    flat = {"lora_unet_" + k.removeprefix("diffusion_model.").rsplit(".", 1 if k.endswith(".alpha") else 2)[0]
+            .replace(".", "_") + k[len(k.rsplit(".", 1 if k.endswith(".alpha") else 2)[0]):]: v for k, v in lora.items()}
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in flat
+    save_file(flat, str(tmp_path / "flat.safetensors"))
+    with vlora.merging(target, vlora.parse_specs(f"{tmp_path / 'flat.safetensors'}:{scale}")):
+        ours_flat = {k: v.read() for k, v in open_checkpoint(path).items()}
+    assert all(np.array_equal(ours_flat[k], ours[k]) for k in ours)
     assert not np.allclose(ours["norm_out.linear.weight"], sd["norm_out.linear.weight"])
 
     # diffusers' own conversion (double blocks; its single-block split assumes the 13B width)
