@@ -15,12 +15,16 @@ checkpoint also answers to the original release's names, and the other way round
 
 Merge, per target tensor ``W`` (its reference layout, in float32, before any cast or placement)::
 
-    W + scale * (alpha / rank) * up @ down          (alpha = rank when the file has none)
+    W + scale * (alpha / rank) * up @ down          (alpha: the file's ``.alpha``, else its PEFT
+                                                     ``lora_adapter_metadata``, else rank)
     b + scale * diff_b,  W + scale * diff           (and b + scale * (alpha / rank) * lora_B.bias)
 
-Several LoRAs add. The merge hooks into :func:`vidax.weights.open_checkpoint`: inside
-``with merging(path, adapters):`` the checkpoint opened at ``path`` reads merged tensors, so every
-family's loader, key map, cast and sharded placement stay as they are.
+A fused module of one layout (HunyuanVideo's ``img_attn_qkv``) adapts row ranges of the separate
+tensors of the other (:class:`Delta` ``rows``). Several LoRAs add. A model's :class:`Target` s are
+its experts (each takes a LoRA whole) or components claiming module prefixes (LTX-2's connectors).
+The merge hooks into :func:`vidax.weights.open_checkpoint`: inside ``with merging(target,
+specs):`` the checkpoint opened at ``target.path`` reads merged tensors, so every family's loader,
+key map, cast and sharded placement stay as they are.
 """
 from __future__ import annotations
 
