@@ -107,6 +107,9 @@ def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
     g.add_argument("--mesh", help="device mesh for the DiT, e.g. dp=1,tp=4,sp=2, or auto (default: one device)")
     g.add_argument("--offload-chunk-size", help="stream the DiT blocks from host memory, N blocks at a time (or all; "
                                                         "per block stack: double=4,single=8)")
+    g.add_argument("--lora", action="append", metavar="[high=|low=]FILE[:SCALE]",
+                   help="a LoRA merged into the DiT at load (safetensors: diffusers/PEFT, ComfyUI/kohya, musubi, "
+                        "AI-Toolkit, LyCORIS diff); repeatable; Wan2.2 A14B: high= / low= for one expert")
     g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
     recipe = registry.MODELS.get(model or registry.default_model())
     if recipe is not None and recipe.options:
@@ -132,7 +135,7 @@ def _request_from_args(a) -> Request:
                    checkpoint=a.checkpoint, seed=a.seed, height=a.height, width=a.width, num_frames=a.frames,
                    steps=a.steps, guidance=a.guidance, fps=a.fps, decode_stages=a.decode_stages,
                    checkpoint_every=a.checkpoint_every, dtype=a.dtype, mesh=a.mesh,
-                   offload_chunk_size=a.offload_chunk_size, image=a.image, options=options)
+                   offload_chunk_size=a.offload_chunk_size, image=a.image, lora=a.lora, options=options)
 
 
 def _describe(req: Request) -> str:

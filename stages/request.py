@@ -55,6 +55,7 @@ class Request:
     image: str | None = None  # conditioning image (path or fsspec URL) for image-to-video models
     mesh: str | None = None  # e.g. "dp=2,tp=2,sp=2", "auto" (the recipe's default for the devices), None: one device
     offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
+    lora: str | list[str] | None = None  # LoRA adapters: "[high=|low=]FILE[:SCALE]", one or a list
     options: dict = field(default_factory=dict)  # the model family's declared options (see the recipe)
 
     # ---------------------------------------------------------------- derived
@@ -141,6 +142,12 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
         if name not in declared:
             raise RequestError(name, f"{req.model} has no option {name!r}; its options: "
                                      f"{', '.join(sorted(declared)) or 'none'}")
+    from vidax.weights.lora import LoraError, parse_specs
+
+    try:
+        parse_specs(req.lora)
+    except LoraError as e:
+        raise RequestError("lora", str(e)) from None
     prompts = req.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         got = next((p for p in prompts if not isinstance(p, str)), None) if prompts else None
@@ -227,6 +234,7 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
     if r.dtype not in ("float32", "bfloat16"):
         raise RequestError("dtype", f"{r.dtype!r}: choose float32 or bfloat16")
     _check_mesh(r.mesh, geo)
+    r = _check_loras(r, pipe, plan)
     try:
         if not plan:
             pipe.check(r)
@@ -242,6 +250,46 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
         if v != "all" and not per_stack:
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
+
+
+def _check_loras(r: Request, pipe, plan: bool) -> Request:
+    """Every LoRA parsed, readable (safetensors only), matching modules of this model with fitting
+    shapes -- checked on the tensor headers before anything runs; the request keeps the canonical
+    ``[TARGET=]FILE:SCALE`` strings."""
+    from vidax.weights import lora as vlora
+
+    try:
+        specs = vlora.parse_specs(r.lora)
+    except vlora.LoraError as e:
+        raise RequestError("lora", str(e)) from None
+    if not specs:
+        return dataclasses.replace(r, lora=None)
+    if not r.checkpoint:
+        raise RequestError("lora", "LoRAs adapt real weights: give --checkpoint (a preset's weights are random)")
+    from vidax.pipeline import Pipeline
+
+    if type(pipe).lora_targets is Pipeline.lora_targets:
+        raise RequestError("lora", f"{r.model}: LoRAs are not supported for this model family yet")
+    remote = pipe.preset is None and pipe._folder is None  # a remote checkpoint not fetched yet
+    targets = {} if remote else pipe.lora_targets()
+    try:
+        if remote:  # the files themselves now; their keys against the weights' headers when fetched
+            for s in specs:
+                vlora.modules(vlora.read_file(vlora.local_file(s), s.path), s.path)
+        elif not plan:
+            vlora.check(specs, targets)
+    except vlora.LoraError as e:
+        raise RequestError("lora", str(e)) from None
+    except FileNotFoundError as e:
+        raise RequestError("lora", f"{e}") from None
+    except Exception as e:  # noqa: BLE001 - an unreachable URL, a damaged checkpoint header
+        raise RequestError("lora", f"cannot read {', '.join(s.path for s in specs)} ({type(e).__name__}: {e})") from None
+    from vidax.weights.source import is_url, local_path
+
+    # a local file by its absolute path: a stage run later from another folder finds it
+    specs = [s if is_url(s.path) else dataclasses.replace(s, path=str(local_path(s.path).resolve())) for s in specs]
+    pipe.loras = tuple(specs)
+    return dataclasses.replace(r, lora=[str(s) for s in specs])
 
 
 def _check_mesh(mesh, geo) -> None:
@@ -283,7 +331,12 @@ def build_pipeline(req: Request, mesh="request"):
             mesh = recipe.default_mesh(jax.device_count(), geo.num_heads,
                                        geo.tokens(req.height, req.width, req.num_frames), cfg_parallel)
         kw["mesh"] = mesh
-    return recipe.build(req.preset, req.checkpoint, has_image, **kw)
+    pipe = recipe.build(req.preset, req.checkpoint, has_image, **kw)
+    if req.lora:
+        from vidax.weights.lora import parse_specs
+
+        pipe.loras = tuple(parse_specs(req.lora))
+    return pipe
 
 
 def _sp_degree(mesh: str | None) -> int:

@@ -154,7 +154,16 @@ def _fingerprints(pipe: Pipeline, kind: str, req: Request) -> dict:
     comps = list(pipe.COMPONENTS.get(kind, ()))
     if kind == "encode" and req.image is not None:
         comps += list(pipe.COMPONENTS.get("image", ()))
-    return {c: pipe.fingerprint(c) for c in comps}
+    out = {c: pipe.fingerprint(c) for c in comps}
+    if req.lora and kind in ("encode", "sample"):  # a LoRA's content and scale enter the key of each
+        from vidax.weights import lora                # stage whose weights it changes (DiT: sample)
+
+        targets = pipe.lora_targets()
+        specs = [s for s in lora.parse_specs(req.lora)
+                 if kind in (lora.stages_touched(s, targets) if targets else {"sample"})]
+        if specs:
+            out["lora"] = [lora.fingerprint(s) for s in specs]
+    return out
 
 
 def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:

@@ -86,11 +86,13 @@ def class_name(cfg: dict) -> str | None:
 
 
 def load_pretrained(folder: str | Path, *, mesh=None, parallelism: str | None = None, offload_chunk_size=None,
-                    **kwargs) -> CompatModel:
+                    lora=None, **kwargs) -> CompatModel:
     """Load a reference folder. For ``WanTransformer3DModel``: ``mesh`` (a ``Mesh`` with axes
     dp/tp/sp or a spec like ``"tp=2,sp=2"``), ``parallelism`` ("tp" | "sp" | "tp+sp"; default: what
     the mesh implies) and ``offload_chunk_size`` (blocks streamed from host memory per chunk, or
-    "all"; ``prefetch=False`` turns the transfer/compute overlap off). Outputs stay numpy."""
+    "all"; ``prefetch=False`` turns the transfer/compute overlap off). ``lora``: ``"FILE[:SCALE]"``
+    or a list of them, merged into the weights on the host at load (the model's family names the
+    LoRA layouts it reads: ``vidax.models.<family>.lora``). Outputs stay numpy."""
     folder = resolve_source(folder)  # a local folder, or any fsspec URL fetched into the cache
     cfg = read_config(folder)
     name = class_name(cfg)
@@ -102,4 +104,17 @@ def load_pretrained(folder: str | Path, *, mesh=None, parallelism: str | None = 
     importlib.import_module(table[name])
     if scale and name not in _SCALABLE:
         raise ValueError(f"{name}: {sorted(scale)} not supported (mesh / parallelism / offloading: {sorted(_SCALABLE)})")
-    return _ADAPTERS[name](cfg, folder, **scale, **kwargs)
+    if not lora:
+        return _ADAPTERS[name](cfg, folder, **scale, **kwargs)
+    from vidax.weights import lora as vlora
+
+    specs = vlora.parse_specs(lora)
+    fam = table[name].rsplit(".", 1)[0]  # vidax.models.<family>
+    try:
+        aliases = importlib.import_module(f"{fam}.lora").compat_aliases(name, cfg)
+    except (ImportError, AttributeError, KeyError):
+        raise ValueError(f"{name}: LoRAs are not supported for this model") from None
+    target = vlora.Target("dit", Path(folder), aliases, f"{name} ({folder})")
+    vlora.check(specs, {"dit": target})
+    with vlora.merging(target, specs):
+        return _ADAPTERS[name](cfg, folder, **scale, **kwargs)

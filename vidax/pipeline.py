@@ -317,6 +317,37 @@ class Pipeline:
             raise ValueError(f"model source {source!r} is neither a preset ({sorted(presets)}) nor a folder")
         return {}
 
+    #: LoRA adapters (:class:`vidax.weights.lora.LoraSpec`) merged into the DiT(s) at load
+    loras: tuple = ()
+
+    def lora_targets(self) -> dict:
+        """``{name: vidax.weights.lora.Target}``: the checkpoints a LoRA adapts (a family with one
+        DiT names it ``dit``); empty when this family or source takes no LoRA."""
+        return {}
+
+    def transformer_lora_targets(self, aliases, what: str) -> dict:
+        """The usual ``lora_targets``: one DiT, ``transformer/`` of a diffusers folder; none for a
+        preset. ``aliases``: the family's table (``vidax.models.<family>.lora``)."""
+        if self.preset is not None:
+            return {}
+        from pathlib import Path
+
+        from vidax.weights.lora import Target
+
+        return {"dit": Target("dit", Path(self.folder) / "transformer", aliases, what)}
+
+    def lora_merging(self, name: str):
+        """A context in which loading DiT ``name`` merges the LoRAs that apply to it."""
+        import contextlib
+
+        if not self.loras:
+            return contextlib.nullcontext()
+        from vidax.weights import lora
+
+        targets = self.lora_targets()
+        specs = lora.for_target(self.loras, name, targets)
+        return lora.merging(targets[name], specs, [targets[n] for n in targets])
+
     @property
     def folder(self):
         """The checkpoint folder on local disk (a remote source is fetched into the cache on first

@@ -416,7 +416,8 @@ def _pth_index(path: Path, zf: zipfile.ZipFile) -> dict[str, LazyTensor]:
 # --------------------------------------------------------------------------- entry point
 def open_checkpoint(path: str | os.PathLike, prefix: str | None = None) -> Checkpoint:
     """Open a checkpoint file or folder (a local path, or any fsspec URL: fetched once into the
-    local cache, see :func:`vidax.weights.resolve_source`).
+    local cache, see :func:`vidax.weights.resolve_source`). Inside
+    :func:`vidax.weights.lora.merging` for this path, the tensors a LoRA adapts read merged.
 
     - ``*.safetensors``: one file;
     - ``*.safetensors.index.json``: shards listed in its ``weight_map``;
@@ -424,13 +425,19 @@ def open_checkpoint(path: str | os.PathLike, prefix: str | None = None) -> Check
     - a folder: its index json if there is one, else every ``*.safetensors`` in it (optionally only
       those whose name starts with ``prefix``).
     """
+    from .lora import apply_active
+
+    return apply_active(_open_checkpoint(path, prefix), path)
+
+
+def _open_checkpoint(path: str | os.PathLike, prefix: str | None = None) -> Checkpoint:
     from .source import is_url, resolve_source
 
     p = resolve_source(path) if isinstance(path, str) and is_url(path) else Path(path)
     if p.is_dir():
         idx = sorted(p.glob(f"{prefix or ''}*.safetensors.index.json"))
         if idx:
-            return open_checkpoint(idx[0])
+            return _open_checkpoint(idx[0])
         files = sorted(p.glob(f"{prefix or ''}*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in folder {p}")

@@ -47,7 +47,7 @@ from vidax.models.cogvideox import dit as cdit
 from vidax.models.cogvideox import vae as cvae
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
-from vidax.schedulers import from_diffusers_config, make_scheduler
+from vidax.schedulers import from_diffusers_config
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
@@ -249,7 +249,13 @@ class CogVideoX(Pipeline):
         cfg = self.dit_config()
         if self.preset:
             return cdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype), cfg
-        return cdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+        with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            return cdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+
+    def lora_targets(self) -> dict:
+        from vidax.models.cogvideox import lora as clora
+
+        return self.transformer_lora_targets(clora.aliases(), "this CogVideoX DiT (transformer)")
 
     def load_dit(self):
         """``(state on one device, cfg)``, or with a mesh / offloading ``(CogVideoXRunner, cfg)``."""
@@ -379,7 +385,6 @@ class CogVideoX(Pipeline):
         if self.image_to_video and image_latents is None:
             raise ValueError("this is an image-to-video model: pass image_latents=encode_image(...)")
         sched = scheduler or self.scheduler(steps)
-        cfg = dit[1] if dit is not None else self.dit_config()
         b = cond.shape[0]
         shape = self.latent_shape(b, height, width, num_frames)
         if latents is None:

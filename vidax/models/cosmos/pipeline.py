@@ -265,7 +265,13 @@ class CosmosPredict(wvae.TileStages, Pipeline):
         cfg = self.dit_config()
         if self.preset:
             return cdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype), cfg
-        return cdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+        with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            return cdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+
+    def lora_targets(self) -> dict:
+        from vidax.models.cosmos import lora as clora
+
+        return self.transformer_lora_targets(clora.aliases(self.dit_config()), "this Cosmos DiT (transformer)")
 
     def load_dit(self):
         """DiT state + config on one device, or (``mesh`` / ``offload_chunk_size``) a

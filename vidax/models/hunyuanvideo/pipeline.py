@@ -253,13 +253,19 @@ class HunyuanVideoT2V(Pipeline):
     def scaled(self) -> bool:
         return self.mesh is not None or self.offload_chunk_size is not None
 
+    def lora_targets(self) -> dict:
+        from vidax.models.hunyuanvideo import lora as hlora
+
+        return self.transformer_lora_targets(hlora.aliases(), "this HunyuanVideo DiT (transformer)")
+
     def load_dit(self):
         """DiT state + config: on one device, or (mesh / offloading) a :class:`HunyuanVideoRunner`."""
         cfg = self.dit_config()
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+                state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if not self.scaled:
             return jax.device_put(state), cfg
         return hdit.HunyuanVideoRunner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,

@@ -315,13 +315,19 @@ class LTXVideo(_ProbeVAE, _Source, _Tiles, Pipeline):
             return t5mod.T5Encoder(g, jax.device_put(st), self.preset.text)
         return t5mod.load_t5(self.folder / "text_encoder", dtype=np.float32, mesh=self.text_mesh())  # tp over the slice
 
+    def lora_targets(self) -> dict:
+        from vidax.models.ltx import lora as llora
+
+        return self.transformer_lora_targets(llora.aliases(self.dit_config()), "this LTX-Video DiT (transformer)")
+
     def load_dit(self):
         """(state on device, cfg), or (a :class:`DiTRunner`, cfg) on a mesh / with offloading."""
         cfg = self.dit_config()
         if self.preset:
             state = ldit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            state, cfg = ldit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+                state, cfg = ldit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg
         return ldit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
@@ -807,14 +813,24 @@ class LTX2(_ProbeVAE, _Source, _Tiles, Pipeline):
     def load_connectors(self):
         if self.preset:
             return lconn.init(self.preset.connectors, seed=self.preset.seed + 5)
-        return lconn.load(self.folder / "connectors")
+        with self.lora_merging("connectors"):  # a LoRA's connector keys, merged in float32
+            return lconn.load(self.folder / "connectors")
+
+    def lora_targets(self) -> dict:
+        from vidax.models.ltx import lora as llora
+
+        out = self.transformer_lora_targets(llora.aliases2(self.dit_config()), "this LTX-2 DiT (transformer)")
+        if out:  # the text connectors (encode stage) take a LoRA's connector keys, as diffusers' loader does
+            out["connectors"] = llora.connectors_target(self.folder / "connectors")
+        return out
 
     def load_dit(self):
         cfg = self.dit_config()
         if self.preset:
             state = ldit2.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+                state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg
         return ldit2.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,

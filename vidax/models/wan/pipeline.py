@@ -263,11 +263,31 @@ class WanT2V(wvae.TileStages, Pipeline):
         cfg = self.dit_config(expert)
         if self.preset:
             params = wdit.init_state(cfg, seed=self.preset.seed + 2 + 10 * (expert - 1), dtype=self.dtype)
-        elif self.layout == "diffusers":
-            params, cfg = wdit.load_dit(self.folder / self._dit_folder(expert), cfg, dtype=self.dtype)
-        else:
-            params, cfg = wdit.load_dit(self.folder, cfg, dtype=self.dtype)
+            return params, cfg
+        with self.lora_merging(self._lora_name(expert)):  # LoRAs merged in float32 before the cast
+            if self.layout == "diffusers":
+                params, cfg = wdit.load_dit(self.folder / self._dit_folder(expert), cfg, dtype=self.dtype)
+            else:
+                params, cfg = wdit.load_dit(self.folder, cfg, dtype=self.dtype)
         return params, cfg
+
+    def _lora_name(self, expert: int) -> str:
+        return ("high" if expert == 1 else "low") if self.has_transformer_2 else "dit"
+
+    def lora_targets(self) -> dict:
+        """``dit`` (one DiT), or ``high`` / ``low`` (Wan2.2 A14B's experts, ``transformer`` /
+        ``transformer_2``); none for a preset (random weights)."""
+        from vidax.models.wan import lora as wlora
+
+        if self.preset is not None:
+            return {}
+        experts = (1, 2) if self.has_transformer_2 else (1,)
+        out = {}
+        for e in experts:
+            path = self.folder / self._dit_folder(e) if self.layout == "diffusers" else self.folder
+            what = f"this Wan DiT ({self._dit_folder(e)})" if self.layout == "diffusers" else "this Wan DiT"
+            out[self._lora_name(e)] = wlora.target(self._lora_name(e), path, self.dit_config(e), what)
+        return out
 
     def load_vae(self):
         if self.preset:
