@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.hunyuan_original import hunyuanvideo15_original_names
 from tests.refutil import assert_parity, perturb, to_numpy
 from vidax import compat
 from vidax.core.jit import CompileCounter
-from vidax.models.hunyuanvideo15 import dit
+from vidax.models.hunyuanvideo15 import convert, dit
 from vidax.weights import CheckpointMismatchError, save_safetensors
 
 TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
@@ -67,11 +68,11 @@ def test_original_release_names(refs, tmp_path):
     conversion rules, then loaded and run."""
     model, _, kw, ref = refs["i2v"]
     sd = {k: to_numpy(v) for k, v in model.state_dict().items()}
-    orig = dit.diffusers_to_original_names(sd)
+    orig = hunyuanvideo15_original_names(sd)
     assert "byt5_in.fc3.weight" in orig and "vision_in.proj.4.bias" in orig and "cond_type_embedding.weight" in orig
     assert "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight" in orig
     assert "double_blocks.1.img_attn_q_norm.weight" in orig and "final_layer.adaLN_modulation.1.weight" in orig
-    back = dit.original_to_diffusers(orig)
+    back = convert.original_to_diffusers(orig)
     assert set(back) == set(sd)
     for k in sd:
         np.testing.assert_array_equal(np.asarray(back[k]), sd[k], err_msg=k)
@@ -195,7 +196,7 @@ def test_release_configs_map_every_tensor():
     shapes = dit.param_shapes(cfg)
     assert sum(int(np.prod(v.shape)) for v in sd.values()) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     with pytest.raises(Checked):
-        load_params(sd, dit.diffusers_keymap(cfg), shapes)
+        load_params(sd, convert.diffusers_keymap(cfg), shapes)
     vc = hvae.HunyuanVideo15VAEConfig()
     with pytest.raises(Checked):
         load_params({k: Shape(v.shape) for k, v in ref_vae.state_dict().items()}, hvae.keymap(vc), hvae.param_shapes(vc))
