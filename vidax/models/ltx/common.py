@@ -80,9 +80,9 @@ def resize_image(image, height: int, width: int, resample: str = "lanczos") -> n
     (height, width), [0, 255] -> [-1, 1]. Returns float32 [3, H, W]."""
     import PIL.Image
 
-    from vidax.text.clip import _to_rgb_uint8
+    from vidax.text.clip import to_rgb_uint8
 
-    im = PIL.Image.fromarray(_to_rgb_uint8(image))
+    im = PIL.Image.fromarray(to_rgb_uint8(image))
     mode = {"lanczos": PIL.Image.Resampling.LANCZOS, "bilinear": PIL.Image.Resampling.BILINEAR}[resample]
     a = np.asarray(im.resize((width, height), resample=mode).convert("RGB")).astype(np.float32) / 255.0
     return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)

@@ -353,10 +353,10 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
     def encode_image(self, image, height: int, width: int, crf: int = 33, vae=None) -> np.ndarray:
         """The first frame's normalised latent [1, C, 1, h, w]: re-compressed at ``crf``, bilinear
         resize, the posterior mean ("argmax"), normalised with scaling factor 1."""
-        from vidax.text.clip import _to_rgb_uint8
+        from vidax.text.clip import to_rgb_uint8
 
         state, cfg, stats = vae or self.load_vae(encoder=True)
-        img = apply_crf(_to_rgb_uint8(image), crf)
+        img = apply_crf(to_rgb_uint8(image), crf)
         px = resize_image(img, height, width, resample="bilinear")[None, :, None]
         z = np.asarray(lvae.encode(state, cfg, px))
         return lvae.normalize(stats, cfg, z, scaling_factor=1.0)

@@ -830,7 +830,7 @@ def _runner_call_aux(runner, x, t, ctx, aux):
 def _rgb_uint8(image) -> np.ndarray:
     from vidax.text import clip as clipmod
 
-    return clipmod._to_rgb_uint8(image)
+    return clipmod.to_rgb_uint8(image)
 
 
 def resize_for_vae(image_uint8: np.ndarray, height: int, width: int) -> np.ndarray:
