@@ -1,23 +1,5 @@
-"""HunyuanVideo causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo``) as Flax NNX modules.
-
-Unlike Wan's VAE this one carries no causal cache from chunk to chunk: every causal conv pads its
-input's first frame (replicate) and the GroupNorms and the mid-block attention see the whole
-chunk, so the reference decodes long videos as *overlapping temporal tiles* (5 latent frames every
-3), each decoded alone, the first decoded frame of every later tile dropped and the 4 frames where
-consecutive tiles overlap cross-faded; above a size, each tile is itself decoded as overlapping
-spatial tiles (256 px every 192, 64 px cross-faded). Encoding mirrors it. vidax reproduces those
-rules exactly (:class:`Tiling`, defaults = the reference's):
-
-- :func:`decode` / :func:`encode`: the reference's ``decode`` / ``encode`` (posterior mean);
-- :func:`temporal_tiles` + :func:`decode_tiles`: a contiguous range of temporal tiles, given the
-  tail of the previous (cross-faded) tile, returns its frames and its own tail -- a persisted
-  decode stage, the tail its carry; the stages' frames concatenate to :func:`decode`'s, bitwise.
-
-Each tile (spatial or temporal) is one call of one jitted program (``Split.apply``), compiled once
-per tile shape (a few edge shapes at most); the loops over tiles are Python. Channels-last inside
-(``[B, T, H, W, C]``); the public functions take and return the reference layout
-``[B, C, T, H, W]``.
-"""
+"""HunyuanVideo causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo``) as Flax NNX modules, with the
+reference's temporal and spatial tiling (design notes: this family's README.md, "VAE")."""
 from __future__ import annotations
 
 import warnings

@@ -1,31 +1,5 @@
-"""HunyuanVideo 1.5 causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo15``) as Flax NNX modules.
-
-32 latent channels, 16x spatial and 4x temporal compression. Every conv is causal in time
-(replicate padding), the norms are per-position RMS norms over channels and the mid-block
-attention is frame-causal, so the decoder is **causal**: the frames decoded from latent frames
-``[0, b)`` are the first frames of the whole video's decode. The resamplers are DC-AE style
-(space/time to channels and back, with an averaged / repeated shortcut), the first latent frame
-resampled in space only.
-
-- :func:`decode` / :func:`encode`: the reference's ``decode`` / ``encode`` (posterior mean), with
-  its spatial tiling when :class:`Tiling` ``.spatial`` is on (the reference's ``enable_tiling``:
-  tiles of ``sample // 16`` latents every ``(1 - overlap)`` of that, cross-faded linearly over
-  ``overlap`` of the sample tile) -- equal to the reference's tiled decode / encode;
-- the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
-  one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
-  whole decoder at full resolution;
-- and **temporally chunked** (``chunk``, :func:`decode_tile`): a few latent frames per call, each
-  level carrying its causal state (every causal conv's last input frames, the mid attention's
-  keys and values) to the next chunk -- equal to the all-frames decode, which the reference runs;
-- :func:`tile_grid` / :func:`assemble_tiles`: the reference's tiles and its in-place linear
-  cross-fade, apart, so each tile can be a persisted decode stage blended at mux;
-- :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
-  cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
-
-Channels-last inside (``[B, T, H, W, C]``); the public functions take and return the reference
-layout ``[B, C, T, H, W]``. The causal conv, the plain conv, the frame-causal attention and the
-tile cross-fade are HunyuanVideo 1.0's (:mod:`vidax.models.hunyuanvideo.vae`).
-"""
+"""HunyuanVideo 1.5 causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo15``) as Flax NNX modules: staged,
+temporally chunked and spatially tiled decode (design notes: this family's README.md, "VAE")."""
 from __future__ import annotations
 
 import math

@@ -1,17 +1,6 @@
 """What the LTX pipelines (:mod:`vidax.models.ltx.ltxv`: LTX-Video 0.9.x, :mod:`vidax.models.ltx.ltx2`:
-LTX-2.x) share: the scheduler set-up, noise streams, token packing, the checkpoint source, the tiled
-decode plan and the probe's VAE hooks.
-
-Sources: a preset name (seeded random weights, a byte tokenizer; seconds on a CPU) or a diffusers
-pipeline folder (``model_index.json``; ``text_encoder/ tokenizer/ transformer/ vae/ scheduler/``,
-LTX-2 also ``connectors/ audio_vae/ vocoder/`` and optionally ``diffusion_decoder/``), local or at any
-fsspec URL (configs first, weights when a phase needs them).
-
-Phases (each loads its own weights and drops them): ``encode`` (prompt embeddings + masks in
-float32; the first frame's VAE latent for image-to-video), ``sample`` (flow-matching Euler on the
-reference's shifted sigmas), ``decode`` (the VAE, spatially tiled into persisted stages when
-``vae_tiling`` is on; LTX-2 also the audio VAE + vocoder to a waveform).
-"""
+LTX-2.x) share: scheduler set-up, noise streams, token packing, the checkpoint source, the tiled decode
+plan and the probe's VAE hooks (sources and phases: this family's README.md, "Pipelines")."""
 from __future__ import annotations
 
 import json

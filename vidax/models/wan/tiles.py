@@ -1,15 +1,5 @@
-"""Tiled decode with the Wan VAE (:mod:`vidax.models.wan.vae`, also the Cosmos and Cosmos3 VAE): the
-reference's ``enable_tiling`` decode, its persisted decode stages (tile groups x frame ranges) and the
-pipeline mixin that plans and assembles them.
-
-A tiled decode cuts the latent frame into overlapping tiles, decodes each with its own causal cache
-and cross-fades neighbours over the overlap, in three pieces so the decode stages of a run can be
-tiles as well as frame ranges: :func:`decode_tiles` (raw decoder outputs of some tiles over some
-latent frames, resumable from each tile's cache, same-shape tiles one per device), :func:`blend_tiles`
-(the reference's blend of every tile of a frame range, then unpatchify and clamp), :func:`tiled_decode`
-(both); :func:`tile_plan` / :func:`decode_tile_stage` / :func:`assemble_tile_stages`: persisted stages
-of (tile group x frame range), blended at the end; :class:`TileStages`: the pipelines' decode plan.
-"""
+"""Tiled decode with the Wan VAE (also the Cosmos and Cosmos3 VAE): the reference's ``enable_tiling``
+decode, its persisted decode stages (tile groups x frame ranges) and the ``TileStages`` pipeline mixin."""
 from __future__ import annotations
 
 from functools import lru_cache, partial

@@ -1,57 +1,5 @@
-"""Wan video VAE (diffusers ``AutoencoderKLWan``) in JAX: the Wan2.1 VAE, and Wan2.2's
-(``is_residual=True``: residual down/up blocks with parameter-free pooling/duplicating shortcuts,
-``patch_size`` 2x2 space-to-channel patchify).
-
-Modules: :class:`WanVAE` is a Flax NNX module tree whose attribute names follow diffusers'
-(``encoder.down_blocks.3.conv1``, ``decoder.up_blocks.0.upsampler.time_conv`` ...). Convs are
-``nnx.Conv`` (channels-last kernels ``[*k, in, out]``); the L2 channel norm is our own
-:class:`ChannelNorm`. The module is split once: :func:`graphdef` (one per config) and a state
-(:func:`init_params`, :func:`load_vae`) that the loaders fill and the chunk programs take as their
-argument; each chunk program merges the two inside ``jax.jit``.
-
-Layout: the public functions (:func:`encode`, :func:`decode`, the ``*_chunk`` functions, the
-latent (de)normalisation) take and return the reference layout ``[B, C, F, H, W]``; inside a chunk
-program everything is channels-last, ``[B, F, H, W, C]`` (the layout changes once on the way in and
-once, fused, on the way out). The cache is internal and channels-last.
-
-Causality and chunking follow the reference exactly:
-
-- decode runs one latent frame per chunk; the first chunk yields 1 frame, later ones
-  ``cfg.temporal_ratio`` (4 for Wan2.1/2.2);
-- encode runs frame 0 alone, then groups of 4 frames (frames past the last full group are dropped,
-  as the reference does); each group yields ``4 / cfg.temporal_ratio`` latent frames.
-
-Each chunk is one call of one jitted function, driven from an ordinary Python loop; ``first`` is
-static, so a decode or encode of any length (and any number of them at one spatial size) uses at
-most two programs. Chunks are cut on the host and passed in alone, so programs do not depend on
-the video's length and no slicing program is dispatched. The temporal context is an explicit cache
-pytree (a flat dict ``name -> array``, keyed by the conv's module path, the same structure and
-shapes after every chunk, the first included) passed in and returned, so a caller can persist it
-(:func:`cache_to_numpy`) and resume at chunk ``k`` (``decode(..., start=k, cache=...)``):
-
-- every causal 3x3x3 conv (and the ``(3,1,1)`` time conv of a temporal upsample) keeps the last
-  two frames of its padded input. The reference starts with "no cache" (zero padding) and keeps
-  one frame after the first chunk; a zero-initialised two-frame cache is the same computation, so
-  the cache has one structure from the first chunk on;
-- the stride-2 time conv of a temporal downsample keeps the last frame of its input.
-
-The cache stays functional (a dict threaded through the calls in a :class:`_Ctx`), not NNX
-``Cache`` variables on the modules: its shapes depend on the batch and frame size, known only at
-the first chunk (variables would be created inside the trace, and the first chunk's module would
-have a different graph from the later ones'); the first chunk is a different program anyway
-(``first``); and a pipeline stage persists and resumes it as plain ``name -> array`` data without
-touching the module.
-
-On the first chunk the reference skips the time convs of temporal down/upsamples (and Wan2.2's
-duplicating shortcut keeps only its last frame); that is what ``first`` switches.
-
-Conv formulation (same results up to float rounding): ``conv_impl="native"`` runs the convs over
-time as 3-D convs (``nnx.Conv``); ``"taps"`` (the default on CPU, where XLA's 2-D conv is several
-times faster than its generic 3-D one) runs one 2-D conv per time tap and sums them; ``"fold"``
-folds the time taps into the channel axis and runs one 2-D conv per frame (see
-:meth:`CausalConv3d.over_time`; :mod:`vidax.core.conv` is the same for plain 3-D convs). Either way a nearest 2x upsampling followed by a 3x3 conv runs as four 2x2 convs of the
-low-resolution frames (one per output pixel phase), and 1x1 convs as matmuls.
-"""
+"""Wan video VAE (diffusers ``AutoencoderKLWan``: Wan2.1, Wan2.2) in JAX: modules, key maps, the
+chunk programs, encode/decode with the causal cache, loading (design notes: this family's README.md)."""
 from __future__ import annotations
 
 import math
