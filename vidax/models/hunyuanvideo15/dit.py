@@ -104,17 +104,6 @@ class HunyuanVideo15Config:
             kw["out_channels"] = kw.get("in_channels", cls.in_channels)
         return cls(**kw)
 
-    def to_diffusers(self) -> dict:
-        """The reference's constructor keywords (tests build the reference from them)."""
-        return dict(in_channels=self.in_channels, out_channels=self.out_channels, num_attention_heads=self.num_heads,
-                    attention_head_dim=self.head_dim, num_layers=self.num_layers,
-                    num_refiner_layers=self.num_refiner_layers, mlp_ratio=self.mlp_ratio, patch_size=self.patch_size,
-                    patch_size_t=self.patch_size_t, qk_norm=self.qk_norm, text_embed_dim=self.text_embed_dim,
-                    text_embed_2_dim=self.text_embed_2_dim, image_embed_dim=self.image_embed_dim,
-                    rope_theta=self.rope_theta, rope_axes_dim=self.rope_axes_dim, target_size=self.target_size,
-                    task_type=self.task_type, use_meanflow=self.use_meanflow)
-
-
 _TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
              text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64)
 PRESETS = {

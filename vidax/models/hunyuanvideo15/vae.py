@@ -45,9 +45,6 @@ class HunyuanVideo15VAEConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in names})
 
-    def to_diffusers(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
     def down_levels(self) -> list[tuple[int, int | None, bool]]:
         """Per encoder level: ``(out channels, downsample out channels or None, temporal)``."""
         ch, out = self.block_out_channels, []
