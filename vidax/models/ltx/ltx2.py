@@ -61,11 +61,6 @@ LTX2_PRESETS = {"tiny": LTX2Preset()}
 #: the reference's STG block (LTX-2's 48-block DiT)
 _STG_DEFAULT = "28"
 
-#: LTX2Pipeline's defaults (guidance in x0 space)
-LTX2_GUIDANCE = dict(stg_scale=1.0, audio_stg_scale=1.0, modality_scale=3.0, audio_modality_scale=3.0,
-                     guidance_rescale=0.7, audio_guidance_rescale=0.7)
-
-
 def apply_crf(image_uint8: np.ndarray, crf: int) -> np.ndarray:
     """Re-compress one RGB image as a 1-frame H.264 video at ``crf`` (libx264, veryfast, yuv420p),
     as the LTX-2 image-to-video pipeline does before encoding it; ``crf=0`` returns it unchanged.

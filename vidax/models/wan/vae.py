@@ -240,7 +240,6 @@ def _decoder_plan(cfg: WanVAEConfig) -> tuple[list[_Up], int]:
 
 # ----------------------------------------------------------------------------------- array helpers
 _HIGHEST = jax.lax.Precision.HIGHEST
-CONV_IMPLS = vconv.IMPLS
 #: how the convs over time run (see :meth:`CausalConv3d.over_time`): ``"taps"`` (the default on CPU),
 #: ``"fold"`` or ``"native"`` (the default elsewhere, and under ``vidax.core.conv.default_impl``)
 _conv_impl = vconv.conv_impl
