@@ -10,9 +10,8 @@ import numpy as np
 
 from vidax.core import conv as vconv
 from vidax.core.tiles import TILE_AXIS, blend_grid, split_even, tile_devices, tile_mesh
-from vidax.models.wan.vae import (WanVAEConfig, decode_chunk_jit, denormalize_latents, param_shapes, plan_decode_unit,
-                                  patchify, state_from_pure, to_device,
-                                  unpatchify)
+from vidax.models.wan.vae import (WanVAEConfig, decode_chunk_jit, denormalize_latents, param_shapes, patchify,
+                                  plan_decode_unit, state_from_pure, to_device, unpatchify)
 
 #: diffusers' AutoencoderKLWan tiling defaults (pixels): 256-pixel tiles every 192 pixels
 TILE, TILE_STRIDE = 256, 192
