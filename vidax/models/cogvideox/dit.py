@@ -835,11 +835,11 @@ def load_dit(path, cfg: CogVideoXConfig | None = None, dtype=np.float32):
     """DiT weights from a diffusers folder (config.json + safetensors) or an original (SAT) release
     checkpoint. Returns ``(state, cfg)``: the abstract state filled tensor by tensor with host
     numpy, cast on the host; no random init is ever materialised."""
+    from vidax.models.cogvideox import convert  # (it imports this module's config)
+
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = CogVideoXConfig.from_diffusers(compat.read_config(path))
-    from vidax.models.cogvideox import convert
-
     ckpt = open_checkpoint(path)
     if convert.is_original(list(ckpt)):
         if cfg is None:

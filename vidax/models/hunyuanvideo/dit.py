@@ -893,11 +893,11 @@ def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
     """DiT weights from a diffusers folder (config.json + safetensors) or an original-release
     checkpoint (``mp_rank_00_model_states.pt`` or a safetensors file with its names). Returns
     ``(state, cfg)``: the abstract state filled tensor by tensor with host numpy (cast on the host)."""
+    from vidax.models.hunyuanvideo import convert  # (it imports this module's config)
+
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = HunyuanVideoConfig.from_diffusers(compat.read_config(path))
-    from vidax.models.hunyuanvideo import convert
-
     ckpt = open_checkpoint(path)
     if convert.is_original(list(ckpt)):
         if cfg is None:

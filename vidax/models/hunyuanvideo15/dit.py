@@ -341,11 +341,11 @@ class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
 def load_dit(path, cfg: HunyuanVideo15Config | None = None, dtype=np.float32):
     """DiT weights from a diffusers folder (config.json + safetensors) or the original release
     (a folder or file of safetensors with its names). Returns ``(state, cfg)``."""
+    from vidax.models.hunyuanvideo15 import convert  # (it imports this module's config)
+
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = HunyuanVideo15Config.from_diffusers(compat.read_config(path))
-    from vidax.models.hunyuanvideo15 import convert
-
     ckpt = open_checkpoint(path)
     if convert.is_original(list(ckpt)):
         if cfg is None:
