@@ -140,8 +140,8 @@ def vae_decode_real_width(conv_impl=None):
         impl = vae._conv_impl(conv_impl)
         kw = dict(cfg=cfg, attn_impl=None, conv_impl=impl)
         _, cache = vae.decode(state, cfg, z, stop=1, return_cache=True, conv_impl=conv_impl)
-        return [vae._decode_chunk_jit.lower(state, jax.device_put(z[:, :, :1]), None, first=True, **kw),
-                vae._decode_chunk_jit.lower(state, jax.device_put(z[:, :, 1:2]), cache, first=False, **kw)]
+        return [vae.decode_chunk_jit.lower(state, jax.device_put(z[:, :, :1]), None, first=True, **kw),
+                vae.decode_chunk_jit.lower(state, jax.device_put(z[:, :, 1:2]), cache, first=False, **kw)]
 
     return dict(component="VAE decode (vs diffusers AutoencoderKLWan)",
                 config="Wan2.1 widths: base_dim 96, z 16, latents 2x16x16 -> 5x128x128 px",

@@ -143,9 +143,9 @@ def test_sincos_table_matches_diffusers():
 def _to_sat(sd: dict, cfg) -> dict:
     """diffusers names -> the original (SAT) release names: the inverse of diffusers'
     scripts/convert_cogvideox_to_diffusers.py (fused q/k/v; both modulations in one 12-way table)."""
-    from vidax.models.cogvideox.dit import SAT_PREFIX, _sat_names
+    from vidax.models.cogvideox.convert import SAT_PREFIX, sat_names
 
-    inv = {v: k for k, v in _sat_names(cfg).items()}
+    inv = {v: k for k, v in sat_names(cfg).items()}
     out = {}
     for i in range(cfg.num_layers):
         b = f"transformer_blocks.{i}."

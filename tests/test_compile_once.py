@@ -193,7 +193,7 @@ def test_ltx_step_model_takes_its_rope_tables_as_arguments(mesh):
     import jax
     import jax.numpy as jnp
 
-    from vidax.models.ltx.pipeline import LTXVideo
+    from vidax.models.ltx.ltxv import LTXVideo
 
     pipe = LTXVideo("tiny", mesh=mesh)
     params, cfg = pipe.load_dit()

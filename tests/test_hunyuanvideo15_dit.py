@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.hunyuan_original import hunyuanvideo15_original_names
 from tests.refutil import assert_parity, perturb, to_numpy
 from vidax import compat
 from vidax.core.jit import CompileCounter
-from vidax.models.hunyuanvideo15 import dit
+from vidax.models.hunyuanvideo15 import convert, dit
 from vidax.weights import CheckpointMismatchError, save_safetensors
 
 TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
@@ -67,11 +68,11 @@ def test_original_release_names(refs, tmp_path):
     conversion rules, then loaded and run."""
     model, _, kw, ref = refs["i2v"]
     sd = {k: to_numpy(v) for k, v in model.state_dict().items()}
-    orig = dit.diffusers_to_original_names(sd)
+    orig = hunyuanvideo15_original_names(sd)
     assert "byt5_in.fc3.weight" in orig and "vision_in.proj.4.bias" in orig and "cond_type_embedding.weight" in orig
     assert "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight" in orig
     assert "double_blocks.1.img_attn_q_norm.weight" in orig and "final_layer.adaLN_modulation.1.weight" in orig
-    back = dit.original_to_diffusers(orig)
+    back = convert.original_to_diffusers(orig)
     assert set(back) == set(sd)
     for k in sd:
         np.testing.assert_array_equal(np.asarray(back[k]), sd[k], err_msg=k)
@@ -169,6 +170,17 @@ def test_forward_compiles_once_over_ten_calls(scale_setup):
     assert cc.count == 0
 
 
+def _diffusers_kwargs(cfg) -> dict:
+    """The reference's constructor keywords for a vidax config."""
+    return dict(in_channels=cfg.in_channels, out_channels=cfg.out_channels, num_attention_heads=cfg.num_heads,
+                attention_head_dim=cfg.head_dim, num_layers=cfg.num_layers,
+                num_refiner_layers=cfg.num_refiner_layers, mlp_ratio=cfg.mlp_ratio, patch_size=cfg.patch_size,
+                patch_size_t=cfg.patch_size_t, qk_norm=cfg.qk_norm, text_embed_dim=cfg.text_embed_dim,
+                text_embed_2_dim=cfg.text_embed_2_dim, image_embed_dim=cfg.image_embed_dim,
+                rope_theta=cfg.rope_theta, rope_axes_dim=cfg.rope_axes_dim, target_size=cfg.target_size,
+                task_type=cfg.task_type, use_meanflow=cfg.use_meanflow)
+
+
 def test_release_configs_map_every_tensor():
     """The 8.3B release DiT (and the release VAE): every tensor of the reference built on the meta
     device maps onto a vidax parameter of the right shape, and none is left over (shapes only)."""
@@ -189,13 +201,13 @@ def test_release_configs_map_every_tensor():
 
     cfg = dit.PRESETS["720p-i2v"]
     with torch.device("meta"):
-        ref = HunyuanVideo15Transformer3DModel(**cfg.to_diffusers())
+        ref = HunyuanVideo15Transformer3DModel(**_diffusers_kwargs(cfg))
         ref_vae = AutoencoderKLHunyuanVideo15()
     sd = {k: Shape(v.shape) for k, v in ref.state_dict().items()}
     shapes = dit.param_shapes(cfg)
     assert sum(int(np.prod(v.shape)) for v in sd.values()) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     with pytest.raises(Checked):
-        load_params(sd, dit.diffusers_keymap(cfg), shapes)
+        load_params(sd, convert.diffusers_keymap(cfg), shapes)
     vc = hvae.HunyuanVideo15VAEConfig()
     with pytest.raises(Checked):
         load_params({k: Shape(v.shape) for k, v in ref_vae.state_dict().items()}, hvae.keymap(vc), hvae.param_shapes(vc))

@@ -9,6 +9,7 @@ import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from tests.hunyuan_original import hunyuanvideo_original_names
 from tests.refutil import assert_parity, perturb, to_numpy
 from vidax import compat
 from vidax.core import sharding as vsh
@@ -69,7 +70,7 @@ def test_original_release_names(refs, tmp_path):
     model = refs["t2v"][0]
     sd = {k: to_numpy(v) for k, v in model.state_dict().items()}
     cfg = dit.HunyuanVideoConfig.from_diffusers(dict(model.config))
-    orig = dit.diffusers_to_original_names(cfg, sd)
+    orig = hunyuanvideo_original_names(cfg, sd)
     assert any(k.startswith("double_blocks.0.img_attn_qkv") for k in orig) and "single_blocks.0.linear1.weight" in orig
     # independent check of the names: diffusers' own converter maps them back (its single-block
     # split hard-codes the 13B width, so the fused linear1 is checked by our loader below)

@@ -72,7 +72,8 @@ def test_sampling_matches_diffusers(folder, i2v):
     import jax.numpy as jnp
     from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 
-    from vidax.models.ltx.pipeline import LTX2, pack
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltx2 import LTX2
 
     root, parts = folder
     h_, w_, frames, steps, fps = 64, 96, 9, 3, 12.0
@@ -121,7 +122,7 @@ def test_sampling_matches_diffusers(folder, i2v):
 def test_decode_phases_match_diffusers(folder):
     from types import SimpleNamespace
 
-    from vidax.models.ltx.pipeline import LTX2
+    from vidax.models.ltx.ltx2 import LTX2
 
     root, parts = folder
     pipe = LTX2(str(root))
@@ -207,7 +208,7 @@ def test_pipeline_sampling_on_a_mesh(mesh, chunk):
     """The tiny preset's sampling (full guidance, image-to-video) on a mesh / with offloaded blocks
     (the guidance passes then run from Python) equals one device; one compiled step program."""
     from vidax.core.jit import CompileCounter
-    from vidax.models.ltx.pipeline import LTX2
+    from vidax.models.ltx.ltx2 import LTX2
 
     rng = np.random.default_rng(0)
     emb = lambda s: {"v": rng.standard_normal((1, 64, 32)).astype(np.float32), "a": rng.standard_normal((1, 64, 32)).astype(np.float32), "mask": np.ones((1, 64), np.float32)}  # noqa: E501,E731

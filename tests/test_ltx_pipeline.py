@@ -51,7 +51,8 @@ def _embeds(b=2, seed=0):
 def test_sampling_matches_diffusers(folder, i2v):
     from diffusers import LTXImageToVideoPipeline, LTXPipeline
 
-    from vidax.models.ltx.pipeline import LTXVideo, pack
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltxv import LTXVideo
 
     root, dit, vae, sched = folder
     h, w, frames, steps = 64, 96, 17, 3
@@ -87,7 +88,7 @@ def test_decode_phase_matches_diffusers(folder):
     noise scale 0 here: the reference draws its noise from torch)."""
     from types import SimpleNamespace
 
-    from vidax.models.ltx.pipeline import LTXVideo
+    from vidax.models.ltx.ltxv import LTXVideo
 
     root, dit, vae, sched = folder
     pipe = LTXVideo(str(root))

@@ -160,7 +160,8 @@ def _first_step(sample):
 
 def test_ltx_denoise_once_is_the_first_euler_step():
     """LTX-Video 0.9: the first step of a 2-step run moves x by (sigma_1 - sigma_0) v, v = (x - x0) / sigma_0."""
-    from vidax.models.ltx.pipeline import LTXVideo, make_scheduler
+    from vidax.models.ltx.common import make_scheduler
+    from vidax.models.ltx.ltxv import LTXVideo
 
     pipe = LTXVideo("tiny")
     cond, mask = pipe.encode_prompts(["a photograph"])
@@ -176,7 +177,8 @@ def test_ltx_denoise_once_is_the_first_euler_step():
 
 def test_ltx2_denoise_once_is_the_first_euler_step():
     """LTX-2: the conditional pass of the first step (audio from the run's noise stream) is the probe's pass."""
-    from vidax.models.ltx.pipeline import _NOISE_AUDIO, LTX2, key_for, make_scheduler
+    from vidax.models.ltx.common import NOISE_AUDIO, key_for, make_scheduler
+    from vidax.models.ltx.ltx2 import LTX2
 
     pipe = LTX2("tiny")
     v, a, m = pipe.encode_prompts(["a photograph"])
@@ -184,7 +186,7 @@ def test_ltx2_denoise_once_is_the_first_euler_step():
     cfg = pipe.dit_config()
     x = _rand((1, *grid, cfg.in_channels))
     la = pipe.audio_frames(9, 24.0)
-    noise_a = np.asarray(__import__("jax").random.normal(key_for(0, _NOISE_AUDIO), (1, la, cfg.audio_in_channels)))
+    noise_a = np.asarray(__import__("jax").random.normal(key_for(0, NOISE_AUDIO), (1, la, cfg.audio_in_channels)))
     seq = (grid[0] // cfg.patch_size_t) * (grid[1] // cfg.patch_size) * (grid[2] // cfg.patch_size)
     sc = make_scheduler(pipe.scheduler_config(), 2, seq, defaults=(1024, 4096, 0.95, 2.05))
     s0, s1 = float(sc.sigmas[0]), float(sc.sigmas[1])

@@ -164,13 +164,14 @@ def test_vae_tiling_option_through_the_stages(tmp_path, monkeypatch):
     from stages import run as R
     from stages.request import Request, validate
     from stages.store import RunStore, read_array
+    from vidax.models.wan import tiles as wtiles
     from vidax.models.wan import vae as wvae
     from vidax.pipeline import to_uint8, to_unit_range
 
     one = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", options={"vae_tiling": True}))
     assert all(s.tile is None for s in R.make_pipeline(one).decode_plan(one))
-    monkeypatch.setattr(wvae, "TILE", 32)
-    monkeypatch.setattr(wvae, "TILE_STRIDE", 24)
+    monkeypatch.setattr(wtiles, "TILE", 32)
+    monkeypatch.setattr(wtiles, "TILE_STRIDE", 24)
     req = validate(Request(model="wan2.1-t2v-1.3b", prompt="a lighthouse", steps=2, height=32, width=64,
                            num_frames=5, options={"vae_tiling": True}))
     url = f"file://{tmp_path}"
@@ -189,7 +190,7 @@ def test_vae_tiling_option_through_the_stages(tmp_path, monkeypatch):
     assert parts[1][1].shape == (1, 1, 8, (4 + 4 + 2) * 8, 3) and parts[1][1].dtype == np.float32
     params, cfg = pipe.load_vae()
     z = wvae.denormalize_latents(cfg, read_array(run.group("sample.zarr"), "latents"))
-    want = to_uint8(to_unit_range(wvae.tiled_decode(params, cfg, z)))
+    want = to_uint8(to_unit_range(wtiles.tiled_decode(params, cfg, z)))
     np.testing.assert_array_equal(pipe.assemble_video(parts), want)
     assert run.record("mux")["status"] == "done"
 

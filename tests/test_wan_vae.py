@@ -316,6 +316,7 @@ def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path, monkey
     run one per device (the 8 fake CPU devices), as they do one after the other on one device; and
     as persisted stages (tile groups x frame ranges, each from its group's carried caches, blended
     when assembled) they give the same video bitwise."""
+    from vidax.models.wan import tiles as wtiles
     from vidax.models.wan import vae as wvae
 
     cfg = RELEASE if which == "wan2.1" else dict(
@@ -331,37 +332,37 @@ def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path, monkey
     z = _latents(1, 4, 3, 7, 9, seed=3)  # 7 x 9 latents: 3 x 3 tiles, the last ones partial
     want = _ref_decode(ref, z)
     cm = compat.load_pretrained(tmp_path)
-    got = wvae.tiled_decode(cm.params, cm.model_config, z, tile=tile, stride=stride)
+    got = wtiles.tiled_decode(cm.params, cm.model_config, z, tile=tile, stride=stride)
     assert got.shape == want.shape
     assert_parity(got, want, what=f"{which} tiled decode")
     assert np.abs(got - wvae.decode(cm.params, cm.model_config, z)).max() > 1e-3
-    a, cache = wvae.tiled_decode(cm.params, cm.model_config, z, stop=2, tile=tile, stride=stride, return_cache=True)
+    a, cache = wtiles.tiled_decode(cm.params, cm.model_config, z, stop=2, tile=tile, stride=stride, return_cache=True)
     cache = {k: np.asarray(v) for k, v in cache.items()}  # as a decode stage persists it
-    b = wvae.tiled_decode(cm.params, cm.model_config, z, start=2, cache=cache, tile=tile, stride=stride)
+    b = wtiles.tiled_decode(cm.params, cm.model_config, z, start=2, cache=cache, tile=tile, stride=stride)
     np.testing.assert_array_equal(np.concatenate([a, b], axis=2), got)
 
     # one tile per device = one tile after the other on one device (the four full 4x4-latent tiles)
     assert len(jax.local_devices()) == 8
     full = [0, 1, 3, 4]
     kw = dict(tile=tile, stride=stride, return_cache=False)
-    par, _ = wvae.decode_tiles(cm.params, cm.model_config, z, full, **kw)
-    seq, _ = wvae.decode_tiles(cm.params, cm.model_config, z, full, devices=1, **kw)
+    par, _ = wtiles.decode_tiles(cm.params, cm.model_config, z, full, **kw)
+    seq, _ = wtiles.decode_tiles(cm.params, cm.model_config, z, full, devices=1, **kw)
     for n in full:
         np.testing.assert_allclose(par[n], seq[n], rtol=0, atol=1e-6)
 
     # persisted stages: 2 tile groups (tile rows {0, 3} and {6}) x 3 frame ranges
-    monkeypatch.setattr(wvae, "TILE", tile)
-    monkeypatch.setattr(wvae, "TILE_STRIDE", stride)
-    plan = wvae.tile_plan(cm.model_config, 3, 7, 9)
+    monkeypatch.setattr(wtiles, "TILE", tile)
+    monkeypatch.setattr(wtiles, "TILE_STRIDE", stride)
+    plan = wtiles.tile_plan(cm.model_config, 3, 7, 9)
     assert [(s.frames, s.tile, s.carry_from) for s in plan] == [
         ((0, 1), (0, 7, 0, 9), None), ((0, 1), (6, 7, 0, 9), None),
         ((1, 2), (0, 7, 0, 9), "decode/0"), ((1, 2), (6, 7, 0, 9), "decode/1"),
         ((2, 3), (0, 7, 0, 9), "decode/2"), ((2, 3), (6, 7, 0, 9), "decode/3")]
     parts, carries = [], {}
     for s in plan:  # latents_mean 0, latents_std 1: the stored latents are z
-        tiles, carries[s.name] = wvae.decode_tile_stage((cm.params, cm.model_config), z, s,
+        tiles, carries[s.name] = wtiles.decode_tile_stage((cm.params, cm.model_config), z, s,
                                                         carries.get(s.carry_from), plan)
         parts.append((s, tiles))
     assert {k.split("/")[0] for k in carries["decode/1"]} == {"6", "7", "8"}  # a group carries its own tiles
     assert carries["decode/4"] is None  # nothing carries on from the last frame range
-    np.testing.assert_array_equal(wvae.assemble_tile_stages(cm.model_config, parts[::-1]), got)
+    np.testing.assert_array_equal(wtiles.assemble_tile_stages(cm.model_config, parts[::-1]), got)

@@ -234,6 +234,11 @@ class Split:
         """``module.<method>(*args, **static)`` through the jitted pure function."""
         return _apply(self._graph, method, tuple(sorted(static.items())), self.state, *args)
 
+    def method_fn(self, method: str, **static):
+        """``module.<method>(**static)`` as the jitted pure function of ``(state, *args)`` that
+        :meth:`apply` calls (for ``jax.eval_shape``, ``vidax plan``)."""
+        return functools.partial(_apply, self._graph, method, tuple(sorted(static.items())))
+
     def __call__(self, *args, **static):
         return self.apply("__call__", *args, **static)
 

@@ -140,12 +140,16 @@ def measure(unit: Unit) -> UnitMemory:
                       per_device_bytes(unit.weights) if unit.weights is not None else 0, seconds)
 
 
-def split_unit(stage: str, name: str, split, *args, method: str = "__call__", note: str = "", **static) -> Unit:
+def split_unit(stage: str, name: str, split, *args, method: str = "__call__", note: str = "", resident: bool = False,
+               **static) -> Unit:
     """The unit of an :class:`vidax.core.nn.Split` model (an encoder) called as
-    ``split.<method>(*args, **static)``, its state abstract: the same jitted program a stage runs."""
+    ``split.<method>(*args, **static)``, its state abstract: the same jitted program a stage runs
+    (``resident``: compiled with every weight an argument, used or not -- the whole model stays
+    resident while one of its methods runs)."""
     from vidax.core import nn
 
-    return Unit(stage, name, nn._apply, (split._graph, method, tuple(sorted(static.items())), split.state, *args),
+    fn = jax.jit(nn._apply.__wrapped__, static_argnums=(0, 1, 2), keep_unused=True) if resident else nn._apply
+    return Unit(stage, name, fn, (split._graph, method, tuple(sorted(static.items())), split.state, *args),
                 note=note, weights=split.state)
 
 

@@ -495,7 +495,7 @@ def _pil():
     return PIL.Image
 
 
-def _to_rgb_uint8(img) -> np.ndarray:
+def to_rgb_uint8(img) -> np.ndarray:
     """One image -> uint8 [H, W, 3], converted as the reference converts it (alpha onto white)."""
     Image = _pil()
     if isinstance(img, Image.Image):
@@ -548,7 +548,7 @@ def preprocess(images, size: int = 224, crop_size: int = 224, mean=CLIP_MEAN, st
     mean32, std32 = np.asarray(mean, np.float32), np.asarray(std, np.float32)
     out = []
     for img in _as_list(images):
-        a = _to_rgb_uint8(img)
+        a = to_rgb_uint8(img)
         h, w = a.shape[:2]
         short, long = (w, h) if w <= h else (h, w)
         new_short, new_long = size, int(size * long / short)

@@ -263,13 +263,13 @@ def preprocess(images, size: int = 384, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5
     backend) makes them: resize to ``size`` x ``size`` (no aspect preservation, no crop) with PIL
     bicubic, rescale by 1/255, normalise. ``images``: PIL images or uint8 arrays [H, W, C] /
     [B, H, W, C] (an alpha channel is composited onto white). Needs Pillow."""
-    from vidax.text.clip import _as_list, _pil, _to_rgb_uint8
+    from vidax.text.clip import _as_list, _pil, to_rgb_uint8
 
     Image = _pil()
     m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
     out = []
     for img in _as_list(images):
-        a = _to_rgb_uint8(img)
+        a = to_rgb_uint8(img)
         if a.shape[:2] != (size, size):
             a = np.asarray(Image.fromarray(a).resize((size, size), resample=Image.Resampling.BICUBIC))
         x = (a.astype(np.float64) * (1 / 255)).astype(np.float32)

@@ -116,6 +116,27 @@ class KeyMap:
         return out
 
 
+def linear_rules(ref: str, dst: str, bias: bool = True) -> list[tuple[str, str, str]]:
+    """The ``(src, dst, kind)`` rules of one linear layer: ``ref.weight`` -> ``dst.kernel`` (transposed)
+    and, with ``bias``, ``ref.bias`` -> ``dst.bias``."""
+    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+
+
+def int_keys(tree):
+    """A nested dict from a key map's dotted paths with digit-string keys turned into ints (the
+    indices of an ``nnx.List``)."""
+    if isinstance(tree, dict):
+        return {(int(k) if isinstance(k, str) and k.isdigit() else k): int_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def str_keys(tree):
+    """A nested (shape) dict with every key a string (what a key map's dotted paths address)."""
+    if isinstance(tree, dict):
+        return {str(k): str_keys(v) for k, v in tree.items()}
+    return tree
+
+
 def _flatten(tree, prefix=""):
     if isinstance(tree, Mapping):
         for k, v in tree.items():

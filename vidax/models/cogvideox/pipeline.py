@@ -526,8 +526,7 @@ class CogVideoX(Pipeline):
         units.append(vplan.split_unit("decode", "VAE decode, first frame batch", vae, z0, None, method="decode_batch",
                                       conv_impl="native", note=f"{b} x {z0.shape[2]} latent frames of {h}x{w}"))
         if len(batches) > 1:
-            _, cache = jax.eval_shape(partial(nn._apply, vae._graph, "decode_batch", (("conv_impl", "native"),)),
-                                      vae.state, z0, None)
+            _, cache = jax.eval_shape(vae.method_fn("decode_batch", conv_impl="native"), vae.state, z0, None)
             z = vplan.abstract((b, vcfg.latent_channels, cvae.DECODE_BATCH, h, w), np.float32)
             units.append(vplan.split_unit("decode", "VAE decode, next batch + cache", vae, z, cache,
                                           method="decode_batch", conv_impl="native",

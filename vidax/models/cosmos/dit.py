@@ -107,18 +107,6 @@ class CosmosDiTConfig:
             raise ValueError(f"CosmosTransformer3DModel config: extra_pos_embed_type={kw['extra_pos_embed_type']!r}")
         return cls(**kw)
 
-    def to_diffusers(self) -> dict:
-        return dict(in_channels=self.in_channels, out_channels=self.out_channels, num_attention_heads=self.num_heads,
-                    attention_head_dim=self.head_dim, num_layers=self.num_layers, mlp_ratio=self.mlp_ratio,
-                    text_embed_dim=self.text_embed_dim, adaln_lora_dim=self.adaln_lora_dim,
-                    max_size=tuple(self.max_size), patch_size=tuple(self.patch_size),
-                    rope_scale=tuple(self.rope_scale), concat_padding_mask=self.concat_padding_mask,
-                    extra_pos_embed_type=self.extra_pos_embed_type,
-                    use_crossattn_projection=self.use_crossattn_projection,
-                    crossattn_proj_in_channels=self.crossattn_proj_in_channels,
-                    encoder_hidden_states_channels=self.encoder_hidden_states_channels)
-
-
 #: the released sizes (diffusers' conversion configs for Cosmos-2.5-Predict-Base-2B / -14B)
 PRESETS = {
     "tiny": CosmosDiTConfig(num_heads=2, head_dim=12, num_layers=2, text_embed_dim=16, adaln_lora_dim=8,

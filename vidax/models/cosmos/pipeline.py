@@ -50,7 +50,7 @@ from vidax.text import lm
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.weights.source import is_url
-from vidax.models.wan import vae as wvae
+from vidax.models.wan.tiles import TileStages, tiling_option
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def _single_device_step(cfg: cdit.CosmosDiTConfig, sched_key: tuple, use_cfg: bo
     return step
 
 
-class CosmosPredict(wvae.TileStages, Pipeline):
+class CosmosPredict(TileStages, Pipeline):
     """Cosmos-Predict2.5 (2B / 14B) text-, image- and video-to-world on the pipeline protocol, over
     the library methods :meth:`encode_prompts`, :meth:`encode_conditioning`, :meth:`sample_latents`,
     :meth:`decode_frames`."""
@@ -205,7 +205,7 @@ class CosmosPredict(wvae.TileStages, Pipeline):
                choices=(1, 2), stages=("encode", "sample")),
         Option("cond_timestep", float, 1e-4, "the timestep the DiT sees on conditioning frames", minimum=0.0,
                maximum=1.0, stages=("sample",)),
-        wvae.tiling_option(),
+        tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.wan.vae",)
@@ -499,7 +499,7 @@ class CosmosPredict(wvae.TileStages, Pipeline):
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
-        units.append(wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
+        units.append(cvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
                                            devices=self.pool_devices(request, "decode")))
         return units
 
@@ -554,7 +554,7 @@ class CosmosPredict(wvae.TileStages, Pipeline):
                                                 "normalised": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        if span.tile is not None:  # a tile stage of the tiled decode (wvae.TileStages)
+        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
             return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))

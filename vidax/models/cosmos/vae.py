@@ -1,4 +1,5 @@
-"""The Wan VAEs as the Cosmos families use them -- the one place that calls ``vidax.models.wan.vae``.
+"""The Wan VAEs as the Cosmos families use them -- the one place that calls ``vidax.models.wan.vae``
+and its tiled decode (the pipelines' tile stages are :class:`vidax.models.wan.tiles.TileStages`).
 
 Cosmos-Predict2.5 decodes with the Wan2.1 VAE (16 channels, 8x spatial / 4x temporal), Cosmos3 with
 the Wan2.2 VAE (48 channels, 16x spatial / 4x temporal). Both pipelines normalise latents as
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.models.wan import tiles as wtiles
 from vidax.models.wan import vae as wvae
 
 Config = wvae.WanVAEConfig
@@ -72,7 +74,7 @@ def decode_frames(vae, latents: np.ndarray, start: int, stop: int, cache=None, t
     params, cfg = vae
     z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
     if tiling:
-        px, cache = wvae.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
+        px, cache = wtiles.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
         return np.asarray(px, np.float32), {k: np.asarray(v) for k, v in cache.items()}
     if cache is not None:
         cache = {k: jnp.asarray(v) for k, v in cache.items()}
@@ -80,5 +82,21 @@ def decode_frames(vae, latents: np.ndarray, start: int, stop: int, cache=None, t
     return np.asarray(px, np.float32), wvae.cache_to_numpy(cache)
 
 
+def plan_encode_unit(cfg: Config, height: int, width: int):
+    """``vidax plan``'s encode program: the VAE encode of one ``height x width`` conditioning frame."""
+    from functools import partial
+
+    from vidax.core import plan as vplan
+
+    state = wvae.state_from_pure(cfg, wvae.param_shapes(cfg))
+    px = vplan.abstract((1, 3, 1, height, width), np.float32)
+    enc = partial(wvae.encode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl="native")
+    return vplan.Unit("encode", "VAE encode, the image frame", enc, (state, px, None), weights=state,
+                      note="1 conditioning frame")
+
+
+#: ``vidax plan``'s decode program (one latent frame with its cache; ``tiled``: one tile per device)
+plan_decode_unit = wvae.plan_decode_unit
+
 __all__ = ["Config", "TINY_21", "TINY_22", "config_from_folder", "decode", "decode_frames", "encode", "factors", "init",
-           "load"]
+           "load", "plan_decode_unit", "plan_encode_unit"]

@@ -108,10 +108,6 @@ class Cosmos3Config:
             kw["rope_axes_dim"] = tuple(rs.get("mrope_section", (24, 20, 20)))
         return cls(**kw)
 
-    def to_diffusers(self) -> dict:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
-
-
 #: the released Cosmos3 sizes (Nano: Qwen3-VL-8B backbone; Edge: Nemotron-2B-Dense-VL, from the
 #: cosmos-framework release configs; its diffusers checkpoint is not public yet)
 PRESETS = {

@@ -46,7 +46,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
 from vidax.schedulers import from_diffusers_config, make_scheduler
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
-from vidax.models.wan import vae as wvae
+from vidax.models.wan.tiles import TileStages, tiling_option
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _single_device_step(cfg: mot.Cosmos3Config, sched_key: tuple, use_cfg: bool,
     return step
 
 
-class Cosmos3Omni(wvae.TileStages, Pipeline):
+class Cosmos3Omni(TileStages, Pipeline):
     """Cosmos3 (Nano / Edge) text-, image- and video-to-video on the pipeline protocol."""
 
     FAMILY = "cosmos3"
@@ -202,7 +202,7 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
                stages=("encode",)),
         Option("metadata", bool, True, "append the duration and resolution sentences to the prompts",
                stages=("encode",)),
-        wvae.tiling_option(),
+        tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.wan.vae", "vidax.models.cosmos.vae", "vidax.models.cosmos.chat",
@@ -518,13 +518,9 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
 
         b, lu = len(request.prompts), self.PLAN_TEXT_TOKENS
         vcfg = self.vae_config()
-        vstate = wvae.state_from_pure(vcfg, wvae.param_shapes(vcfg))
         units = []
         if getattr(request, "image", None) is not None and request.num_frames > 1:
-            px = vplan.abstract((1, 3, 1, request.height, request.width), np.float32)
-            enc = partial(wvae._encode_chunk_jit, cfg=vcfg, first=True, attn_impl=None, conv_impl="native")
-            units.append(vplan.Unit("encode", "VAE encode, the image frame", enc, (vstate, px, None), weights=vstate,
-                                    note="1 conditioning frame"))
+            units.append(cvae.plan_encode_unit(vcfg, request.height, request.width))
         cfg = self.model_config()
         runner = mot.Cosmos3Runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance != 1.0 else b
@@ -546,7 +542,7 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
                                  tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
-        units.append(wvae.plan_decode_unit(vcfg, b, h, w, tiled=tiled,
+        units.append(cvae.plan_decode_unit(vcfg, b, h, w, tiled=tiled,
                                            devices=self.pool_devices(request, "decode")))
         return units
 
@@ -608,7 +604,7 @@ class Cosmos3Omni(wvae.TileStages, Pipeline):
                                                 "normalised": True})}
 
     def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        if span.tile is not None:  # a tile stage of the tiled decode (wvae.TileStages)
+        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
             return self.decode_tile_span(latents, span, carry, request)
         a, b = span.frames
         frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))

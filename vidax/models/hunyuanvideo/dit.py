@@ -38,7 +38,6 @@ families to reuse.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -56,8 +55,7 @@ from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
-from vidax.weights.io import LazyTensor
+from vidax.weights import load_params, open_checkpoint
 
 F32 = jnp.float32
 IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
@@ -891,257 +889,25 @@ class HunyuanVideoRunner:
 
 
 # ----------------------------------------------------------------------------------- checkpoints
-class _Derived:
-    """A tensor computed on the host from other checkpoint tensors when it is read (a split of a
-    fused projection, a reordered modulation): ``shape`` known up front, data on ``__array__``."""
-
-    def __init__(self, name: str, shape, fn, *sources):
-        self.name, self.shape, self.fn, self.sources = name, tuple(shape), fn, sources
-
-    def __array__(self, dtype=None, copy=None):
-        arrs = [s.read() if isinstance(s, LazyTensor) else np.asarray(s) for s in self.sources]
-        a = np.asarray(self.fn(*arrs))
-        if tuple(a.shape) != self.shape:
-            raise ValueError(f"{self.name}: derived shape {a.shape}, expected {self.shape}")
-        return a if dtype is None else a.astype(dtype)
-
-
-class _View(dict):
-    """A checkpoint (name -> tensor) view; ``source`` names it in errors."""
-
-    def __init__(self, items, source):
-        super().__init__(items)
-        self.source = source
-
-
-def _split_proj_out(ckpt, dim: int):
-    """diffusers names -> the names :func:`diffusers_keymap` reads: each single block's
-    ``proj_out.weight`` [D, D + mlp] becomes ``proj_out.weight:attn`` [D, D] and ``:mlp``."""
-    out = {}
-    for name in ckpt:
-        t = ckpt[name]
-        m = re.fullmatch(r"single_transformer_blocks\.(\d+)\.proj_out\.weight", name)
-        if m and len(t.shape) == 2 and t.shape[1] > dim:
-            o, i = t.shape
-            out[name + ":attn"] = _Derived(name + ":attn", (o, dim), lambda a: a[:, :dim], t)
-            out[name + ":mlp"] = _Derived(name + ":mlp", (o, i - dim), lambda a: a[:, dim:], t)
-        else:
-            out[name] = t
-    return _View(out, getattr(ckpt, "source", "checkpoint"))
-
-
-def _linear(ref: str, dst: str, bias: bool = True):
-    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
-
-
-def diffusers_keymap(cfg: HunyuanVideoConfig) -> KeyMap:
-    """diffusers ``HunyuanVideoTransformer3DModel`` names (after :func:`_split_proj_out`) -> state paths."""
-    tte, ce = "time_text_embed", "context_embedder"
-    top = [("x_embedder.proj.weight", "embed.patch.kernel", "conv3d"), ("x_embedder.proj.bias", "embed.patch.bias", "none"),
-           *_linear(f"{tte}.timestep_embedder.linear_1", "embed.time_in.l1"),
-           *_linear(f"{tte}.timestep_embedder.linear_2", "embed.time_in.l2"),
-           *_linear(f"{tte}.text_embedder.linear_1", "embed.vec_in.l1"),
-           *_linear(f"{tte}.text_embedder.linear_2", "embed.vec_in.l2"),
-           *_linear(f"{tte}.guidance_embedder.linear_1", "embed.guidance_in.l1"),
-           *_linear(f"{tte}.guidance_embedder.linear_2", "embed.guidance_in.l2"),
-           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_1", "embed.refiner.time_in.l1"),
-           *_linear(f"{ce}.time_text_embed.timestep_embedder.linear_2", "embed.refiner.time_in.l2"),
-           *_linear(f"{ce}.time_text_embed.text_embedder.linear_1", "embed.refiner.text_in.l1"),
-           *_linear(f"{ce}.time_text_embed.text_embedder.linear_2", "embed.refiner.text_in.l2"),
-           *_linear(f"{ce}.proj_in", "embed.refiner.proj_in"),
-           *_linear("norm_out.linear", "head.mod"), *_linear("proj_out", "head.proj")]
-    rb = f"{ce}.token_refiner.refiner_blocks.{{i}}"
-    refiner = [(f"{rb}.norm1.weight", "embed.refiner.blocks.norm1.scale", "none"),
-               (f"{rb}.norm1.bias", "embed.refiner.blocks.norm1.bias", "none"),
-               (f"{rb}.norm2.weight", "embed.refiner.blocks.norm2.scale", "none"),
-               (f"{rb}.norm2.bias", "embed.refiner.blocks.norm2.bias", "none")]
-    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):
-        refiner += _linear(f"{rb}.attn.{ref}", f"embed.refiner.blocks.{n}")
-    refiner += _linear(f"{rb}.ff.net.0.proj", "embed.refiner.blocks.up") + _linear(f"{rb}.ff.net.2", "embed.refiner.blocks.down")
-    refiner += _linear(f"{rb}.norm_out.linear", "embed.refiner.blocks.ada")
-    db = "transformer_blocks.{i}"
-    double = [*_linear(f"{db}.norm1.linear", "double.mod"), *_linear(f"{db}.norm1_context.linear", "double.mod_ctx")]
-    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("add_q", "add_q_proj"),
-                   ("add_k", "add_k_proj"), ("add_v", "add_v_proj"), ("add_o", "to_add_out")):
-        double += _linear(f"{db}.attn.{ref}", f"double.{n}")
-    for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-        double.append((f"{db}.attn.{n}.weight", f"double.{n}.scale", "none"))
-    double += [*_linear(f"{db}.ff.net.0.proj", "double.ff_up"), *_linear(f"{db}.ff.net.2", "double.ff_down"),
-               *_linear(f"{db}.ff_context.net.0.proj", "double.ffc_up"), *_linear(f"{db}.ff_context.net.2", "double.ffc_down")]
-    sb = "single_transformer_blocks.{i}"
-    single = [*_linear(f"{sb}.norm.linear", "single.mod"), *_linear(f"{sb}.proj_mlp", "single.mlp"),
-              (f"{sb}.attn.norm_q.weight", "single.norm_q.scale", "none"),
-              (f"{sb}.attn.norm_k.weight", "single.norm_k.scale", "none"),
-              (f"{sb}.proj_out.weight:attn", "single.out_attn.kernel", "linear"),
-              (f"{sb}.proj_out.bias", "single.out_attn.bias", "none"),
-              (f"{sb}.proj_out.weight:mlp", "single.out_mlp.kernel", "linear")]
-    for n, ref in (("q", "to_q"), ("k", "to_k"), ("v", "to_v")):
-        single += _linear(f"{sb}.attn.{ref}", f"single.{n}")
-    return KeyMap([Rule(s, d, k) for s, d, k in top + refiner + double + single])
-
-
-# The original release (tencent/HunyuanVideo ``mp_rank_00_model_states.pt``) names, as plain
-# renames (applied in order to a name's pieces) plus fused tensors split on the host.
-_ORIGINAL_RENAMES = (
-    ("img_in.proj", "x_embedder.proj"),
-    ("time_in.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
-    ("time_in.mlp.2", "time_text_embed.timestep_embedder.linear_2"),
-    ("guidance_in.mlp.0", "time_text_embed.guidance_embedder.linear_1"),
-    ("guidance_in.mlp.2", "time_text_embed.guidance_embedder.linear_2"),
-    ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
-    ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
-    ("txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
-    ("txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
-    ("txt_in.c_embedder.linear_1", "context_embedder.time_text_embed.text_embedder.linear_1"),
-    ("txt_in.c_embedder.linear_2", "context_embedder.time_text_embed.text_embedder.linear_2"),
-    ("txt_in.input_embedder", "context_embedder.proj_in"),
-    ("final_layer.linear", "proj_out"),
-)
-_ORIGINAL_BLOCK_RENAMES = {  # per block kind: original piece -> diffusers piece
-    "double_blocks": {
-        "img_mod.linear": "norm1.linear", "txt_mod.linear": "norm1_context.linear",
-        "img_attn_q_norm": "attn.norm_q", "img_attn_k_norm": "attn.norm_k", "img_attn_proj": "attn.to_out.0",
-        "txt_attn_q_norm": "attn.norm_added_q", "txt_attn_k_norm": "attn.norm_added_k", "txt_attn_proj": "attn.to_add_out",
-        "img_mlp.fc1": "ff.net.0.proj", "img_mlp.fc2": "ff.net.2", "txt_mlp.fc1": "ff_context.net.0.proj",
-        "txt_mlp.fc2": "ff_context.net.2"},
-    "single_blocks": {"modulation.linear": "norm.linear", "linear2": "proj_out", "q_norm": "attn.norm_q",
-                      "k_norm": "attn.norm_k"},
-    "txt_in.individual_token_refiner.blocks": {
-        "self_attn_proj": "attn.to_out.0", "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2",
-        "adaLN_modulation.1": "norm_out.linear"},
-}
-_BLOCK_PREFIX = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks",
-                 "txt_in.individual_token_refiner.blocks": "context_embedder.token_refiner.refiner_blocks"}
-_QKV = {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-        "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-        "self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v")}
-_BLOCK_RE = re.compile(r"(double_blocks|single_blocks|txt_in\.individual_token_refiner\.blocks)\.(\d+)\.(.+)\.(weight|bias)")
-
-
-def _is_original(names) -> bool:
-    return any(n.startswith(("double_blocks.", "single_blocks.", "img_in.")) for n in names)
-
-
-def original_to_diffusers(ckpt, cfg: HunyuanVideoConfig) -> _View:
-    """The original release's tensors under diffusers names (lazily: fused q/k/v and q/k/v/MLP
-    projections split, the final modulation's (shift, scale) swapped to (scale, shift), when read)."""
-    d = cfg.dim
-    out = {}
-    for name in ckpt:
-        t = ckpt[name]
-        m = _BLOCK_RE.fullmatch(name)
-        if m:
-            kind, i, mid, wb = m.groups()
-            base = f"{_BLOCK_PREFIX[kind]}.{i}"
-            if mid in _QKV:
-                n3 = t.shape[0] // 3
-                for j, nm in enumerate(_QKV[mid]):
-                    key = f"{base}.{nm}.{wb}"
-                    out[key] = _Derived(key, (n3, *t.shape[1:]), lambda a, j=j, n3=n3: a[j * n3:(j + 1) * n3], t)
-            elif kind == "single_blocks" and mid == "linear1":
-                for nm, a0, a1 in (("attn.to_q", 0, d), ("attn.to_k", d, 2 * d), ("attn.to_v", 2 * d, 3 * d),
-                                   ("proj_mlp", 3 * d, t.shape[0])):
-                    key = f"{base}.{nm}.{wb}"
-                    out[key] = _Derived(key, (a1 - a0, *t.shape[1:]), lambda a, a0=a0, a1=a1: a[a0:a1], t)
-            else:
-                out[f"{base}.{_ORIGINAL_BLOCK_RENAMES[kind].get(mid, mid)}.{wb}"] = t
-            continue
-        if name.startswith("final_layer.adaLN_modulation.1."):
-            key = "norm_out.linear." + name.rsplit(".", 1)[1]
-            half = t.shape[0] // 2
-            out[key] = _Derived(key, t.shape, lambda a, h=half: np.concatenate([a[h:], a[:h]], axis=0), t)
-            continue
-        new = name
-        for a, b in _ORIGINAL_RENAMES:
-            if new.startswith(a + "."):
-                new = b + new[len(a):]
-                break
-        out[new] = t
-    return _View(out, getattr(ckpt, "source", "checkpoint"))
-
-
-def diffusers_to_original_names(cfg: HunyuanVideoConfig, sd: dict) -> dict:
-    """A diffusers state dict (numpy) re-packed under the original release's names and fusions
-    (the inverse of :func:`original_to_diffusers`; tests build original-format files with it)."""
-    prefix_inv = {v: k for k, v in _BLOCK_PREFIX.items()}
-    block_re = re.compile(r"(transformer_blocks|single_transformer_blocks|context_embedder\.token_refiner\.refiner_blocks)"
-                          r"\.(\d+)\.(.+)\.(weight|bias)")
-    out, done = {}, set()
-    for name, a in sd.items():
-        if name in done:
-            continue
-        m = block_re.fullmatch(name)
-        if m:
-            kind, i, mid, wb = m.groups()
-            okind = prefix_inv[kind]
-            base = f"{kind}.{i}"
-            fused = None
-            if okind == "single_blocks" and mid in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"):
-                fused = ("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
-            elif mid in _QKV["txt_attn_qkv"]:
-                fused = ("txt_attn_qkv", _QKV["txt_attn_qkv"])
-            elif mid in _QKV["img_attn_qkv"]:
-                fused = ("img_attn_qkv" if okind == "double_blocks" else "self_attn_qkv", _QKV["img_attn_qkv"])
-            if fused is not None:
-                srcs = [f"{base}.{p}.{wb}" for p in fused[1]]
-                out[f"{okind}.{i}.{fused[0]}.{wb}"] = np.concatenate([sd[s_] for s_ in srcs], axis=0)
-                done.update(srcs)
-                continue
-            inv = {v: k for k, v in _ORIGINAL_BLOCK_RENAMES[okind].items()}
-            out[f"{okind}.{i}.{inv.get(mid, mid)}.{wb}"] = a
-            continue
-        if name.startswith("norm_out.linear."):
-            h = a.shape[0] // 2
-            out["final_layer.adaLN_modulation.1." + name.rsplit(".", 1)[1]] = np.concatenate([a[h:], a[:h]], axis=0)
-            continue
-        new = name
-        for orig, dif in _ORIGINAL_RENAMES:
-            if new.startswith(dif + "."):
-                new = orig + new[len(dif):]
-                break
-        out[new] = a
-    return out
-
-
-def config_from_original(ckpt) -> HunyuanVideoConfig:
-    """The DiT config from an original-release checkpoint's tensor shapes (head_dim 128, as every
-    HunyuanVideo release)."""
-    sh = {k: tuple(v.shape) for k, v in ckpt.items()}
-    d, cin, pt, ph, _ = sh["img_in.proj.weight"]
-    n_double = 1 + max(int(k.split(".")[1]) for k in sh if k.startswith("double_blocks."))
-    n_single = 1 + max(int(k.split(".")[1]) for k in sh if k.startswith("single_blocks."))
-    n_ref = 1 + max(int(k.split(".")[3]) for k in sh if k.startswith("txt_in.individual_token_refiner.blocks."))
-    out = sh["final_layer.linear.weight"][0] // (pt * ph * ph)
-    mlp = sh["double_blocks.0.img_mlp.fc1.weight"][0]
-    head_dim = sh["double_blocks.0.img_attn_q_norm.weight"][0]
-    if head_dim != 128:
-        raise ValueError(f"original checkpoint with head_dim {head_dim}: its rope_axes_dim cannot be inferred "
-                         f"(the releases use 128 = 16 + 56 + 56); pass the config")
-    return HunyuanVideoConfig(
-        in_channels=cin, out_channels=out, num_heads=d // head_dim, head_dim=head_dim, num_layers=n_double,
-        num_single_layers=n_single, num_refiner_layers=n_ref, mlp_ratio=mlp / d, patch_size=ph, patch_size_t=pt,
-        guidance_embeds="guidance_in.mlp.0.weight" in sh, text_embed_dim=sh["txt_in.input_embedder.weight"][1],
-        pooled_projection_dim=sh["vector_in.in_layer.weight"][1],
-        image_condition_type="latent_concat" if cin == 2 * out + 1 else None)
-
-
 def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
     """DiT weights from a diffusers folder (config.json + safetensors) or an original-release
     checkpoint (``mp_rank_00_model_states.pt`` or a safetensors file with its names). Returns
     ``(state, cfg)``: the abstract state filled tensor by tensor with host numpy (cast on the host)."""
+    from vidax.models.hunyuanvideo import convert  # (it imports this module's config)
+
     path = Path(path)
     if cfg is None and path.is_dir() and (path / "config.json").exists():
         cfg = HunyuanVideoConfig.from_diffusers(compat.read_config(path))
     ckpt = open_checkpoint(path)
-    if _is_original(list(ckpt)):
+    if convert.is_original(list(ckpt)):
         if cfg is None:
-            cfg = config_from_original(ckpt)
-        ckpt = original_to_diffusers(ckpt, cfg)
+            cfg = convert.config_from_original(ckpt)
+        ckpt = convert.original_to_diffusers(ckpt, cfg)
     elif cfg is None:
         raise ValueError(f"{path}: no config.json; pass the model config")
-    view = _split_proj_out(ckpt, cfg.dim)
+    view = convert.split_proj_out(ckpt, cfg.dim)
     what = f"HunyuanVideoTransformer3DModel (dim {cfg.dim}, {cfg.num_layers}+{cfg.num_single_layers} blocks)"
-    pure = load_params(view, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
+    pure = load_params(view, convert.diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
     return nn.fill(abstract_state(cfg, dtype), pure), cfg
 
 

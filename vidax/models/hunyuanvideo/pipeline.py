@@ -313,7 +313,7 @@ class HunyuanVideoT2V(Pipeline):
         """The image as LLaVA's CLIP image processor prepares it, [1, 3, S, S]."""
         from vidax.text import clip as clipmod
 
-        rgb = clipmod._to_rgb_uint8(image)
+        rgb = clipmod.to_rgb_uint8(image)
         pre = {}
         if self.preset:
             s = self.preset.vision.image_size
@@ -333,7 +333,7 @@ class HunyuanVideoT2V(Pipeline):
         """The image's latent, scaled as the DiT sees it: [1, C, 1, h, w] (posterior mode x scaling_factor)."""
         from vidax.text import clip as clipmod
 
-        px = resize_for_vae(clipmod._to_rgb_uint8(image), height, width)[None, :, None]
+        px = resize_for_vae(clipmod.to_rgb_uint8(image), height, width)[None, :, None]
         return self.encode_pixels(px, vae, tiling)
 
     def encode_pixels(self, video, vae=None, tiling: bool = True) -> np.ndarray:

@@ -1,23 +1,5 @@
-"""HunyuanVideo causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo``) as Flax NNX modules.
-
-Unlike Wan's VAE this one carries no causal cache from chunk to chunk: every causal conv pads its
-input's first frame (replicate) and the GroupNorms and the mid-block attention see the whole
-chunk, so the reference decodes long videos as *overlapping temporal tiles* (5 latent frames every
-3), each decoded alone, the first decoded frame of every later tile dropped and the 4 frames where
-consecutive tiles overlap cross-faded; above a size, each tile is itself decoded as overlapping
-spatial tiles (256 px every 192, 64 px cross-faded). Encoding mirrors it. vidax reproduces those
-rules exactly (:class:`Tiling`, defaults = the reference's):
-
-- :func:`decode` / :func:`encode`: the reference's ``decode`` / ``encode`` (posterior mean);
-- :func:`temporal_tiles` + :func:`decode_tiles`: a contiguous range of temporal tiles, given the
-  tail of the previous (cross-faded) tile, returns its frames and its own tail -- a persisted
-  decode stage, the tail its carry; the stages' frames concatenate to :func:`decode`'s, bitwise.
-
-Each tile (spatial or temporal) is one call of one jitted program (``Split.apply``), compiled once
-per tile shape (a few edge shapes at most); the loops over tiles are Python. Channels-last inside
-(``[B, T, H, W, C]``); the public functions take and return the reference layout
-``[B, C, T, H, W]``.
-"""
+"""HunyuanVideo causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo``) as Flax NNX modules, with the
+reference's temporal and spatial tiling (design notes: this family's README.md, "VAE")."""
 from __future__ import annotations
 
 import warnings
@@ -32,7 +14,8 @@ from flax import nnx
 from vidax import compat
 from vidax.core import conv as vconv
 from vidax.core import nn
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.core import tiles as vtiles
+from vidax.weights import KeyMap, Rule, int_keys, load_params, open_checkpoint, str_keys
 
 F32 = jnp.float32
 
@@ -377,48 +360,6 @@ def _build(cfg, dtype=np.float32):
 
 
 # ----------------------------------------------------------------------------------- tiling
-def _blend(a, b, extent: int, axis: int):
-    """The reference's ``blend_v/h/t``: ``b``'s first ``extent`` entries along ``axis`` fade from
-    ``a``'s last ``extent`` (numpy, in place on a copy of ``b``)."""
-    extent = min(a.shape[axis], b.shape[axis], extent)
-    if extent <= 0:
-        return b
-    b = b.copy()
-    w = (np.arange(extent, dtype=np.float64) / extent).astype(np.float32)
-    shape = [1] * b.ndim
-    shape[axis] = extent
-    w = w.reshape(shape)
-    tail = np.take(a, np.arange(a.shape[axis] - extent, a.shape[axis]), axis=axis)
-    head = np.take(b, np.arange(extent), axis=axis)
-    idx = [slice(None)] * b.ndim
-    idx[axis] = slice(0, extent)
-    b[tuple(idx)] = tail * (1 - w) + head * w
-    return b
-
-
-def _spatial_tiled(fn, x, tile: int, stride: int, out_tile: int, out_stride: int, out_h: int, out_w: int):
-    """The reference's ``tiled_decode`` / ``tiled_encode`` over channels-last arrays: tiles of
-    ``tile`` at ``stride`` (input units) through ``fn``, cross-faded over ``out_tile - out_stride``
-    (output units), cropped to ``out_stride`` each, joined and cropped to ``(out_h, out_w)``."""
-    h, w = x.shape[2], x.shape[3]
-    blend = out_tile - out_stride
-    rows = []
-    for i in range(0, h, stride):
-        rows.append([np.asarray(fn(x[:, :, i:i + tile, j:j + tile])) for j in range(0, w, stride)])
-    out_rows = []
-    for i, row in enumerate(rows):
-        parts = []
-        for j, t in enumerate(row):
-            if i > 0:
-                t = _blend(rows[i - 1][j], t, blend, 2)
-            if j > 0:
-                t = _blend(row[j - 1], t, blend, 3)
-            row[j] = t  # the reference blends in place: later neighbours see the blended tile
-            parts.append(t[:, :, :out_stride, :out_stride])
-        out_rows.append(np.concatenate(parts, axis=3))
-    return np.concatenate(out_rows, axis=2)[:, :, :out_h, :out_w]
-
-
 def _decode_one(vae: nn.Split, z, tiling: Tiling):
     """``_decode`` of one temporal tile (channels-last numpy in and out): spatially tiled when
     tiling is on and the tile is larger than a spatial tile."""
@@ -429,8 +370,8 @@ def _decode_one(vae: nn.Split, z, tiling: Tiling):
     if tiling.spatial and (z.shape[3] > tw or z.shape[2] > th):
         if tiling.min_h != tiling.min_w or tiling.stride_h != tiling.stride_w:
             raise ValueError("spatial tiling: non-square tiles are not supported")
-        return _spatial_tiled(fn, z, th, tiling.stride_h // s, tiling.min_h, tiling.stride_h,
-                              z.shape[2] * s, z.shape[3] * s)
+        return vtiles.spatial_tiled(fn, z, th, tiling.stride_h // s, tiling.min_h, tiling.stride_h,
+                                    z.shape[2] * s, z.shape[3] * s)
     return np.asarray(fn(z))
 
 
@@ -471,7 +412,7 @@ def decode_tiles(vae: nn.Split, z, first: int, stop: int, tail=None, tiling: Til
             px = px[:, 1:]
             if tail is None:
                 raise ValueError(f"decode_tiles: tile {k} needs the previous tile's tail")
-            px = _blend(tail, px, blend, 1)
+            px = vtiles.blend(tail, px, blend, 1)
         start = 0 if k == 0 else keep0 + (k - 1) * keep  # this tile's first output frame
         kept = px[:, :keep0 if k == 0 else keep]
         out.append(kept[:, :max(0, total - start)])
@@ -494,8 +435,8 @@ def _encode_one(vae: nn.Split, x, tiling: Tiling):
     if tiling.spatial and (x.shape[3] > tiling.min_w or x.shape[2] > tiling.min_h):
         if tiling.min_h != tiling.min_w or tiling.stride_h != tiling.stride_w:
             raise ValueError("spatial tiling: non-square tiles are not supported")
-        return _spatial_tiled(fn, x, tiling.min_h, tiling.stride_h, tiling.min_h // s, tiling.stride_h // s,
-                              x.shape[2] // s, x.shape[3] // s)
+        return vtiles.spatial_tiled(fn, x, tiling.min_h, tiling.stride_h, tiling.min_h // s, tiling.stride_h // s,
+                                    x.shape[2] // s, x.shape[3] // s)
     return np.asarray(fn(x))
 
 
@@ -517,7 +458,7 @@ def encode_moments(vae: nn.Split, x, tiling: Tiling = Tiling()) -> np.ndarray:
     out = []
     for k, m in enumerate(row):
         if k > 0:
-            m = _blend(row[k - 1], m, blend, 1)
+            m = vtiles.blend(row[k - 1], m, blend, 1)
             row[k] = m
             out.append(m[:, :t_stride])
         else:
@@ -557,15 +498,6 @@ def keymap(cfg: HunyuanVAEConfig) -> KeyMap:
     return KeyMap(rules)
 
 
-def _pure(flat: dict) -> dict:
-    """Nested dict from the keymap's dotted paths, list indices as ints (``nnx.List``)."""
-    def fix(d):
-        if isinstance(d, dict):
-            return {(int(k) if isinstance(k, str) and k.isdigit() else k): fix(v) for k, v in d.items()}
-        return d
-    return fix(flat)
-
-
 def load_vae(path, cfg: HunyuanVAEConfig | None = None, dtype=np.float32) -> nn.Split:
     """A diffusers ``vae/`` folder (config.json + safetensors) or the original release's
     ``pytorch_model.pt`` (same tensor names, an optional ``vae.`` prefix) -> the split VAE."""
@@ -580,16 +512,9 @@ def load_vae(path, cfg: HunyuanVAEConfig | None = None, dtype=np.float32) -> nn.
     if names and all(n.startswith("vae.") for n in names):
         ckpt = {n.removeprefix("vae."): ckpt[n] for n in names}
     shapes = nn.shapes(lambda: _build(cfg, dtype))
-    flat = load_params(ckpt, keymap(cfg), _flat_shapes(shapes), dtype=dtype,
+    flat = load_params(ckpt, keymap(cfg), str_keys(shapes), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo (channels {cfg.block_out_channels})")
-    return nn.Split.from_pure(lambda: _build(cfg, dtype), _pure(flat))
-
-
-def _flat_shapes(shapes: dict) -> dict:
-    """The pure shape dict with string keys (what the key map's dotted paths address)."""
-    if isinstance(shapes, dict):
-        return {str(k): _flat_shapes(v) for k, v in shapes.items()}
-    return shapes
+    return nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat))
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -336,9 +336,9 @@ class HunyuanVideo15T2V(Pipeline):
         """``(SigLIP tokens [1, N, D], image latent [1, C, 1, h, w] scaled)`` of the image resized
         and centre-cropped to (height, width) as the reference does."""
         from vidax.text import siglip
-        from vidax.text.clip import _to_rgb_uint8
+        from vidax.text.clip import to_rgb_uint8
 
-        rgb = resize_crop(_to_rgb_uint8(image), height, width)
+        rgb = resize_crop(to_rgb_uint8(image), height, width)
         emb = np.asarray(self.load_image_encoder()(siglip.preprocess(rgb, **self._siglip_preprocess()))["last_hidden_state"],
                          np.float32)
         vae = vae or self.load_vae()
@@ -487,8 +487,6 @@ class HunyuanVideo15T2V(Pipeline):
         frame, one unit per decoder level (each level is its own compiled call) of the program a
         decode stage repeats: a later temporal chunk of ``vae_chunk`` latent frames with the
         causal state it reads (all latent frames at once without chunks)."""
-        from functools import partial
-
         from vidax.core import nn
         from vidax.core import plan as vplan
         from vidax.text import lm, siglip, t5
@@ -507,10 +505,9 @@ class HunyuanVideo15T2V(Pipeline):
         vcfg, tiling = self.vae_config(), bool(request.options.get("vae_tiling", True))
         vae = nn.Split(*nn.abstract_state(lambda: hvae._build(vcfg)), vcfg)
         s, til = vcfg.spatial_compression_ratio, self.tiling(tiling)
-        whole = jax.jit(nn._apply.__wrapped__, static_argnums=(0, 1, 2), keep_unused=True)
 
         def vae_unit(*a, **k):  # the whole VAE stays resident while one of its programs runs
-            return replace(vplan.split_unit(*a, **k), fn=whole)
+            return vplan.split_unit(*a, resident=True, **k)
 
         if vis_cfg is not None:
             px = vplan.abstract((1, 3, vis_cfg.image_size, vis_cfg.image_size), np.float32)
@@ -541,12 +538,12 @@ class HunyuanVideo15T2V(Pipeline):
             for i in range(levels):
                 units.append(vae_unit("decode", f"VAE decode level {i}", vae, x, method="decode_level", level=i,
                                       note=f"{b} x {f} latent frames of {h}x{w}{what}"))
-                x = jax.eval_shape(partial(nn._apply, vae._graph, "decode_level", (("level", i),)), vae.state, x)
+                x = jax.eval_shape(vae.method_fn("decode_level", level=i), vae.state, x)
             return units
         # a later chunk (the first reads no state and makes fewer frames): its input, the causal
         # state the previous chunk left (what the first one returns) and the chunk's offset
         kv, off = -(-f // chunk) * chunk, vplan.abstract((), np.int32)
-        fn = lambda i: partial(nn._apply, vae._graph, "decode_level_chunk", (("kv_frames", kv), ("level", i)))  # noqa: E731
+        fn = lambda i: vae.method_fn("decode_level_chunk", kv_frames=kv, level=i)  # noqa: E731
         x = x0 = vplan.abstract((b, chunk, h, w, c), np.float32)
         for i in range(levels):
             x0, st = jax.eval_shape(fn(i), vae.state, x0, None, off)
@@ -691,9 +688,9 @@ class HunyuanVideo15T2V(Pipeline):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if height is None or width is None:
             if self.image_to_video:
-                from vidax.text.clip import _to_rgb_uint8
+                from vidax.text.clip import to_rgb_uint8
 
-                ih, iw = _to_rgb_uint8(image).shape[:2]
+                ih, iw = to_rgb_uint8(image).shape[:2]
                 height, width = self.size_for_image(ih, iw)
             else:
                 height, width = self.size_for_image(9, 16)

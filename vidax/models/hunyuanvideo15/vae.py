@@ -1,31 +1,5 @@
-"""HunyuanVideo 1.5 causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo15``) as Flax NNX modules.
-
-32 latent channels, 16x spatial and 4x temporal compression. Every conv is causal in time
-(replicate padding), the norms are per-position RMS norms over channels and the mid-block
-attention is frame-causal, so the decoder is **causal**: the frames decoded from latent frames
-``[0, b)`` are the first frames of the whole video's decode. The resamplers are DC-AE style
-(space/time to channels and back, with an averaged / repeated shortcut), the first latent frame
-resampled in space only.
-
-- :func:`decode` / :func:`encode`: the reference's ``decode`` / ``encode`` (posterior mean), with
-  its spatial tiling when :class:`Tiling` ``.spatial`` is on (the reference's ``enable_tiling``:
-  tiles of ``sample // 16`` latents every ``(1 - overlap)`` of that, cross-faded linearly over
-  ``overlap`` of the sample tile) -- equal to the reference's tiled decode / encode;
-- the decoder runs **staged**: ``conv_in + mid block``, each up block, ``norm + conv_out``, each
-  one compiled call (``Split.apply`` with a static ``level``), so no single program holds the
-  whole decoder at full resolution;
-- and **temporally chunked** (``chunk``, :func:`decode_tile`): a few latent frames per call, each
-  level carrying its causal state (every causal conv's last input frames, the mid attention's
-  keys and values) to the next chunk -- equal to the all-frames decode, which the reference runs;
-- :func:`tile_grid` / :func:`assemble_tiles`: the reference's tiles and its in-place linear
-  cross-fade, apart, so each tile can be a persisted decode stage blended at mux;
-- :func:`decode_frames`: the pixel frames of latent frames ``[a, b)`` (a persisted decode stage),
-  cut from a causal decode that holds them -- the stages' frames concatenate to :func:`decode`'s.
-
-Channels-last inside (``[B, T, H, W, C]``); the public functions take and return the reference
-layout ``[B, C, T, H, W]``. The causal conv, the plain conv, the frame-causal attention and the
-tile cross-fade are HunyuanVideo 1.0's (:mod:`vidax.models.hunyuanvideo.vae`).
-"""
+"""HunyuanVideo 1.5 causal 3D VAE (diffusers ``AutoencoderKLHunyuanVideo15``) as Flax NNX modules: staged,
+temporally chunked and spatially tiled decode (design notes: this family's README.md, "VAE")."""
 from __future__ import annotations
 
 import math
@@ -42,7 +16,8 @@ from vidax import compat
 from vidax.core import nn
 from vidax.models.hunyuanvideo import vae as h10
 from vidax.models.hunyuanvideo.vae import CausalConv3d, Conv3d
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.core.tiles import blend_grid, spatial_tiled
+from vidax.weights import KeyMap, Rule, int_keys, load_params, open_checkpoint, str_keys, view_of
 
 F32 = jnp.float32
 
@@ -69,9 +44,6 @@ class HunyuanVideo15VAEConfig:
     def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15VAEConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in names})
-
-    def to_diffusers(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def down_levels(self) -> list[tuple[int, int | None, bool]]:
         """Per encoder level: ``(out channels, downsample out channels or None, temporal)``."""
@@ -483,20 +455,7 @@ def assemble_tiles(rows, tiling: Tiling, out_h: int, out_w: int) -> np.ndarray:
     ``(out_h, out_w)``."""
     blend = int(tiling.sample * tiling.overlap)
     keep = tiling.sample - blend
-    rows = [list(r) for r in rows]
-    out_rows = []
-    for i, row in enumerate(rows):
-        parts = []
-        for j, t in enumerate(row):
-            t = np.asarray(t)
-            if i > 0:
-                t = h10._blend(rows[i - 1][j], t, blend, 2)
-            if j > 0:
-                t = h10._blend(row[j - 1], t, blend, 3)
-            row[j] = t
-            parts.append(t[:, :, :keep, :keep])
-        out_rows.append(np.concatenate(parts, axis=3))
-    return np.concatenate(out_rows, axis=2)[:, :, :out_h, :out_w]
+    return blend_grid([list(r) for r in rows], blend, keep, (2, 3))[:, :, :out_h, :out_w]
 
 
 def _decode_spatial(vae: nn.Split, z, tiling: Tiling, chunk: int | None = None, total: int | None = None):
@@ -549,8 +508,8 @@ def encode_moments(vae: nn.Split, x, tiling: Tiling = Tiling()) -> np.ndarray:
     if tiling.spatial and (x.shape[2] > tiling.sample or x.shape[3] > tiling.sample):
         lt = tiling.latent_tile(s)
         blend = int(lt * tiling.overlap)
-        m = h10._spatial_tiled(fn, x, tiling.sample, int(tiling.sample * (1 - tiling.overlap)), lt, lt - blend,
-                               x.shape[2] // s, x.shape[3] // s)
+        m = spatial_tiled(fn, x, tiling.sample, int(tiling.sample * (1 - tiling.overlap)), lt, lt - blend,
+                          x.shape[2] // s, x.shape[3] // s)
     else:
         m = fn(x)
     return m.transpose(0, 4, 1, 2, 3)
@@ -611,7 +570,7 @@ def original_name(name: str) -> str:
 
 def param_shapes(cfg: HunyuanVideo15VAEConfig, dtype=np.float32) -> dict:
     """Every parameter's shape, keyed as the key map's dotted paths address them."""
-    return h10._flat_shapes(nn.shapes(lambda: _build(cfg, dtype)))
+    return str_keys(nn.shapes(lambda: _build(cfg, dtype)))
 
 
 def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32) -> nn.Split:
@@ -624,16 +583,10 @@ def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32)
     ckpt = open_checkpoint(path)
     names = list(ckpt)
     if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        ckpt = h10_view({original_name(n): ckpt[n] for n in names}, ckpt)
+        ckpt = view_of({original_name(n): ckpt[n] for n in names}, ckpt)
     flat = load_params(ckpt, keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo15 (channels {cfg.block_out_channels})")
-    return nn.Split.from_pure(lambda: _build(cfg, dtype), h10._pure(flat))
-
-
-def h10_view(items: dict, ckpt):
-    from vidax.models.hunyuanvideo.dit import _View
-
-    return _View(items, getattr(ckpt, "source", "checkpoint"))
+    return nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat))
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -171,10 +171,6 @@ class Downsample2d(nnx.Module):
         return self.conv(jnp.pad(x, ((0, 0), (t, b), (l, r), (0, 0))))
 
 
-def _levels(cfg):
-    return [cfg.base_channels * m for m in cfg.ch_mult]
-
-
 class AudioDecoder(nnx.Module):
     def __init__(self, cfg: AudioVAEConfig, *, rngs, param_dtype=F32):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
@@ -684,12 +680,6 @@ def _build_vocoder(cfg, dtype=np.float32):
 def init_vae(cfg: AudioVAEConfig, seed: int = 0, encoder: bool = True) -> nn.Split:
     g, st = L.seeded_split(lambda: _build_vae(cfg, encoder=encoder), seed)
     return nn.Split(g, jax.device_put(st), cfg)
-
-
-def _filters_special(cfg):
-    def filt(shape, rng):
-        return kaiser_sinc(0.25, 0.3, shape[0])
-    return {"filter": filt}
 
 
 def init_vocoder(cfg, seed: int = 0) -> nn.Split:

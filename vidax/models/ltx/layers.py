@@ -25,6 +25,7 @@ from flax import nnx
 from vidax.core import nn
 from vidax.core import sharding as vsh
 from vidax.core.embeddings import sinusoidal_embedding
+from vidax.weights import int_keys, linear_rules
 
 F32 = jnp.float32
 
@@ -176,8 +177,7 @@ def mask_bias(mask, dtype=F32):
 
 
 # ----------------------------------------------------------------------------------- linear keys
-def lin(ref: str, dst: str, bias: bool = True) -> list[tuple[str, str, str]]:
-    return [(f"{ref}.weight", f"{dst}.kernel", "linear")] + ([(f"{ref}.bias", f"{dst}.bias", "none")] if bias else [])
+lin = linear_rules
 
 
 def norm(ref: str, dst: str, bias: bool = False) -> list[tuple[str, str, str]]:
@@ -199,15 +199,7 @@ def ff_keys(ref: str, dst: str, bias: bool = True) -> list:
     return lin(f"{ref}.net.0.proj", f"{dst}.up", bias) + lin(f"{ref}.net.2", f"{dst}.down", bias)
 
 
-def intkeys(tree):
-    """A nested dict with digit-string keys turned into ints (``nnx.List`` indices)."""
-    if isinstance(tree, dict):
-        return {(int(k) if isinstance(k, str) and k.isdigit() else k): intkeys(v) for k, v in tree.items()}
-    return tree
-
-
-def to_host(state):
-    return jax.tree.map(np.asarray, state)
+intkeys = int_keys
 
 
 def seeded_state(build, seed: int = 0, special: dict | None = None):

@@ -18,8 +18,6 @@ block state streams from host memory through one compiled chunk function
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import numpy as np
 from flax import nnx
@@ -179,10 +177,6 @@ class DiTRunner:
     def lower(self, inputs: dict):
         inputs = {k: jax.numpy.asarray(v) for k, v in inputs.items()}
         return self._fwd.lower(self.rest, self.blocks, inputs)
-
-
-def check_tokens(constraints: Callable, mesh, **sizes) -> None:
-    vmesh.check_divisible(constraints(**sizes), mesh)
 
 
 __all__ = ["DiTRunner"]

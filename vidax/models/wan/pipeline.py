@@ -1,42 +1,5 @@
-"""Wan text-to-video generation: prompt encode (fp32) -> DiT sampling -> VAE decode.
-
-Each phase loads only its own weights and drops them when it returns, so the phases can also run
-as separate stages (see ``stages/``). Sources:
-
-- ``"tiny"`` (or any name in :data:`PRESET_SOURCES`): seeded random weights, byte tokenizer —
-  runs anywhere in seconds, nothing downloaded;
-- a diffusers pipeline folder (``model_index.json``; ``text_encoder/ tokenizer/ transformer/ vae/
-  scheduler/``);
-- an original Wan2.1 release folder (``config.json`` with ``"_class_name": "WanModel"``,
-  ``diffusion_pytorch_model*.safetensors``, ``models_t5_umt5-xxl-enc-bf16.pth``,
-  ``Wan2.1_VAE.pth``, ``google/umt5-xxl/`` tokenizer).
-
-A folder may be local or any fsspec URL (``gs://bucket/Wan2.1-T2V-1.3B``): its configs are fetched
-first, its weights when a phase first needs them, once, into the local content-addressed cache
-(:func:`vidax.weights.resolve_source`).
-
-The recipe comes from a diffusers folder's ``model_index.json``: ``WanPipeline`` (text-to-video) or
-``WanImageToVideoPipeline`` (image-to-video: Wan2.1 I2V conditions on CLIP image tokens and a
-channel-concatenated mask + VAE latent of the first frame), ``boundary_ratio`` with
-``transformer_2`` (Wan2.2 A14B: a high-noise and a low-noise expert, only one on device at a time)
-and ``expand_timesteps`` (Wan2.2 TI2V-5B: the first latent frame is substituted with the image's
-latent before every model call and the DiT gets per-token timesteps, zero on the known frame).
-
-Decode stages (:meth:`WanT2V.decode_plan`): latent frame ranges (``decode_stages`` of them,
-default up to 4), each carrying the VAE's causal cache to the next. With ``vae_tiling`` the decode
-runs in the reference's overlapping 256-pixel tiles (``vae.tiled_decode``); when the frame holds
-more than one tile and ``decode_stages`` is not 1, the stages are **tile groups x frame ranges**
-(``vae.tile_plan``, the same for Cosmos and Cosmos3): 2 groups (bands of tile rows) x
-``min(latent frames, decode_stages // 2)`` ranges, ``decode_stages`` defaulting to 8 -- so at most
-8 stages, ``decode_stages`` bounding the count. Stage ``2 r + g`` decodes group ``g``'s tiles over
-range ``r`` and carries their caches from stage ``2 (r - 1) + g``: the two groups are independent
-chains, each stage persisted and rerunnable alone. A tile stage stores its tiles' raw decoder
-output (float32, side by side: about 7x the bytes of the final uint8 frames, the overlaps
-included), and mux blends them as diffusers' tiled decode does -- bitwise the in-memory
-``tiled_decode``. Inside any tiled stage, tiles of one shape decode one per device of the decode
-slice at once (``vae.decode_tiles``); the plan itself depends on the request alone, never on the
-device count, so a stage's key is the same on any slice.
-"""
+"""Wan text/image-to-video pipelines on the vidax protocol (``WanT2V``, ``WanI2V``): sources,
+encode, sampling (one or two experts) and the decode plan; the design notes are in this family's README.md."""
 from __future__ import annotations
 
 import gc
@@ -55,6 +18,7 @@ import numpy as np
 
 from vidax.core.sampling import StepInfo, denoise, expert_segments
 from vidax.models.wan import dit as wdit
+from vidax.models.wan import tiles as wtiles
 from vidax.models.wan import vae as wvae
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, Pipeline, pack_state, to_uint8, to_unit_range,
                             unpack_state)
@@ -139,7 +103,7 @@ _EMB_DIMS = ("batch", "token", "channel")
 _LATENT_DIMS = ("batch", "channel", "frame", "height", "width")
 
 
-class WanT2V(wvae.TileStages, Pipeline):
+class WanT2V(wtiles.TileStages, Pipeline):
     """Wan text-to-video (and, from an image-to-video source, image-to-video). ``source``: a
     preset name or a checkpoint folder. Implements the :class:`vidax.pipeline.Pipeline` protocol
     (``encode`` / ``sample`` / ``decode``) over the library methods (``encode_prompts``,
@@ -151,7 +115,7 @@ class WanT2V(wvae.TileStages, Pipeline):
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
         Option("guidance_2", float, None, "the low-noise expert's guidance (two-expert models; default: --guidance)",
                minimum=0.0, maximum=100.0),
-        wvae.tiling_option(),
+        wtiles.tiling_option(),
     )
     COMPONENTS = {"encode": ("text",), "image": ("image",), "sample": ("dit",), "decode": ("vae",)}
 
@@ -604,11 +568,11 @@ class WanT2V(wvae.TileStages, Pipeline):
     def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
         """Decode latent frames ``start..stop-1`` given the cache left by frame ``start - 1``.
         Returns ``(uint8 frames [B, T, H, W, 3], cache)``; chunked decodes concatenate bitwise to
-        the whole decode. ``tiling``: in overlapping spatial tiles (:func:`vae.tiled_decode`)."""
+        the whole decode. ``tiling``: in overlapping spatial tiles (:func:`tiles.tiled_decode`)."""
         params, cfg = vae or self.load_vae()
         z = wvae.denormalize_latents(cfg, np.asarray(latents, np.float32))
         if tiling:
-            px, cache = wvae.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
+            px, cache = wtiles.tiled_decode(params, cfg, z, start=start, stop=stop, cache=cache, return_cache=True)
             return to_uint8(to_unit_range(px)), {k: np.asarray(v) for k, v in cache.items()}
         if cache is not None:
             cache = {k: jnp.asarray(v) for k, v in cache.items()}
@@ -849,7 +813,7 @@ def _runner_call_aux(runner, x, t, ctx, aux):
 def _rgb_uint8(image) -> np.ndarray:
     from vidax.text import clip as clipmod
 
-    return clipmod._to_rgb_uint8(image)
+    return clipmod.to_rgb_uint8(image)
 
 
 def resize_for_vae(image_uint8: np.ndarray, height: int, width: int) -> np.ndarray:
