@@ -157,6 +157,7 @@ def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
     the double-block part also equals diffusers' conversion + fuse."""
     from safetensors.numpy import save_file
 
+    from vidax.models.hunyuanvideo import convert as hconv
     from vidax.models.hunyuanvideo import dit as hdit
     from vidax.models.hunyuanvideo import lora as hlora
     from vidax.weights import lora as vlora
@@ -169,7 +170,9 @@ def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
     tr.save_pretrained(path)
     sd = {k: v.detach().numpy() for k, v in tr.state_dict().items()}
     hcfg = hdit.HunyuanVideoConfig.from_diffusers(dict(tr.config))
-    orig = hdit.diffusers_to_original_names(hcfg, sd)
+    from tests.hunyuan_original import hunyuanvideo_original_names
+
+    orig = hunyuanvideo_original_names(hcfg, sd)
     rng = np.random.default_rng(6)
     lora, merged_orig, rank, alpha, scale = {}, dict(orig), 4, 2.0, 0.9
     for name, w in orig.items():
@@ -184,7 +187,7 @@ def test_hunyuanvideo_original_layout_on_fused_modules(tmp_path):
         merged_orig[name] = w + scale * alpha / rank * (up @ down)
     assert any("linear1" in k for k in lora) and any("img_attn_qkv" in k for k in lora)
     save_file(lora, str(tmp_path / "orig.safetensors"))
-    expected = {k: np.asarray(v) for k, v in hdit.original_to_diffusers(merged_orig, hcfg).items()}
+    expected = {k: np.asarray(v) for k, v in hconv.original_to_diffusers(merged_orig, hcfg).items()}
     target = vlora.Target("dit", path, hlora.table, "HunyuanVideo DiT")
     with vlora.merging(target, vlora.parse_specs(f"{tmp_path / 'orig.safetensors'}:{scale}")):
         ours = {k: v.read() for k, v in open_checkpoint(path).items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from vidax.models.hunyuanvideo import dit as hdit
+from vidax.models.hunyuanvideo import convert as hconv
 
 _BLOCK = re.compile(r"(transformer_blocks|single_transformer_blocks|context_embedder\.token_refiner\.refiner_blocks)"
                     r"\.(\d+)\.(.+)\.(weight|bias)")
@@ -20,10 +20,10 @@ def _fused(okind: str, mid: str):
     """(original fused module, its diffusers members in row order) for a diffusers block piece."""
     if okind == "single_blocks" and mid in _SINGLE_FUSED:
         return "linear1", _SINGLE_FUSED
-    if mid in hdit._QKV["txt_attn_qkv"]:
-        return "txt_attn_qkv", hdit._QKV["txt_attn_qkv"]
-    if mid in hdit._QKV["img_attn_qkv"]:
-        return ("img_attn_qkv" if okind == "double_blocks" else "self_attn_qkv"), hdit._QKV["img_attn_qkv"]
+    if mid in hconv.QKV["txt_attn_qkv"]:
+        return "txt_attn_qkv", hconv.QKV["txt_attn_qkv"]
+    if mid in hconv.QKV["img_attn_qkv"]:
+        return ("img_attn_qkv" if okind == "double_blocks" else "self_attn_qkv"), hconv.QKV["img_attn_qkv"]
     return None
 
 
@@ -31,9 +31,9 @@ def table(shapes) -> dict:
     """``{alias: name or row parts}`` for a diffusers-layout checkpoint's ``{name: shape}`` (an
     original-layout checkpoint answers to its own names only)."""
     out = {n: n for n in shapes}
-    if hdit._is_original(list(shapes)):
+    if hconv.is_original(list(shapes)):
         return out
-    prefix_inv = {v: k for k, v in hdit._BLOCK_PREFIX.items()}
+    prefix_inv = {v: k for k, v in hconv.BLOCK_PREFIX.items()}
     for name, shape in shapes.items():
         m = _BLOCK.fullmatch(name)
         if m:
@@ -50,7 +50,7 @@ def table(shapes) -> dict:
                         off += n
                     out.setdefault(f"{okind}.{i}.{fused[0]}.{wb}", tuple(parts))
                 continue
-            inv = {v: k for k, v in hdit._ORIGINAL_BLOCK_RENAMES[okind].items()}
+            inv = {v: k for k, v in hconv.ORIGINAL_BLOCK_RENAMES[okind].items()}
             out.setdefault(f"{okind}.{i}.{inv.get(mid, mid)}.{wb}", name)
             continue
         if name.startswith("norm_out.linear."):
@@ -58,7 +58,7 @@ def table(shapes) -> dict:
             out.setdefault("final_layer.adaLN_modulation.1." + name.rsplit(".", 1)[1],
                            ((name, h, 2 * h, 0, h), (name, 0, h, h, 2 * h)))
             continue
-        for orig, dif in hdit._ORIGINAL_RENAMES:
+        for orig, dif in hconv.ORIGINAL_RENAMES:
             if name.startswith(dif + "."):
                 out.setdefault(orig + name[len(dif):], name)
                 break
