@@ -763,6 +763,20 @@ def check_memory(req: Request, pipe: Pipeline, kinds=("encode", "sample", "decod
     return {**pipe.__dict__.get("_memory_plan", {}), "stages": [done[k] for k in done if done[k]]}
 
 
+def check_weights(req: Request, pipe: Pipeline) -> None:
+    """The checkpoint's headers against the family's key maps before anything is written
+    (:meth:`Pipeline.check_weights`); a remote checkpoint, whose configs alone were read at
+    validation, is fetched for it here (its first stage would fetch it next). Raises
+    :class:`~stages.request.RequestError` naming the checkpoint."""
+    from stages.request import RequestError
+    from vidax.pipeline import OptionError
+
+    try:
+        pipe.check_weights(req, fetch=True)
+    except OptionError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+
+
 def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Records | None = None,
                    memory: dict | None = None) -> dict:
     records = records or Records(run)
@@ -789,6 +803,7 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
     memory = check_memory(req, pipe, log=log)  # refuses, before anything is written, a request that cannot fit
+    check_weights(req, pipe)
     if is_leader():
         run.write_json("request.json", req.to_json())
     records = Records(run)

@@ -176,6 +176,20 @@ class HunyuanVideoT2V(Pipeline):
                ("the VAE (vae/*.safetensors)", ["vae/*.safetensors"])]
         return req
 
+    def weight_loaders(self, request) -> list:
+        from vidax.text import clip_text, lm
+
+        if self.image_to_video:
+            from vidax.models.hunyuanvideo import llava
+
+            text = ("text encoder (LLaVA)", lambda: llava.load_llava(self.folder / "text_encoder"))
+        else:
+            text = ("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))
+        return [text, ("CLIP text encoder (text_encoder_2)",
+                       lambda: clip_text.load_clip_text(self.folder / "text_encoder_2", dtype=np.float32)),
+                ("DiT", lambda: hdit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
+                ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         v = getattr(request, "offload_chunk_size", None)
         if v is not None and (v == "all" or str(v).isdigit() or "=" in str(v)):

@@ -1,0 +1,195 @@
+"""A damaged checkpoint folder is refused at validation, headers only, before anything is written.
+
+Each case: a complete tiny Wan folder (``save_pretrained``, tests/conftest.py ``tiny_wan_folder``)
+with one file damaged; ``vidax generate`` exits 2 with one line naming the checkpoint, the file
+(and the tensor), no traceback, and the store (holding a finished run) stays byte-identical."""
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from stages.request import Request, RequestError, validate
+from tests.test_bad_inputs_options import refused
+
+PROMPT = "a red panda in a canoe"
+
+
+def _args(folder):
+    return ["--model", "wan2.1-t2v-1.3b", "--checkpoint", str(folder), "--prompt", PROMPT, "--height", "32",
+            "--width", "32", "--frames", "5", "--steps", "1"]
+
+
+@pytest.fixture
+def wan(tiny_wan_folder, tmp_path):
+    d = tmp_path / "Wan-copy"
+    shutil.copytree(tiny_wan_folder, d)
+    return d
+
+
+def _one(folder, sub):
+    (f,) = sorted((folder / sub).glob("*.safetensors"))
+    return f
+
+
+def test_intact_folder_validates_without_reading_weights(wan, monkeypatch):
+    """The positive control: the check reads headers only (no tensor data is read)."""
+    from vidax.weights import io
+
+    def no_data(*a, **k):
+        raise AssertionError("validation read tensor data")
+
+    monkeypatch.setattr(io, "_safetensors_read", no_data)
+    monkeypatch.setattr(io, "_read_member", no_data)
+    r = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(wan), prompt=PROMPT, height=32, width=32,
+                         num_frames=5, steps=1))
+    assert r.checkpoint == str(wan)
+
+
+def test_truncated_transformer_safetensors(wan, store, capsys):
+    f = _one(wan, "transformer")
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    refused(store, capsys, _args(wan), "checkpoint", "DiT", str(f), "not a readable safetensors file")
+
+
+def test_header_length_2_to_the_62(wan, store, capsys):
+    f = _one(wan, "transformer")
+    data = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", 2**62) + data[8:])
+    refused(store, capsys, _args(wan), "checkpoint", "DiT", str(f), "header too large")
+
+
+def test_one_tensor_of_the_wrong_shape(wan, store, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    f = _one(wan, "transformer")
+    tensors = load_file(str(f))
+    name = "blocks.1.attn1.to_q.weight"
+    assert tensors[name].shape == (24, 24)
+    tensors[name] = np.zeros((24, 20), tensors[name].dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    refused(store, capsys, _args(wan), "checkpoint", "DiT", name, "[24, 20]", "expected [24, 24]", f.name)
+
+
+def test_truncated_text_encoder(wan, store, capsys):
+    f = _one(wan, "text_encoder")
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    refused(store, capsys, _args(wan), "checkpoint", "text encoder", str(f))
+
+
+def test_missing_vae_weights(wan, store, capsys):
+    f = _one(wan, "vae")
+    f.unlink()
+    refused(store, capsys, _args(wan), "checkpoint", "vae")
+
+
+@pytest.fixture
+def original_layout(tiny_wan_folder, tmp_path):
+    """The same tiny model laid out as the original Wan2.1 release, with a T5 ``.pth`` whose pickle
+    would run ``os.system`` (touching a marker file) if it were unpickled by ``torch.load``."""
+    import torch
+
+    from vidax.models.wan import dit as wdit
+    from vidax.models.wan import vae as wvae
+    from vidax.weights import open_checkpoint, save_safetensors
+
+    d = tmp_path / "Wan-original"
+    d.mkdir()
+    src = tiny_wan_folder
+    dcfg = wdit.WanDiTConfig.from_diffusers(json.loads((src / "transformer" / "config.json").read_text()))
+    sd = open_checkpoint(src / "transformer").numpy()
+    ren = wdit.diffusers_keymap(dcfg).rename(sd, wdit.original_keymap(dcfg))
+    save_safetensors({ren[k]: v for k, v in sd.items()}, d / "diffusion_pytorch_model.safetensors")
+    (d / "config.json").write_text(json.dumps({
+        "_class_name": "WanModel", "model_type": "t2v", "dim": 24, "ffn_dim": 48, "freq_dim": 32, "in_dim": 16,
+        "out_dim": 16, "num_heads": 2, "num_layers": 2, "text_dim": 32, "text_len": 512, "eps": 1e-6}))
+    vcfg = wvae.WanVAEConfig.from_diffusers(json.loads((src / "vae" / "config.json").read_text()))
+    vsd = open_checkpoint(src / "vae").numpy()
+    vren = wvae.diffusers_keymap(vcfg).rename(vsd, wvae.original_keymap(vcfg))
+    torch.save({vren[k]: torch.from_numpy(np.ascontiguousarray(v)) for k, v in vsd.items()}, d / "Wan2.1_VAE.pth")
+    shutil.copytree(src / "tokenizer", d / "google" / "umt5-xxl")
+    marker = tmp_path / "owned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"shared.weight": torch.ones(2), "x": Evil()}, d / "models_t5_umt5-xxl-enc-bf16.pth")
+    return d, marker
+
+
+def test_original_layout_t5_pickle_calling_os_system(original_layout, store, capsys):
+    folder, marker = original_layout
+    pth = folder / "models_t5_umt5-xxl-enc-bf16.pth"
+    refused(store, capsys, _args(folder), "checkpoint", "text encoder", str(pth), "refusing to load",
+            "system")
+    assert not marker.exists()
+
+
+def test_python_api_names_the_field(wan):
+    f = _one(wan, "vae")
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(RequestError) as e:
+        validate(Request(model="wan2.1-t2v-1.3b", checkpoint=str(wan), prompt=PROMPT, height=32, width=32,
+                         num_frames=5, steps=1))
+    assert e.value.field == "checkpoint" and str(f) in str(e.value)
+
+
+# ------------------------------------------------------------------ the same check, other families' key maps
+@pytest.fixture(scope="module")
+def cosmos_folders(tmp_path_factory):
+    from tests import cosmos_fixtures as cf
+
+    root = tmp_path_factory.mktemp("cosmos-ckpt")
+    cf.cosmos3_folder(root / "cosmos3")
+    cf.predict25_folder(root / "predict25")
+    return root
+
+
+COSMOS = {"cosmos3": "cosmos3-nano", "predict25": "cosmos2.5-2b"}
+
+
+def _cosmos_args(folder, name):
+    return ["--model", COSMOS[name], "--checkpoint", str(folder), "--prompt", "a red kite over the sea", "--height",
+            "32", "--width", "32", "--frames", "5", "--steps", "1"]
+
+
+@pytest.fixture
+def cosmos(cosmos_folders, tmp_path):
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(cosmos_folders / name, d)
+        return d
+    return copy
+
+
+@pytest.mark.parametrize("name", sorted(COSMOS))
+def test_cosmos_intact_folders_validate(cosmos, name):
+    d = cosmos(name)
+    validate(Request(model=COSMOS[name], checkpoint=str(d), prompt="a red kite over the sea", height=32, width=32,
+                     num_frames=5, steps=1))
+
+
+def test_cosmos3_transformer_tensor_of_the_wrong_shape(cosmos, store, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    d = cosmos("cosmos3")
+    f = _one(d, "transformer")
+    tensors = load_file(str(f))
+    name = next(k for k in sorted(tensors) if tensors[k].ndim == 2 and k.endswith("weight"))
+    a = tensors[name]
+    tensors[name] = np.zeros((a.shape[0] + 1, a.shape[1]), a.dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    refused(store, capsys, _cosmos_args(d, "cosmos3"), "checkpoint", "transformer", name, f.name)
+
+
+@pytest.mark.parametrize("sub,what", [("vae", "VAE"), ("text_encoder", "text encoder")])
+def test_cosmos25_truncated_component(cosmos, store, capsys, sub, what):
+    d = cosmos("predict25")
+    f = _one(d, sub)
+    f.write_bytes(f.read_bytes()[:-64])
+    refused(store, capsys, _cosmos_args(d, "predict25"), "checkpoint", what, str(f))
