@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 from prefect.events import emit_event
-from prefect.states import Failed
+from prefect.states import Completed, Failed
 from prefect.tasks import exponential_backoff
 
 from stages import run as R
@@ -427,9 +427,16 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     summary = {"file": prompt_file, "rows": rows, "done": sum(r["status"] == "done" for r in rows),
                "failed": [r["line"] for r in rows if r["status"] == "failed"],
                "rejected": [r["line"] for r in rows if r["status"] == "rejected"]}
-    message = (f"{summary['done']} done; failed lines {summary['failed']}; rejected lines {summary['rejected']} "
-               f"(table artifact: batch summary for {prompt_file})")
+    message = batch_message(summary)
     logger.info(message)
     if summary["failed"] or not good:  # rejected lines alone do not fail a batch whose prompts all ran
         return Failed(message=message)
-    return summary
+    return Completed(message=message, data=summary)  # the run's state says what was done and rejected
+
+
+def batch_message(summary: dict) -> str:
+    """The state message of a ``generate-batch`` run: how many prompts were done (of how many run),
+    which lines failed and which were rejected, and where the table is."""
+    ran = summary["done"] + len(summary["failed"])
+    return (f"{summary['done']} of {ran} prompt(s) done; failed lines {summary['failed']}; rejected lines "
+            f"{summary['rejected']} (table artifact: batch summary for {summary['file']})")
