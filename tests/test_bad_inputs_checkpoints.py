@@ -193,3 +193,64 @@ def test_cosmos25_truncated_component(cosmos, store, capsys, sub, what):
     f = _one(d, sub)
     f.write_bytes(f.read_bytes()[:-64])
     refused(store, capsys, _cosmos_args(d, "predict25"), "checkpoint", what, str(f))
+
+
+# ------------------------------------------------------------------ each family's loaders, headers only
+def _headers_only(pipe, request):
+    """What each of ``pipe.weight_loaders`` does under ``headers_only``: ``checked`` (stopped before
+    any tensor data, the key map's shapes fitting), ``missing`` (no such file), or ``read`` (it
+    returned: it loaded something)."""
+    from vidax.weights import HeadersChecked, headers_only
+
+    out = {}
+    for what, load in pipe.weight_loaders(request):
+        try:
+            with headers_only():
+                load()
+            out[what] = "read"
+        except HeadersChecked:
+            out[what] = "checked"
+        except FileNotFoundError:
+            out[what] = "missing"
+    return out
+
+
+def test_cogvideox_ltx_ltx2_loaders_check_headers_only(tmp_path):
+    """Folders of the parity tests (every component but the text encoder, saved by diffusers'
+    ``save_pretrained``): each family's DiT / VAE / audio / connector loaders stop at the headers
+    with the key maps' shapes fitting; the text encoder is reported missing."""
+    from types import SimpleNamespace
+
+    import torch
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, AutoencoderKLLTXVideo,
+                           LTX2VideoTransformer3DModel, LTXVideoTransformer3DModel)
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    from tests import test_ltx2_pipeline as T2
+    from tests import test_ltx_pipeline as T1
+    from tests.test_cogvideox_pipeline import _ref_pipeline
+    from vidax.models.cogvideox.pipeline import CogVideoX
+    from vidax.models.ltx.pipeline import LTX2, LTXVideo
+
+    req = SimpleNamespace(image=None, options={})
+    _ref_pipeline("2b-ddim", tmp_path / "cog")
+    assert _headers_only(CogVideoX(str(tmp_path / "cog")), req) == {
+        "text encoder": "missing", "DiT": "checked", "VAE": "checked"}
+
+    torch.manual_seed(0)
+    d = tmp_path / "ltx"
+    LTXVideoTransformer3DModel(**T1.DIT).save_pretrained(d / "transformer")
+    AutoencoderKLLTXVideo(**T1.VAE).save_pretrained(d / "vae")
+    (d / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    assert _headers_only(LTXVideo(str(d)), req) == {"text encoder": "missing", "DiT": "checked", "VAE": "checked"}
+
+    d = tmp_path / "ltx2"
+    for name, mod in dict(transformer=LTX2VideoTransformer3DModel(**T2.DIT), connectors=LTX2TextConnectors(**T2.CONN),
+                          vae=AutoencoderKLLTX2Video(**T2.VAE), audio_vae=AutoencoderKLLTX2Audio(**T2.AVAE),
+                          vocoder=LTX2Vocoder(**T2.VOC)).items():
+        mod.save_pretrained(d / name)
+    (d / "model_index.json").write_text(json.dumps({"_class_name": "LTX2Pipeline"}))
+    assert _headers_only(LTX2(str(d)), req) == {
+        "text encoder": "missing", "text connectors": "checked", "DiT": "checked", "VAE": "checked",
+        "audio VAE": "checked", "vocoder": "checked"}
