@@ -297,7 +297,8 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
     run = rs.run(run_id)
     pipe = R.make_pipeline(req)
     keys = R.stage_keys(req, pipe)
-    R.check_weights(req, pipe)  # a remote checkpoint's headers, once fetched, before anything is written
+    if mode == "local":  # a remote checkpoint's headers, once fetched, before anything is written (distributed:
+        R.check_weights(req, pipe)  # the stages' own machines fetch it; the parent never loads weights)
     run.write_json("request.json", req.to_json())
     recipe = registry.get(req.model)
     attempt = flow_run.run_count or 1
