@@ -254,3 +254,33 @@ def test_cogvideox_ltx_ltx2_loaders_check_headers_only(tmp_path):
     assert _headers_only(LTX2(str(d)), req) == {
         "text encoder": "missing", "text connectors": "checked", "DiT": "checked", "VAE": "checked",
         "audio VAE": "checked", "vocoder": "checked"}
+
+
+def test_remote_checkpoint_checked_after_its_fetch_before_any_write(wan, store, capsys, gcs_emulator, monkeypatch,
+                                                                     tmp_path):
+    """A ``gs://`` checkpoint: validation reads its configs alone; its headers are checked once the
+    weights are fetched, before ``request.json`` or any stage is written."""
+    import time
+
+    from vidax.weights import source as S
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    monkeypatch.setenv("VIDAX_CACHE", str(tmp_path / "cache"))
+    f = _one(wan, "transformer")
+    f.write_bytes(f.read_bytes()[:-1000])
+    url = f"gs://vidax-test/models/damaged-{time.time_ns()}"
+    fs, root = S.filesystem(url)
+    for p in sorted(x for x in wan.rglob("*") if x.is_file()):
+        fs.put_file(str(p), f"{root}/{p.relative_to(wan).as_posix()}")
+    from stages import cli
+    from tests.test_bad_inputs import tree_digest
+
+    before = tree_digest(store)
+    rc = cli.main(["generate", *_args(url), "--store", str(store)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"vidax: fetching {url}" in err  # (the fetch's progress lines come first)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("vidax: error: checkpoint: DiT: ") and "diffusion_pytorch_model.safetensors" in last, last
+    assert "not a readable safetensors file" in last
+    assert tree_digest(store) == before, "the store changed"
