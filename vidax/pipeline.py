@@ -27,6 +27,9 @@ configs there; each phase loads its own weights and drops them before it returns
 - :meth:`Pipeline.decode_plan` ``(request) -> [DecodeSpan]`` and :meth:`Pipeline.decode`
   ``(latents, span, carry) -> (outputs, carry)``: the persisted decode stages and what each hands
   to the next (a causal-conv cache, a tile overlap);
+- :meth:`Pipeline.weight_loaders` ``(request) -> [(component, loader)]``: the weight loads a run
+  makes, which :meth:`Pipeline.check_weights` runs headers only at validation (files, pickles,
+  key-map shapes; no tensor data read);
 - :meth:`Pipeline.fingerprint` ``(component)``: a *content* fingerprint of a component's weights
   (safetensors headers + sizes, zip CRCs, configs), never modification times;
 - ``GUIDANCE``: ``"cfg"`` (conditional + unconditional batch of two) or ``"embedded"``.
