@@ -103,3 +103,25 @@ def test_prompt_file_option_of_the_wrong_type(tmp_path, model, name):
     assert bad.request is None and bad.error.startswith(f"{f} line 2: {name}:"), bad.error
     assert f"not a{'n' if option.type.__name__[0] in 'aeiou' else ''} {option.type.__name__}" in bad.error
     assert "\n" not in bad.error
+
+
+# ------------------------------------------------------------------ cross-field rules
+@pytest.fixture(scope="module")
+def short_clip(tmp_path_factory):
+    import numpy as np
+
+    from vidax.video import write_mp4
+
+    p = tmp_path_factory.mktemp("clips") / "short.mp4"
+    write_mp4((np.random.default_rng(1).random((3, 48, 64, 3)) * 255).astype(np.uint8), p, fps=8)
+    return str(p)
+
+
+def test_cosmos25_cond_frames_against_the_clip(store, capsys, short_clip):
+    refused(store, capsys, ["--model", "cosmos2.5-2b", *BASE, "--frames", "9", "--video", short_clip,
+                            "--cond-frames", "2"], "video", "has 3 frames", "needs at least 5")
+
+
+def test_cosmos3_cond_frames_against_the_frame_count(store, capsys, short_clip):
+    refused(store, capsys, ["--model", "cosmos3-nano", *BASE, "--frames", "5", "--video", short_clip,
+                            "--cond-frames", "3"], "cond_frames", "do not fit 5 frames")
