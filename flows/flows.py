@@ -11,6 +11,7 @@ Only store URLs and run ids pass between flows; the data flows through the run s
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -20,7 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 from prefect.events import emit_event
-from prefect.states import Failed
+from prefect.states import Completed, Failed
 from prefect.tasks import exponential_backoff
 
 from stages import run as R
@@ -29,6 +30,61 @@ from stages.store import RunStore, is_transient
 from vidax import registry
 
 from .batch import PromptFileError, parse_prompt_file
+
+
+# ------------------------------------------------------------------ one line per anticipated failure
+def anticipated(e: BaseException | None) -> bool:
+    """A failure vidax reports in one line (a failed stage, a bad request or checkpoint, a store
+    that stops answering): Prefect's run logs show that line; its traceback is a debug record."""
+    from stages.request import RequestError
+    from stages.store import StoreError
+    from vidax.pipeline import OptionError
+    from vidax.weights import CheckpointFormatError, CheckpointMismatchError
+
+    return isinstance(e, (R.StageError, RequestError, StoreError, OptionError, CheckpointFormatError,
+                          CheckpointMismatchError, PromptFileError)) or is_transient(e)
+
+
+class OneLineErrors(logging.Filter):
+    """On Prefect's run and engine loggers: a record carrying an anticipated vidax failure
+    (:func:`anticipated`) keeps its one-line message without the traceback, and the traceback
+    follows as a debug record (shown when the logger's level is DEBUG, e.g.
+    ``PREFECT_LOGGING_LEVEL=DEBUG``). Other exceptions keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ei = record.exc_info
+        if not ei or ei[1] is None or getattr(record, "vidax_detail", False) or not anticipated(ei[1]):
+            return True
+        lg = logging.getLogger(record.name)
+        if lg.isEnabledFor(logging.DEBUG):
+            detail = logging.makeLogRecord({**record.__dict__, "levelno": logging.DEBUG, "levelname": "DEBUG",
+                                            "msg": "traceback of: %s", "args": (R.describe_error(ei[1]),),
+                                            "exc_text": None, "vidax_detail": True})
+            lg.handle(detail)
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_ONE_LINE = OneLineErrors()
+PREFECT_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine")
+
+
+def quiet_logs(debug: bool | None = None) -> None:
+    """One line per anticipated failure in the flows' logs, and the storage libraries' retry
+    tracebacks demoted to debug records; ``debug`` (default: ``$VIDAX_DEBUG``) keeps every traceback."""
+    from stages.store import quiet_storage_loggers
+
+    if debug is None:
+        debug = os.environ.get("VIDAX_DEBUG", "").lower() in ("1", "true", "yes")
+    quiet_storage_loggers(not debug)
+    for name in PREFECT_LOGGERS:
+        if debug:
+            logging.getLogger(name).removeFilter(_ONE_LINE)
+        else:
+            logging.getLogger(name).addFilter(_ONE_LINE)
+
+
+quiet_logs()
 
 def _retry_transient(task_, task_run, state) -> bool:
     try:
@@ -241,6 +297,8 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
     run = rs.run(run_id)
     pipe = R.make_pipeline(req)
     keys = R.stage_keys(req, pipe)
+    if mode == "local":  # a remote checkpoint's headers, once fetched, before anything is written (distributed:
+        R.check_weights(req, pipe)  # the stages' own machines fetch it; the parent never loads weights)
     run.write_json("request.json", req.to_json())
     recipe = registry.get(req.model)
     attempt = flow_run.run_count or 1
@@ -371,9 +429,16 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     summary = {"file": prompt_file, "rows": rows, "done": sum(r["status"] == "done" for r in rows),
                "failed": [r["line"] for r in rows if r["status"] == "failed"],
                "rejected": [r["line"] for r in rows if r["status"] == "rejected"]}
-    message = (f"{summary['done']} done; failed lines {summary['failed']}; rejected lines {summary['rejected']} "
-               f"(table artifact: batch summary for {prompt_file})")
+    message = batch_message(summary)
     logger.info(message)
     if summary["failed"] or not good:  # rejected lines alone do not fail a batch whose prompts all ran
         return Failed(message=message)
-    return summary
+    return Completed(message=message, data=summary)  # the run's state says what was done and rejected
+
+
+def batch_message(summary: dict) -> str:
+    """The state message of a ``generate-batch`` run: how many prompts were done (of how many run),
+    which lines failed and which were rejected, and where the table is."""
+    ran = summary["done"] + len(summary["failed"])
+    return (f"{summary['done']} of {ran} prompt(s) done; failed lines {summary['failed']}; rejected lines "
+            f"{summary['rejected']} (table artifact: batch summary for {summary['file']})")

@@ -298,7 +298,9 @@ def cmd_models(a) -> int:
 
 # ------------------------------------------------------------------ parser
 def build_parser(model: str | None = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vidax", description="Staged, resumable video generation with JAX.")
+    ap = argparse.ArgumentParser(prog="vidax", description="Staged, resumable video generation with JAX.",
+                                 epilog="--debug (anywhere on the line, or VIDAX_DEBUG=1): show the traceback of a "
+                                        "failure, and the storage libraries' own logs")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def store_arg(p):
@@ -360,9 +362,44 @@ def _model_arg(argv: list[str]) -> str | None:
     return known.model
 
 
+def _one_line_warnings() -> None:
+    """vidax's own warnings (a model's advice on a prompt, an option without effect) as one line
+    ``vidax: warning: ...`` on stderr; other warnings as Python prints them."""
+    import warnings
+
+    fmt = getattr(warnings.formatwarning, "__wrapped__", warnings.formatwarning)
+
+    def one_line(message, category, filename, lineno, line=None):
+        if category.__module__.split(".")[0] == "vidax":
+            return f"vidax: warning: {message}\n"
+        return fmt(message, category, filename, lineno, line)
+
+    one_line.__wrapped__ = fmt
+    warnings.formatwarning = one_line
+
+
+def _one_line(e: Exception) -> str:
+    """An error outside the request and the stages, in one line: a store that stops answering (the
+    request and its attempts), anything else with its type and a pointer to ``--debug``."""
+    from stages.run import describe_error
+    from stages.store import StoreError, is_transient
+
+    if isinstance(e, StoreError) or is_transient(e):
+        return f"store: {describe_error(e)}"
+    return f"{describe_error(e)} (run again with --debug for the traceback)"
+
+
 def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = None) -> int:
     """``extend(parser) -> {command: handler}`` adds commands from a higher layer (``vidax submit``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    import os
+
+    debug = "--debug" in argv or os.environ.get("VIDAX_DEBUG", "").lower() in ("1", "true", "yes")
+    argv = [x for x in argv if x != "--debug"]
+    from stages.store import quiet_storage_loggers
+
+    quiet_storage_loggers(not debug)
+    _one_line_warnings()
     if argv[:1] == ["plan"]:
         from stages.plan import ensure_devices
 
@@ -379,19 +416,30 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
         runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     from vidax.core.mesh import RemoteError, process_count
 
+    import traceback
+
     try:
         rc = commands[a.cmd](a)
     except RequestError as e:
+        if debug:
+            traceback.print_exc()
         _console(stderr=True).print(f"vidax: error: {e}")
         rc = 2
     except (StageError, RemoteError) as e:
+        if debug:
+            traceback.print_exc()
         _console(stderr=True).print(f"vidax: error: {e}")
+        rc = 1
+    except Exception as e:  # noqa: BLE001 - one line; --debug shows the traceback
+        if debug:
+            if process_count() == 1:
+                raise
+            traceback.print_exc()
+        _console(stderr=True).print(f"vidax: error: {_one_line(e)}")
         rc = 1
     except BaseException:
         if process_count() == 1:
             raise
-        import traceback
-
         traceback.print_exc()
         rc = 1
     if rc and process_count() > 1:

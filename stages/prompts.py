@@ -11,7 +11,6 @@ errors, never 2 or 1.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 from dataclasses import dataclass

@@ -238,6 +238,7 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
     try:
         if not plan:
             pipe.check(r)
+            pipe.check_weights(r)  # headers only: every file the run loads, against the key maps
     except OptionError as e:
         raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
     if r.offload_chunk_size is not None:

@@ -46,6 +46,31 @@ class StageError(RuntimeError):
     """A stage cannot run (missing inputs, bad stage name, injected fault...)."""
 
 
+def describe_error(e: BaseException, limit: int = 600) -> str:
+    """``Type: message`` on one line (a library's multi-line message collapsed), at most ``limit``
+    characters; vidax's own errors (whose messages name what failed) without the type."""
+    msg = " ".join(str(e).split())
+    if not isinstance(e, StageError):
+        msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+class StageFailed(StageError):
+    """A stage failed while it ran: its one-line message names the stage and what failed, says that
+    nothing of the stage was committed (what was committed before it is kept) and how to resume.
+    ``cause``: the original exception (its traceback is shown with ``--debug``)."""
+
+    def __init__(self, stage: str, run: "Run", cause: BaseException):
+        self.stage, self.cause = stage, cause
+        store = run.store.url
+        what = describe_error(cause)
+        what = what[len(stage) + 2:] if what.startswith(f"{stage}: ") else what  # (a StageError naming it)
+        super().__init__(
+            f"{stage}: {what}; nothing of {stage} was committed (the stages committed before it "
+            f"are kept); resume with `vidax stage {run.run_id} {stage} --store {store}` or by running the same "
+            f"`vidax generate` command again")
+
+
 # ------------------------------------------------------------------ identity
 #: CPython 3.11's parser is not safe to run from several threads at once (a batch's prompts run
 #: their stages in threads): "SystemError: AST constructor recursion depth mismatch"
@@ -623,13 +648,28 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
     """Run one stage (inputs must be committed) and commit it. One worker at a time: the stage's
     lease is taken first; if another live worker holds it, this waits for its commit (and reports
     the stage as skipped) or for the lease to expire. ``force=False``: a stage another worker
-    committed while this one waited for the lease is not recomputed."""
+    committed while this one waited for the lease is not recomputed. A failure while the stage
+    runs (a damaged checkpoint, a store that stops answering, an injected fault...) is raised as
+    :class:`StageFailed` (one line; the original exception is its ``cause``)."""
     if stage not in keys:
         raise StageError(f"unknown stage {stage!r}; this run has: {', '.join(keys)}")
     records = records or Records(run)
     kind = stage.split("/")[0]
     if kind in ("encode", "sample", "decode"):
         check_memory(req, pipe, (kind,), log)  # before the lease: a stage that cannot fit takes nothing
+    try:
+        return _run_stage(run, req, pipe, stage, keys, log, progress, records, force)
+    except (CorruptInput, StageFailed):
+        raise  # (a damaged input: generate() recomputes it)
+    except StageError as e:
+        if getattr(e, "_computing", False):
+            raise StageFailed(stage, run, e) from e
+        raise
+    except Exception as e:  # noqa: BLE001 - reported in one line; the cause keeps the traceback
+        raise StageFailed(stage, run, e) from e
+
+
+def _run_stage(run, req, pipe, stage, keys, log, progress, records, force) -> StageResult:
     plan = _plan(req, pipe)
     deps = inputs_of(stage, keys, plan)
     t0 = time.perf_counter()
@@ -640,15 +680,23 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
     while not run.acquire_lease(stage, owner, LEASE_SECONDS):
         if _wait_for_other(run, stage, keys[stage], log, req, pipe) == "done":
             return _skipped_by_other(run, stage, keys, log, records, t0)
+    ok = False
     try:
         # another worker may have committed it between our check and our lease
         records.forget(stage)
         if stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records) == "done" and not force:
-            return _skipped_by_other(run, stage, keys, log, records, t0)
-        with _Heartbeat(run, stage, owner, LEASE_SECONDS):
-            return _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+            res = _skipped_by_other(run, stage, keys, log, records, t0)
+        else:
+            with _Heartbeat(run, stage, owner, LEASE_SECONDS):
+                res = _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+        ok = True
+        return res
     finally:
-        run.release_lease(stage, owner)
+        try:
+            run.release_lease(stage, owner)
+        except Exception:  # noqa: BLE001 - after a failure, that failure is the one to report (the lease expires)
+            if ok:
+                raise
 
 
 def _check_inputs_committed(run, req, pipe, stage, keys, records, deps) -> None:
@@ -698,6 +746,15 @@ def _run_stage_multihost(run, req, pipe, stage, keys, log, progress, records, fo
 
 def _compute(run, req, pipe, stage, keys, log, progress, records, plan, deps) -> StageResult:
     log(f"[{stage}] running")
+    try:
+        return _compute_and_commit(run, req, pipe, stage, keys, log, progress, records, plan, deps)
+    except StageError as e:
+        if not isinstance(e, CorruptInput):
+            e._computing = True  # (an injected fault, a bad checkpoint marker...): the stage failed
+        raise
+
+
+def _compute_and_commit(run, req, pipe, stage, keys, log, progress, records, plan, deps) -> StageResult:
     if is_leader():
         run.delete_record(stage)  # from here on, whatever is there is uncommitted
     records.forget(stage)
@@ -772,6 +829,20 @@ def check_memory(req: Request, pipe: Pipeline, kinds=("encode", "sample", "decod
     return {**pipe.__dict__.get("_memory_plan", {}), "stages": [done[k] for k in done if done[k]]}
 
 
+def check_weights(req: Request, pipe: Pipeline) -> None:
+    """The checkpoint's headers against the family's key maps before anything is written
+    (:meth:`Pipeline.check_weights`); a remote checkpoint, whose configs alone were read at
+    validation, is fetched for it here (its first stage would fetch it next). Raises
+    :class:`~stages.request.RequestError` naming the checkpoint."""
+    from stages.request import RequestError
+    from vidax.pipeline import OptionError
+
+    try:
+        pipe.check_weights(req, fetch=True)
+    except OptionError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+
+
 def write_manifest(run: Run, req: Request, keys: dict[str, str], records: Records | None = None,
                    memory: dict | None = None) -> dict:
     records = records or Records(run)
@@ -798,6 +869,7 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
     pipe = pipe or make_pipeline(req)
     keys = stage_keys(req, pipe)
     memory = check_memory(req, pipe, log=log)  # refuses, before anything is written, a request that cannot fit
+    check_weights(req, pipe)
     if is_leader():
         run.write_json("request.json", req.to_json())
     records = Records(run)

@@ -27,6 +27,7 @@ import atexit
 import functools
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import random
@@ -72,6 +73,35 @@ def is_transient(exc: BaseException | None) -> bool:
                 "ServerTimeoutError", "RetryError", "TransientError"):
         return True
     return is_transient(exc.__cause__) if exc.__cause__ is not None and exc.__cause__ is not exc else False
+
+
+#: the storage libraries whose own error logging (with tracebacks) vidax replaces by one line
+STORAGE_LOGGERS = ("gcsfs", "aiohttp", "fsspec", "s3fs", "adlfs", "google.auth", "urllib3")
+
+
+class _DemoteToDebug(logging.Filter):
+    """Turns a storage library's warnings and errors (gcsfs logs every exhausted retry with its
+    aiohttp traceback) into debug records: vidax reports the failure itself, in one line naming the
+    request and its attempts (:class:`TransientStoreError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_DEMOTE = _DemoteToDebug()
+
+
+def quiet_storage_loggers(quiet: bool = True) -> None:
+    """Demote (``quiet``) or restore the storage libraries' log records (:data:`STORAGE_LOGGERS`);
+    what the command line and the flows run (``--debug`` keeps them)."""
+    for name in STORAGE_LOGGERS:
+        lg = logging.getLogger(name)
+        if quiet:
+            lg.addFilter(_DEMOTE)  # (a set: adding twice keeps one)
+        else:
+            lg.removeFilter(_DEMOTE)
 
 
 #: transient-error retries: attempts and the first backoff (doubling, with jitter); env-overridable
@@ -131,6 +161,11 @@ class CountingStore(WrapperStore):
     def _with_store(self, store):
         return type(self)(store, self.counter)
 
+    def _where(self, key: str) -> str:
+        """``key`` with the store's root (the object a failing request was for)."""
+        root = str(getattr(self._store, "path", "") or "").rstrip("/")
+        return f"{root}/{key}" if root else key
+
     async def _retry(self, coro_fn, what):
         import asyncio
 
@@ -140,12 +175,13 @@ class CountingStore(WrapperStore):
             except Exception as e:  # noqa: BLE001
                 if not is_transient(e) or i == RETRY_ATTEMPTS - 1:
                     if is_transient(e):
-                        raise TransientStoreError(f"{what}: {type(e).__name__}: {e}") from e
+                        raise TransientStoreError(f"{what} kept failing after {i + 1} attempts: "
+                                                  f"{type(e).__name__}: {e}") from e
                     raise
                 await asyncio.sleep(RETRY_BASE_S * 2 ** i * (0.5 + random.random()))
 
     async def get(self, key, prototype, byte_range=None):
-        buf = await self._retry(lambda: self._store.get(key, prototype, byte_range), f"read {key}")
+        buf = await self._retry(lambda: self._store.get(key, prototype, byte_range), f"read {self._where(key)}")
         self.counter.add(read=len(buf) if buf is not None else 0)
         return buf
 
@@ -156,16 +192,16 @@ class CountingStore(WrapperStore):
         return out
 
     async def set(self, key, value):
-        await self._retry(lambda: self._store.set(key, value), f"write {key}")
+        await self._retry(lambda: self._store.set(key, value), f"write {self._where(key)}")
         self.counter.add(written=len(value))
 
     async def exists(self, key):
         self.counter.add()
-        return await self._retry(lambda: self._store.exists(key), f"exists {key}")
+        return await self._retry(lambda: self._store.exists(key), f"exists {self._where(key)}")
 
     async def delete(self, key):
         self.counter.add()
-        return await self._retry(lambda: self._store.delete(key), f"delete {key}")
+        return await self._retry(lambda: self._store.delete(key), f"delete {self._where(key)}")
 
     async def getsize(self, key):
         self.counter.add()

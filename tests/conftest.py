@@ -71,6 +71,17 @@ def store(seeded_store, tmp_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_folder(tmp_path_factory):
+    """A complete tiny Wan2.1 diffusers folder (tokenizer, UMT5, DiT, VAE, scheduler, all saved by
+    ``save_pretrained``), built once per worker; copy it before damaging it."""
+    from tests.test_sources import _tiny_wan_diffusers
+
+    folder = tmp_path_factory.mktemp("wan-tiny") / "Wan-tiny"
+    _tiny_wan_diffusers(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def cond_image(tmp_path_factory):
     """A 160x90 RGB PNG (random pixels) to condition image-to-video runs on."""
     import numpy as np

@@ -249,6 +249,30 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
     assert status == {1: "done", 3: "failed", 4: "done"}
 
 
+def test_completed_batch_state_says_what_was_done_and_rejected(prefect_server, tmp_path):
+    """A batch whose prompts all ran ends Completed, its state message counting the prompts done and
+    naming the rejected lines (as the summary table does); its result is the summary."""
+    from flows.flows import generate_batch
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "a red boat"}) + "\n" + json.dumps({"prompt": "x", "steps": 0}) + "\n"
+                 + json.dumps({"prompt": "y", "bogus": 1}) + "\n")
+    state = generate_batch(str(f), store=str(tmp_path / "store"),
+                           defaults={"height": 32, "width": 32, "num_frames": 5, "steps": 1}, return_state=True)
+    assert state.is_completed(), state
+    assert state.message.startswith("1 of 1 prompt(s) done; failed lines []; rejected lines [2, 3]"), state.message
+    summary = state.result()
+    assert summary["done"] == 1 and summary["rejected"] == [2, 3] and summary["failed"] == []
+
+
+def test_batch_message_counts():
+    from flows.flows import batch_message
+
+    m = batch_message({"file": "gs://b/p.txt", "done": 3, "failed": [4], "rejected": [2, 7]})
+    assert m == ("3 of 4 prompt(s) done; failed lines [4]; rejected lines [2, 7] "
+                 "(table artifact: batch summary for gs://b/p.txt)")
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc)."""
     import os

@@ -277,3 +277,37 @@ def test_decode_stages_concatenate_to_the_whole_decode():
         f, tail = p.decode_frames(z, k, k + 1, tail, vae)
         parts.append(f)
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+
+
+def test_true_cfg_without_a_negative_prompt_follows_the_pipeline():
+    """``HunyuanVideoPipeline`` runs true CFG only when ``true_cfg_scale > 1`` and a negative prompt
+    is given (``do_true_cfg = true_cfg_scale > 1 and has_neg_prompt``): without one, vidax warns at
+    validation and runs embedded guidance alone (no negative encode, no batch of two, the stage keys
+    of true_cfg 1); with one (even ``""``), true CFG runs."""
+    import inspect
+
+    from diffusers import HunyuanVideoPipeline
+
+    from stages import run as R
+    from stages.request import Request, validate
+    from vidax.models.hunyuanvideo.pipeline import TrueCfgWarning
+
+    src = inspect.getsource(HunyuanVideoPipeline.__call__)
+    assert "do_true_cfg = true_cfg_scale > 1 and has_neg_prompt" in src  # the rule followed
+    base = dict(model="hunyuanvideo-t2v", prompt="a red kite", height=32, width=32, num_frames=5, steps=1)
+    with pytest.warns(TrueCfgWarning, match="no effect without a negative prompt"):
+        asked = validate(Request(**base, options={"true_cfg": 4.0}))
+    plain = validate(Request(**base))
+    pipe = R.make_pipeline(asked)
+    keys = R.stage_keys(asked, pipe)
+    assert keys == R.stage_keys(plain, R.make_pipeline(plain))
+    enc = pipe.encode(asked)
+    assert "negative_embeds" not in enc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrueCfgWarning)
+        neg = validate(Request(**base, negative_prompt="", options={"true_cfg": 4.0}))
+    assert R.stage_keys(neg, R.make_pipeline(neg))["sample"] != keys["sample"]
+    enc = R.make_pipeline(neg).encode(neg)
+    assert enc["negative_embeds"].array.shape == enc["prompt_embeds"].array.shape

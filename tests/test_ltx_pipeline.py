@@ -100,3 +100,39 @@ def test_decode_phase_matches_diffusers(folder):
         z = torch.from_numpy(lat) * s / vae.config.scaling_factor + m
         ref = to_numpy(vae.decode(z, torch.tensor([0.05])).sample)
     assert_parity(px, ref, what="LTX decode phase")
+
+
+def test_prompt_encode_follows_the_masked_original_release(tmp_path):
+    """LTX-Video's prompt encode runs T5 **with** its attention mask, as the original release and
+    diffusers' ``LTXConditionPipeline`` do (the reference here); diffusers' ``LTXPipeline`` /
+    ``LTXImageToVideoPipeline`` run it without the mask, so their embeddings of a padded prompt
+    differ (the README says so)."""
+    from types import SimpleNamespace
+
+    import transformers
+    from diffusers import LTXConditionPipeline, LTXPipeline
+
+    from tests.test_t5 import _train_tokenizer_json
+    from vidax.models.ltx.ltxv import LTXVideo
+
+    _train_tokenizer_json(tmp_path / "tokenizer")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    enc = perturb(transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=150, d_model=20, d_kv=8, d_ff=40, num_layers=2, num_heads=3, feed_forward_proj="gated-gelu")), seed=4)
+    enc.save_pretrained(tmp_path / "text_encoder")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline"}))
+    prompts = ["a fox in snow", "dogs and cats and videos of foxes under the moon"]
+    ref = SimpleNamespace(tokenizer=tok, text_encoder=enc)
+    with torch.no_grad():
+        masked, mask = LTXConditionPipeline._get_t5_prompt_embeds(ref, prompts, max_sequence_length=128, device="cpu",
+                                                                  dtype=torch.float32)
+        unmasked, _ = LTXPipeline._get_t5_prompt_embeds(ref, prompts, max_sequence_length=128, device="cpu",
+                                                        dtype=torch.float32)
+    got, got_mask = LTXVideo(str(tmp_path)).encode_prompts(prompts)
+    np.testing.assert_array_equal(got_mask, mask.numpy().astype(np.float32))
+    valid = mask.numpy().astype(bool)  # the DiT's cross-attention masks the padding out
+    assert_parity(got, masked.numpy(), what="LTX prompt embeddings vs LTXConditionPipeline (masked T5)")
+    gap = float(np.abs(got[valid] - unmasked.numpy()[valid]).max())
+    print(f"LTXPipeline (unmasked T5) vs the masked encode: max abs difference {gap:.3e}")
+    assert gap > 1e-2, f"the unmasked LTXPipeline encode is expected to differ on a padded prompt (gap {gap:.2e})"

@@ -27,6 +27,9 @@ configs there; each phase loads its own weights and drops them before it returns
 - :meth:`Pipeline.decode_plan` ``(request) -> [DecodeSpan]`` and :meth:`Pipeline.decode`
   ``(latents, span, carry) -> (outputs, carry)``: the persisted decode stages and what each hands
   to the next (a causal-conv cache, a tile overlap);
+- :meth:`Pipeline.weight_loaders` ``(request) -> [(component, loader)]``: the weight loads a run
+  makes, which :meth:`Pipeline.check_weights` runs headers only at validation (files, pickles,
+  key-map shapes; no tensor data read);
 - :meth:`Pipeline.fingerprint` ``(component)``: a *content* fingerprint of a component's weights
   (safetensors headers + sizes, zip CRCs, configs), never modification times;
 - ``GUIDANCE``: ``"cfg"`` (conditional + unconditional batch of two) or ``"embedded"``.
@@ -261,6 +264,21 @@ OnStep = Callable[[StepInfo, Callable[[], dict]], None]
 
 
 # ------------------------------------------------------------------ the protocol
+_WEIGHTS_CHECKED: set = set()
+
+
+def _folder_signature(folder) -> tuple:
+    """Every file under ``folder`` with its size and modification time (a local listing)."""
+    import os
+
+    out = []
+    for root, _, files in os.walk(folder):
+        for f in files:
+            st = os.stat(os.path.join(root, f))
+            out.append((os.path.relpath(os.path.join(root, f), folder), st.st_size, st.st_mtime_ns))
+    return (str(folder), tuple(sorted(out)))
+
+
 class Pipeline:
     """Base class of a family's pipeline (see the module docstring). Subclasses set ``FAMILY``,
     ``OPTIONS``, ``GUIDANCE``, ``OUTPUTS`` and implement the phase methods."""
@@ -365,6 +383,48 @@ class Pipeline:
         """Family checks of a request before anything is written (prompt lengths against the
         tokenizer, the checkpoint folder's completeness...). Raise :class:`OptionError` naming the
         field (``prompt``, ``checkpoint``...)."""
+
+    def weight_loaders(self, request: RequestLike) -> list[tuple[str, Callable[[], Any]]]:
+        """``[(component, loader)]``: every weight load a run of ``request`` makes, each a thunk
+        calling the family's own loader (the same code the stages run, so the same files and key
+        maps). :meth:`check_weights` runs them with headers only. Default: none (presets)."""
+        return []
+
+    def check_weights(self, request: RequestLike, fetch: bool = False) -> None:
+        """The checkpoint folder checked, headers only, before anything is written: every component
+        :meth:`weight_loaders` names is opened through its own loader inside
+        :func:`vidax.weights.headers_only` -- every safetensors header parsed with its data ranges
+        within the file, every ``.pth`` pickle checked against the allow-list with its storages and
+        views, every tensor the key map reads of the shape the config implies -- and stopped at the
+        first byte of tensor data. Raises :class:`OptionError` (``checkpoint``) naming the component,
+        the file and the tensor. A remote checkpoint whose weights are not fetched yet is checked
+        only with ``fetch=True`` (then fetched: the run needs them next)."""
+        from vidax.weights import CheckpointFormatError, CheckpointMismatchError, HeadersChecked, headers_only
+
+        if self.preset is not None or (self._folder is None and not fetch):
+            return
+        loaders = self.weight_loaders(request)
+        if not loaders:
+            return
+        # one check per process for the same files (validation, then the run, build two pipelines)
+        memo = (type(self).__name__, tuple(w for w, _ in loaders), _folder_signature(self.folder))
+        if memo in _WEIGHTS_CHECKED:
+            return
+        for what, load in loaders:
+            try:
+                with headers_only():
+                    load()
+            except HeadersChecked:
+                continue
+            except (CheckpointFormatError, CheckpointMismatchError, FileNotFoundError, OSError, ValueError, KeyError,
+                    TypeError) as e:
+                msg = " ".join(str(e).split()) or type(e).__name__
+                if not isinstance(e, (CheckpointFormatError, CheckpointMismatchError)):
+                    msg = f"{type(e).__name__}: {msg}"
+                raise OptionError("checkpoint", f"{what}: {msg}") from None
+        if len(_WEIGHTS_CHECKED) > 256:
+            _WEIGHTS_CHECKED.clear()
+        _WEIGHTS_CHECKED.add(memo)
 
     def encode(self, request: RequestLike, image: np.ndarray | None = None) -> dict[str, Named]:
         raise NotImplementedError

@@ -14,12 +14,14 @@ that shard.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import pickle
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,6 +39,40 @@ class CheckpointPickleError(CheckpointFormatError, pickle.UnpicklingError):
     """A ``.pth`` whose pickle is damaged or asks for anything but tensors and plain containers."""
 
 
+# ------------------------------------------------------------------ header-only checks
+class HeadersChecked(BaseException):
+    """Raised by :func:`vidax.weights.keymap.load_params` (and :meth:`LazyTensor.read`) inside
+    :func:`headers_only`: the loader got as far as reading data, so every file it opened parsed (safetensors headers and
+    their data ranges, ``.pth`` pickles against the allow-list and their storages) and, when it came
+    from :func:`load_params`, every tensor its key map reads has the expected shape. A
+    ``BaseException``, like ``GeneratorExit``: it is control flow, and no loader's ``except
+    Exception`` may swallow it."""
+
+    def __init__(self, what: str = ""):
+        self.what = what
+        super().__init__(what)
+
+
+_HEADERS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("vidax_headers_only", default=False)
+
+
+@contextmanager
+def headers_only():
+    """Within this block, a component loader stops before the first byte of tensor data is read:
+    :func:`load_params` checks names and shapes against the key map from the headers, then raises
+    :class:`HeadersChecked` (so does any other tensor read). What validation uses to check a whole
+    checkpoint folder with each family's own loaders, without loading a weight."""
+    token = _HEADERS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _HEADERS_ONLY.reset(token)
+
+
+def reading_headers_only() -> bool:
+    return _HEADERS_ONLY.get()
+
+
 @dataclass
 class LazyTensor:
     """A tensor in a checkpoint: shape and dtype known, data read on :meth:`read`.
@@ -50,10 +86,13 @@ class LazyTensor:
     dtype: np.dtype
     _reader: Callable[[], np.ndarray]
     _slicer: Callable[[tuple], np.ndarray] | None = None
+    file: str | None = None  # the file holding it (for error messages)
 
     def read(self, index=None) -> np.ndarray:
         """The tensor, or ``tensor[index]`` for a basic numpy index (ints, slices with any step,
         ``...``); a file that supports it (safetensors) reads only the bounding box of ``index``."""
+        if reading_headers_only():
+            raise HeadersChecked(self.name)
         if index is None:
             arr = self._reader()
             if tuple(arr.shape) != tuple(self.shape):
@@ -183,7 +222,7 @@ def _safetensors_file(path: Path) -> dict[str, LazyTensor]:
                 _numpy_fp8_names()
             out[name] = LazyTensor(name, shape, np.dtype(_ST_DTYPES[code]),
                                    lambda n=name: _safetensors_read(path, n),
-                                   lambda box, n=name: _safetensors_read(path, n, box))
+                                   lambda box, n=name: _safetensors_read(path, n, box), file=str(path))
     return out
 
 
@@ -406,7 +445,8 @@ def _pth_index(path: Path, zf: zipfile.ZipFile) -> dict[str, LazyTensor]:
         pre, o = stack.pop()
         if isinstance(o, _PendingTensor):
             member, nbytes, dtype, offset, shape, stride = _checked_view(path, zf, prefix, pre, o)
-            out[pre] = LazyTensor(pre, shape, dtype, _pth_reader(path, zf, pre, member, nbytes, dtype, offset, shape, stride))
+            out[pre] = LazyTensor(pre, shape, dtype, _pth_reader(path, zf, pre, member, nbytes, dtype, offset, shape, stride),
+                                  file=str(path))
         elif isinstance(o, dict) and id(o) not in seen:
             seen.add(id(o))
             stack.extend((f"{pre}.{k}" if pre else str(k), v) for k, v in reversed(list(o.items())))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .io import Checkpoint, LazyTensor
+from .io import Checkpoint, HeadersChecked, LazyTensor, reading_headers_only  # noqa: F401 - re-exported
 
 _TRANSFORMS = {
     "none": lambda a: a,
@@ -77,6 +77,8 @@ class Rule:
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tensors do not match what the model expects."""
+
+
 
 
 class KeyMap:
@@ -205,7 +207,8 @@ def load_params(
         if got != want:
             # report in the reference's layout
             exp = ", ".join(str(d) for d in _REF_SHAPE[rule.kind](want))
-            misshaped.append(f"{name} (shape {list(shape)}, expected [{exp}])")
+            where = getattr(t, "file", None)
+            misshaped.append(f"{name} (shape {list(shape)}, expected [{exp}]" + (f", in {where}" if where else "") + ")")
             found.setdefault(rule.dst, {})[i] = None
             continue
         found.setdefault(rule.dst, {})[i] = t
@@ -222,6 +225,8 @@ def load_params(
             missing.append(rule.name())
     if missing or unexpected or misshaped:
         raise mismatch_error(getattr(ckpt, "source", "checkpoint"), what, missing, unexpected, misshaped)
+    if reading_headers_only():
+        raise HeadersChecked(what)
 
     def read(t):
         a = t.read() if isinstance(t, LazyTensor) else np.asarray(t)

@@ -279,6 +279,9 @@ class CogVideoX(Pipeline):
                ("the scheduler config (scheduler/scheduler_config.json)", ["scheduler/scheduler_config.json"])]
         return req
 
+    def weight_loaders(self, request) -> list:
+        return [("text encoder", self.load_text_encoder), ("DiT", self._load_dit_host), ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         """A complete checkpoint folder; prompts within the 226 tokens the text encoder reads (the
         reference cuts them silently); the 5B-I2V's fixed size."""

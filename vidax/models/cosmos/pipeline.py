@@ -288,6 +288,9 @@ class CosmosPredict(TileStages, Pipeline):
         return cvae.load(self.folder / "vae")
 
     # ------------------------------------------------------------------ checks
+    def weight_loaders(self, request) -> list:
+        return [("text encoder", self.load_text_encoder), ("DiT", self._load_dit_host), ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         """Prompts within the text length (the reference truncates silently), a readable
         conditioning clip with enough frames, not both an image and a clip."""

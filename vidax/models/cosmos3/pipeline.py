@@ -294,6 +294,9 @@ class Cosmos3Omni(TileStages, Pipeline):
         return cvae.load(self.folder / "vae")
 
     # ------------------------------------------------------------------ checks
+    def weight_loaders(self, request) -> list:
+        return [("transformer", self._load_host), ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         o = request.options
         self._check_mesh(getattr(request, "mesh", None))

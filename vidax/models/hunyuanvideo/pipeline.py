@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -103,6 +104,19 @@ def resize_for_vae(image_uint8: np.ndarray, height: int, width: int) -> np.ndarr
     return (2.0 * a - 1.0).transpose(2, 0, 1).astype(np.float32)
 
 
+class TrueCfgWarning(UserWarning):
+    """``true_cfg`` > 1 without a negative prompt: no true CFG (as ``HunyuanVideoPipeline``)."""
+
+
+def effective_true_cfg(true_cfg, negative_prompt) -> float:
+    """The true-CFG scale a run uses: ``HunyuanVideoPipeline`` and
+    ``HunyuanVideoImageToVideoPipeline`` run true classifier-free guidance only when
+    ``true_cfg_scale > 1`` **and** a negative prompt is given (``""`` counts as given); otherwise
+    the scale is ignored (1.0: embedded guidance alone)."""
+    v = float(true_cfg or 1.0)
+    return v if v > 1.0 and negative_prompt is not None else 1.0
+
+
 class HunyuanVideoT2V(Pipeline):
     """HunyuanVideo text-to-video (and, from an image-to-video source, image-to-video; see
     :class:`HunyuanVideoI2V`). ``source``: a preset name or a checkpoint folder / URL."""
@@ -111,7 +125,8 @@ class HunyuanVideoT2V(Pipeline):
     GUIDANCE = "embedded"
     OPTIONS = (
         Option("shift", float, 7.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
-        Option("true_cfg", float, 1.0, "real classifier-free guidance with the negative prompt (> 1: a batch of two)",
+        Option("true_cfg", float, 1.0, "real classifier-free guidance with the negative prompt (> 1: a batch of two; "
+                                       "without --negative-prompt it is off, as in HunyuanVideoPipeline)",
                minimum=1.0, maximum=100.0, stages=("encode", "sample")),
         Option("vae_tiling", bool, True, "decode (and encode) in overlapping 256-px spatial tiles, as the reference "
                                          "examples enable", stages=("encode", "decode")),
@@ -176,6 +191,20 @@ class HunyuanVideoT2V(Pipeline):
                ("the VAE (vae/*.safetensors)", ["vae/*.safetensors"])]
         return req
 
+    def weight_loaders(self, request) -> list:
+        from vidax.text import clip_text, lm
+
+        if self.image_to_video:
+            from vidax.models.hunyuanvideo import llava
+
+            text = ("text encoder (LLaVA)", lambda: llava.load_llava(self.folder / "text_encoder"))
+        else:
+            text = ("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))
+        return [text, ("CLIP text encoder (text_encoder_2)",
+                       lambda: clip_text.load_clip_text(self.folder / "text_encoder_2", dtype=np.float32)),
+                ("DiT", lambda: hdit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
+                ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         v = getattr(request, "offload_chunk_size", None)
         if v is not None and (v == "all" or str(v).isdigit() or "=" in str(v)):
@@ -186,6 +215,11 @@ class HunyuanVideoT2V(Pipeline):
         if self.image_to_video and self.condition_type == "latent_concat" and request.num_frames < 5:
             raise OptionError("num_frames", f"{request.num_frames}: the 33-channel image-to-video model drops the first "
                                             f"4 decoded frames; use at least 5")
+        tc = float(request.options.get("true_cfg") or 1.0)
+        if tc > 1.0 and request.negative_prompt is None:
+            warnings.warn(f"true_cfg {tc:g} has no effect without a negative prompt: true classifier-free guidance "
+                          f"runs only with --negative-prompt (as in HunyuanVideoPipeline); give one, even \"\", "
+                          f"to use it", TrueCfgWarning, stacklevel=2)
         if self.preset is None and self._folder is None:
             return
         if self.folder is not None:
@@ -519,7 +553,7 @@ class HunyuanVideoT2V(Pipeline):
                                       None, None, output_hidden_states=False, note=f"{b} x {htext.CLIP_TOKENS} tokens"))
         cfg = self.dit_config()
         runner = hdit.HunyuanVideoRunner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
-        nb = 2 * b if float(request.options.get("true_cfg") or 1.0) > 1.0 else b
+        nb = 2 * b if effective_true_cfg(request.options.get("true_cfg"), request.negative_prompt) > 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         tokens = int(np.prod(hdit.grid_of(cfg, shape)))
         f32 = lambda *s: vplan.abstract(s, np.float32)  # noqa: E731
@@ -554,6 +588,12 @@ class HunyuanVideoT2V(Pipeline):
     def _dt(self, request):
         return np.dtype(np.float32) if request.dtype == "float32" else np.dtype(jnp.bfloat16)
 
+    def stage_params(self, kind, request, span=None):
+        p = super().stage_params(kind, request, span)
+        if "true_cfg" in p:  # the scale the run uses (ignored without a negative prompt)
+            p["true_cfg"] = effective_true_cfg(p["true_cfg"], request.negative_prompt)
+        return p
+
     def encode(self, request, image: np.ndarray | None = None) -> dict[str, Named]:
         """Prompt embeddings, mask and pooled CLIP vector (computed in float32, stored in the
         request's dtype; the mask as int32), the negative prompt's when ``true_cfg`` > 1, and for
@@ -574,8 +614,8 @@ class HunyuanVideoT2V(Pipeline):
             out[f"{prefix}_pooled"] = Named(c["pooled"].astype(dt), ("batch", "channel"), attrs)
 
         put("prompt", cond)
-        if (request.options.get("true_cfg") or 1.0) > 1.0:
-            neg = request.negative_prompt if request.negative_prompt is not None else ""
+        if effective_true_cfg(request.options.get("true_cfg"), request.negative_prompt) > 1.0:
+            neg = request.negative_prompt
             npix = None
             if self.image_to_video:  # the reference pairs the negative prompt with a black image
                 npix = self.llava_pixels(np.zeros((request.height, request.width, 3), np.uint8))
@@ -590,7 +630,7 @@ class HunyuanVideoT2V(Pipeline):
     def sample(self, conditioning: dict, request, *, resume: dict | None = None, on_step=None) -> dict[str, Named]:
         o = request.options
         cond = {k: conditioning[f"prompt_{k}"] for k in ("embeds", "mask", "pooled")}
-        true_cfg = float(o.get("true_cfg") or 1.0)
+        true_cfg = effective_true_cfg(o.get("true_cfg"), request.negative_prompt)
         uncond = None
         if true_cfg > 1.0:
             uncond = {k: conditioning[f"negative_{k}"] for k in ("embeds", "mask", "pooled")}
@@ -670,8 +710,12 @@ class HunyuanVideoT2V(Pipeline):
         pix = self.llava_pixels(image) if self.image_to_video else None
         cond = self.encode_prompts(prompts, encs, toks, pix)
         uncond = None
+        if true_cfg > 1.0 and negative_prompt is None:
+            warnings.warn(f"true_cfg {true_cfg:g} has no effect without a negative prompt (as in "
+                          f"HunyuanVideoPipeline)", TrueCfgWarning, stacklevel=2)
+        true_cfg = effective_true_cfg(true_cfg, negative_prompt)
         if true_cfg > 1.0:
-            neg = negative_prompt if negative_prompt is not None else ""
+            neg = negative_prompt
             npix = self.llava_pixels(np.zeros((height, width, 3), np.uint8)) if self.image_to_video else None
             uncond = self.encode_prompts([neg] * len(prompts), encs, toks, npix)
         del encs

@@ -290,6 +290,16 @@ class HunyuanVideo15T2V(Pipeline):
         return hdit.HunyuanVideo15Runner(state, cfg, self.mesh, self.parallelism,
                                           offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
 
+    def weight_loaders(self, request) -> list:
+        from vidax.text import lm, t5
+
+        out = [("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32)),
+               ("ByT5 encoder (text_encoder_2)", lambda: t5.load_t5(self.folder / "text_encoder_2", dtype=np.float32))]
+        if self.image_to_video:
+            out.append(("image encoder", self.load_image_encoder))
+        return out + [("DiT", lambda: hdit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
+                      ("VAE", self.load_vae)]
+
     def check(self, request) -> None:
         v = getattr(request, "offload_chunk_size", None)
         if v is not None:

@@ -151,6 +151,17 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         return Geometry(spatial=v.spatial_ratio, temporal=v.temporal_ratio, latent_channels=d.out_channels,
                         patch=(d.patch_size_t, d.patch_size, d.patch_size), num_heads=d.num_heads)
 
+    def weight_loaders(self, request) -> list:
+        enc = getattr(request, "image", None) is not None or self.image_to_video
+        out = [("text encoder", self.load_text_encoder), ("text connectors", self.load_connectors),
+               ("DiT", lambda: ldit2.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
+               ("VAE", lambda: self.load_vae(encoder=enc)),
+               ("audio VAE", lambda: laudio.load_vae(self.folder / "audio_vae")),
+               ("vocoder", lambda: laudio.load_vocoder(self.folder / "vocoder"))]
+        if request.options.get("vae_decoder") == "diffusion":
+            out.append(("diffusion decoder", self.load_diffusion_decoder))
+        return out
+
     def check(self, request) -> None:
         self._check_stg_blocks(request.options.get("stg_blocks"))  # configs only (as geometry())
         if request.options.get("vae_decoder") == "diffusion" and not self.has_diffusion_decoder:

@@ -84,6 +84,12 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         return Geometry(spatial=v.spatial_ratio, temporal=v.temporal_ratio, latent_channels=d.out_channels,
                         patch=(d.patch_size_t, d.patch_size, d.patch_size), num_heads=d.num_heads)
 
+    def weight_loaders(self, request) -> list:
+        enc = getattr(request, "image", None) is not None or self.image_to_video
+        return [("text encoder", self.load_text_encoder),
+                ("DiT", lambda: ldit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
+                ("VAE", lambda: self.load_vae(encoder=enc))]
+
     def check(self, request) -> None:
         if self.preset is None and self._folder is None:
             return

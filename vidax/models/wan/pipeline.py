@@ -300,6 +300,16 @@ class WanT2V(wtiles.TileStages, Pipeline):
                                                 f"({self.layout} layout)")
         self._check_prompts(request)
 
+    def weight_loaders(self, request) -> list:
+        out = [("text encoder", self.load_text_encoder)]
+        if getattr(request, "image", None) is not None and self.uses_clip:
+            out.append(("image encoder", self.load_image_encoder))
+        out.append(("DiT", lambda: self._load_dit_host(1)))
+        if self.has_transformer_2:
+            out.append(("low-noise DiT expert", lambda: self._load_dit_host(2)))
+        out.append(("VAE", self.load_vae))
+        return out
+
     def _check_prompts(self, request) -> None:
         from vidax.pipeline import OptionError
 
