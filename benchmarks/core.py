@@ -13,10 +13,17 @@ import numpy as np
 
 
 def _torch_on(module, device: str, dtype: str = "float32"):
-    """The reference module moved to ``device`` in ``dtype`` (e.g. "cuda", "bfloat16"), eval mode."""
+    """The reference module moved to ``device`` in ``dtype`` (e.g. "cuda", "bfloat16"), eval mode,
+    its ``_keep_in_fp32_modules`` left in float32 as diffusers' ``from_pretrained(torch_dtype=...)``
+    loads them."""
     import torch
 
-    return module.to(device=device, dtype=getattr(torch, dtype)).eval()
+    module = module.to(device=device).eval()
+    keep = getattr(module, "_keep_in_fp32_modules", None) or []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if any(k in name for k in keep) else getattr(torch, dtype))
+    return module
 
 
 def _sync(device: str) -> None:
@@ -84,7 +91,7 @@ def dit_1p3b(layers: int = 2, latents: tuple = (8, 32, 32), text_tokens: int = 5
              + 2 * 2 * L * D * F)  # feed-forward
     flops = layers * block + 2 * lt * (text_dim * D + D * D) + 2 * L * 64 * D * 2
     return dict(component="DiT forward (vs diffusers WanTransformer3DModel)",
-                config=f"1.3B widths: dim {D}, {heads}x{hd} heads, FFN {ffn}, {layers} blocks, {L} video + {lt} text "
+                config=f"{'1.3B widths: ' if D == 1536 else ''}dim {D}, {heads}x{hd} heads, FFN {ffn}, {layers} blocks, {L} video + {lt} text "
                        f"tokens{'' if dtype == 'float32' else ', ' + dtype}",
                 vidax=vidax, reference=reference, flops=flops)
 
@@ -124,7 +131,7 @@ def umt5_xxl(layers: int = 2, tokens: int = 512, device: str = "cpu", d_model: i
     d, inner, ff = d_model, heads * 64, d_ff
     flops = layers * (2 * L * d * inner * 4 + 4 * L * L * inner + 2 * L * d * ff * 3)
     return dict(component="Text encode (vs transformers UMT5EncoderModel)",
-                config=f"UMT5-XXL widths: d_model {d}, {heads} heads, FFN {ff}, {layers} layers, {L} tokens",
+                config=f"{'UMT5-XXL widths: ' if d == 4096 else ''}d_model {d}, {heads} heads, FFN {ff}, {layers} layers, {L} tokens",
                 vidax=lambda: enc(ij, mj).block_until_ready(), reference=reference, flops=flops)
 
 
@@ -187,7 +194,7 @@ def vae_decode_real_width(conv_impl=None, latents: tuple = (2, 16, 16), device: 
                 vae.decode_chunk_jit.lower(state, jax.device_put(z[:, :, 1:2]), cache, first=False, **kw)]
 
     return dict(component="VAE decode (vs diffusers AutoencoderKLWan)",
-                config=f"Wan2.1 widths: base_dim {base_dim}, z 16, latents {f}x{h}x{w} -> {(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
+                config=f"{'Wan2.1 widths: ' if base_dim == 96 else ''}base_dim {base_dim}, z 16, latents {f}x{h}x{w} -> {(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
                 vidax=lambda: np.asarray(vae.decode(state, cfg, z, conv_impl=conv_impl)), reference=reference,
                 flops=None, vidax_lowered=lowered, vidax_inputs=(state, cfg, z))
 

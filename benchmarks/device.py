@@ -41,7 +41,7 @@ PROFILES = {
         umt5_xxl=dict(),
         vae_decode_real_width=dict(),
         whole_run_tiny=dict())),
-    "dry": dict(roof=dict(n=256, dtype="float32"), device="cpu", pairs=3, budget=2.0, cases=dict(
+    "dry": dict(roof=dict(n=256, dtype="float32"), device="cpu", pairs=2, budget=2.0, cases=dict(
         dit_1p3b=dict(layers=1, latents=(2, 8, 8), text_tokens=16, heads=2, head_dim=32, ffn=64, text_dim=32),
         umt5_xxl=dict(layers=1, tokens=16, d_model=64, heads=2, d_ff=128),
         vae_decode_real_width=dict(latents=(2, 4, 4), base_dim=16),
@@ -81,7 +81,23 @@ def main(argv=None) -> int:
 
     roof = matmul_roof(**prof["roof"])
     pairs, budget = a.pairs or prof["pairs"], prof["budget"] if a.budget is None else a.budget
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(prof["device"])
+    env["profile"] = a.profile
     rows, t_start = [], time.perf_counter()
+
+    def write() -> str:  # after every row: a run cut short still leaves the rows it measured
+        env["seconds"] = round(time.perf_counter() - t_start, 1)
+        head = (f"{env['date']}: {env['machine']}, {env['backend']}, JAX {env['jax']}, torch {env['torch']}, "
+                f"reference on {env['reference_device']}, attention {env['attention']}, profile {a.profile}, "
+                f"matmul roof {prof['roof']['n']}^3 {prof['roof']['dtype']}, {env['seconds']} s")
+        text = f"{head}\n\n{table(rows)}\n"
+        (out / "device.json").write_text(json.dumps({"environment": env, "profile": prof, "rows": rows}, indent=2,
+                                                    default=str))
+        (out / "device.md").write_text(text)
+        return text
+
     for name, kw in prof["cases"].items():
         if a.only and not any(s in name for s in a.only.split(",")):
             continue
@@ -90,18 +106,8 @@ def main(argv=None) -> int:
         row["kwargs"] = kw
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
-    env = environment(prof["device"])
-    env["profile"], env["seconds"] = a.profile, round(time.perf_counter() - t_start, 1)
-    head = (f"{env['date']}: {env['machine']}, {env['backend']}, JAX {env['jax']}, torch {env['torch']}, "
-            f"reference on {env['reference_device']}, attention {env['attention']}, profile {a.profile}, "
-            f"matmul roof {prof['roof']['n']}^3 {prof['roof']['dtype']}, {env['seconds']} s")
-    text = table(rows)
-    print(f"\n{head}\n\n{text}")
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "device.json").write_text(json.dumps({"environment": env, "profile": prof, "rows": rows}, indent=2,
-                                                default=str))
-    (out / "device.md").write_text(f"{head}\n\n{text}\n")
+        write()
+    print("\n" + write(), flush=True)
     return 1 if any("error" in r for r in rows) else 0
 
 

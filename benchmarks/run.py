@@ -20,6 +20,7 @@ import pkgutil
 import platform
 import sys
 import time
+import traceback
 from datetime import date
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def run_case(case, roof, pairs: int, budget: float, **kw) -> dict:
         row = {"case": case.__name__, "component": c["component"], "config": c["config"],
                "flops": c.get("flops"), **res.summary(c.get("flops")), "ratios": res.ratios}
     except Exception as e:  # noqa: BLE001 - one broken case does not hide the others
+        traceback.print_exc()
         row = {"case": case.__name__, "component": case.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
