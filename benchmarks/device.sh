@@ -2,7 +2,8 @@
 # The paired vidax-vs-reference benchmarks on an accelerator, in one command.
 #
 #   bash benchmarks/device.sh [--pairs N] [--only dit,vae] [--skip-install]   # GPU or TPU machine
-#   bash benchmarks/device.sh --dry-run                                        # CPU, tiny sizes
+#   bash benchmarks/device.sh --install-only    # just the venv (a first call; the run in a second)
+#   bash benchmarks/device.sh --dry-run         # CPU, tiny sizes
 #
 # On a machine with an NVIDIA GPU (nvidia-smi) or a TPU (/dev/accel*): creates or reuses a venv
 # ($VIDAX_DEVICE_VENV, default .venv-device), installs '.[test,cuda]' (jax[cuda12]; torch pinned by
@@ -19,12 +20,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 dry=0
 skip_install=0
+install_only=0
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --skip-install) skip_install=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --install-only) install_only=1 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) args+=("$1") ;;
   esac
   shift
@@ -71,8 +74,8 @@ if [ "$skip_install" = 0 ] && [ ! -e "$stamp" ]; then
   if [ "$kind" = gpu ] && ! "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     torch_pin="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')"
     echo "[device.sh] torch $torch_pin cannot see the GPU; the CUDA wheel from ${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}" >&2
-    "$py" -m pip install -q --force-reinstall --no-deps "torch==$torch_pin" \
-      --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}"
+    "$py" -m pip install -q --force-reinstall "torch==$torch_pin" \
+      --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}" --extra-index-url https://pypi.org/simple
   fi
   rm -f "$venv"/.installed-*
   touch "$stamp"
@@ -84,4 +87,5 @@ import jax, torch
 print(f"[device.sh] jax {jax.__version__}: {jax.devices()}; torch {torch.__version__}, "
       f"cuda {torch.cuda.is_available()}")
 EOF
+if [ "$install_only" = 1 ]; then exit 0; fi
 exec "$py" -m benchmarks.device --profile "$kind" --out-dir "$out_dir" ${args[@]+"${args[@]}"}
