@@ -40,6 +40,10 @@ if [ "$dry" = 1 ]; then
   if [ -z "$py" ]; then
     if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
   fi
+  if ! "$py" -c 'import jax, torch, diffusers, transformers' 2>/dev/null; then
+    echo "error: --dry-run needs vidax's test extras in $py (make venv, or PYTHON=/path/to/python)" >&2
+    exit 2
+  fi
   export JAX_PLATFORMS=cpu
   exec "$py" -m benchmarks.device --profile dry --out-dir "$out_dir" ${args[@]+"${args[@]}"}
 fi
