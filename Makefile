@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export XLA_PYTHON_CLIENT_PREALLOCATE ?= false
 
-.PHONY: venv demo test test-all bench clean
+.PHONY: venv demo test test-all bench bench-device clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run && $(BIN)/python -m benchmarks.scale && $(BIN)/python -m benchmarks.store --big && $(BIN)/python -m benchmarks.plan && $(BIN)/python -m benchmarks.compile
+
+# on a lent GPU / TPU machine: its own venv (.venv-device, the accelerator's jax and torch), the
+# paired benchmarks at accelerator sizes (benchmarks/device.sh; --dry-run is in `make test`)
+bench-device:
+	bash benchmarks/device.sh
 
 clean:
 	rm -rf $(VENV) vidax-runs benchmarks/results

@@ -57,14 +57,15 @@ class Paired:
         return out
 
 
-def matmul_roof(n: int = 2048, best_of: int = 3):
-    """A callable timing the fp32 n^3 matmul ``best_of`` times back to back; returns the best GFLOP/s.
+def matmul_roof(n: int = 2048, best_of: int = 3, dtype: str = "float32"):
+    """A callable timing the n^3 matmul (``dtype``: fp32 on CPU; an accelerator profile samples
+    its compute dtype) ``best_of`` times back to back; returns the best GFLOP/s.
     One call at n=1024 under-reads: its first calls after a pause run at half speed (clock ramp,
     thread pool wake-up) and the achievable rate of the big matmuls in the cases is not reached."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((n, n), jnp.float32)
+    x = jnp.ones((n, n), jnp.dtype(dtype))
     f = jax.jit(lambda a, b: a @ b)
     f(x, x).block_until_ready()
 

@@ -20,6 +20,7 @@ import pkgutil
 import platform
 import sys
 import time
+import traceback
 from datetime import date
 from pathlib import Path
 
@@ -69,6 +70,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_case(case, roof, pairs: int, budget: float, **kw) -> dict:
+    """One table row: ``case(**kw)`` built and timed as paired calls (an error becomes the row)."""
+    from benchmarks.harness import paired
+
+    t0 = time.perf_counter()
+    try:
+        c = case(**kw)
+        res = paired(c["vidax"], c["reference"], pairs=pairs, roof=roof, budget_s=budget)
+        row = {"case": case.__name__, "component": c["component"], "config": c["config"],
+               "flops": c.get("flops"), **res.summary(c.get("flops")), "ratios": res.ratios}
+    except Exception as e:  # noqa: BLE001 - one broken case does not hide the others
+        traceback.print_exc()
+        row = {"case": case.__name__, "component": case.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=7)
@@ -78,22 +96,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default="benchmarks/results/latest.json")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.harness import matmul_roof, paired
+    from benchmarks.harness import matmul_roof
 
     roof = matmul_roof()
     rows = []
     for case in cases(not a.no_families):
         if a.only and not any(s in case.__name__ for s in a.only.split(",")):
             continue
-        t0 = time.perf_counter()
-        try:
-            c = case()
-            res = paired(c["vidax"], c["reference"], pairs=a.pairs, roof=roof, budget_s=a.budget)
-            row = {"case": case.__name__, "component": c["component"], "config": c["config"],
-                   "flops": c.get("flops"), **res.summary(c.get("flops")), "ratios": res.ratios}
-        except Exception as e:  # noqa: BLE001 - one broken case does not hide the others
-            row = {"case": case.__name__, "component": case.__name__, "error": f"{type(e).__name__}: {e}"[:200]}
-        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row = run_case(case, roof, a.pairs, a.budget)
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     env = environment()
