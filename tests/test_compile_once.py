@@ -128,7 +128,7 @@ def _wan_step_model(mesh, x, t, ctx):
         return (jax.jit(partial(wpipe._dit_apply, cfg=cfg)), ((dit, wdit.rope_tables(cfg, grid)), x, t, ctx),
                 jax.jit(lambda p, *a: wdit.forward(p, cfg, *a)), (dit, x, t, ctx))
     spec = dit.program()
-    return jax.jit(spec.apply), (dit.step_params(x.shape), x, t, ctx), jax.jit(spec.apply), (dit.params, x, t, ctx)
+    return jax.jit(spec.apply), (dit.step_params({"x": x.shape}), x, t, ctx), jax.jit(spec.apply), (dit.params, x, t, ctx)
 
 
 def _cosmos_step_model(mesh, x, t, ctx):

@@ -179,6 +179,34 @@ def resolve_parallelism(parallelism: str | None, mesh: Mesh | Mapping[str, int] 
     return p
 
 
+#: THE logical-axis table, for parameters and activations alike: logical name -> mesh axis. A
+#: parameter's axes come from its metadata (``nn.Linear(axes=("embed", "heads"))``), an
+#: activation's from its model's ``act_spec(name, shape)`` (a tuple of logical names); names not
+#: listed (``embed``, ``layers``, ``None``) stay replicated. A family that shards more (or less)
+#: lists only its deltas (``{"mod": "tp"}``; ``None`` removes a name) -- see :func:`axis_rules`.
+LOGICAL_AXES = {"batch": "dp", "tokens": "sp", "heads": "tp", "ffn": "tp"}
+
+
+def axis_rules(parallelism: str = "tp+sp", deltas: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """Logical -> mesh axis under ``parallelism``: :data:`LOGICAL_AXES` with a family's ``deltas``,
+    restricted to the mesh axes the parallelism uses (``dp`` always; ``tp`` / ``sp`` when named)."""
+    used = {"dp", *parallelism.split("+")}
+    table = {**LOGICAL_AXES, **(deltas or {})}
+    return {k: v for k, v in table.items() if v is not None and v in used}
+
+
+def logical_spec(names, mapping: Mapping[str, str], mesh=None) -> P:
+    """A ``PartitionSpec`` from logical names (``("batch", "tokens", None)``) through ``mapping``;
+    with ``mesh``, mesh axes of size 1 are dropped (inside ``shard_map`` a named axis makes a value
+    "varying" over it even when it has one device)."""
+    sizes = axis_sizes(mesh) if mesh is not None else None
+    out = []
+    for n in names:
+        a = mapping.get(n) if isinstance(n, str) else None
+        out.append(a if a is not None and (sizes is None or sizes[a] > 1) else None)
+    return P(*out)
+
+
 def logical_mapping(parallelism: str, tables: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
     """Logical -> mesh axes for a parallelism: the union of the family's tables (one per
     parallelism, e.g. ``{"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}``) for the parts it uses."""
@@ -279,6 +307,6 @@ def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "LOCAL", "PARALLELISMS", "ParallelContext", "check_param_divisibility", "logical_mapping",
+__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility", "logical_mapping",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]
