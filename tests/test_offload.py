@@ -72,7 +72,7 @@ def test_offload_footprint_bounded_by_a_chunk(setup, mesh):
             c = pool.chunk_size
             assert pool.chunk_bytes == res_blocks * c // OCFG.num_layers
             # compiled memory analysis of the ONE chunk program
-            carry, consts = r._pre(r.rest, r._pack((x, t, ctx), {}), r.tables({"x": x.shape}))
+            carry, consts = r._pre(r.rest, r._pack((x, t, ctx), {})[0], r.tables({"x": x.shape}))
             a = carry
             ma = r.offload.memory_analysis("blocks", carry, consts)
             act = sum(vsh.shard_bytes(v.shape, v.dtype, v.sharding.spec, r.mesh) for v in jax.tree.leaves((carry, consts)))

@@ -16,6 +16,7 @@ A family writes only its hooks, on its top-level NNX module (``model``; an abstr
   family's ``AXIS_DELTAS``; parameters are placed by their own logical axes through the same table.
 
 Optional hooks: ``pack(*args, **kw) -> inputs`` (the call signature; default: one dict),
+``chunk_sizes(offload_chunk_size) -> {stack: size}`` (a family's own chunk-size spec),
 ``prepare(inputs, dtype) -> inputs`` and ``finish(outputs, shapes) -> result`` (traceable, run
 inside the compiled programs outside ``shard_map``: patchify / unpatchify), ``check(shapes, mesh)``
 (input errors before anything compiles), ``table_key(shapes)`` + ``tables(key) -> dict`` (host
@@ -42,6 +43,9 @@ from vidax.core import sharding as vsh
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
+
+
+_STATIC = (bool, int, float, str, tuple)
 
 
 def _shapes_key(inputs: dict) -> tuple:
@@ -84,7 +88,9 @@ class DiTRunner:
             self.stacks = {n: vsh.place(state[n], shardings[n]) for n in self.stack_names}
             self._fwd = jax.jit(self._forward)
         else:
-            sizes = offload_chunk_size if isinstance(offload_chunk_size, dict) else {}
+            parse = getattr(model, "chunk_sizes", None)  # a family's own spec, e.g. "double=4,single=8"
+            sizes = parse(offload_chunk_size) if parse is not None else (
+                offload_chunk_size if isinstance(offload_chunk_size, dict) else {})
             self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
             for n in self.stack_names:
                 self.offload.add_stack(n, state[n], self._chunk_fn(n), sizes.get(n, offload_chunk_size), shardings[n])
@@ -119,10 +125,13 @@ class DiTRunner:
         return vsh.smap(fn, self.mesh, in_specs, out_specs)
 
     # ------------------------------------------------------------------ inputs and host tables
-    def _pack(self, args, kw) -> dict:
+    def _pack(self, args, kw) -> tuple[dict, dict]:
+        """``(arrays, statics)`` of a call: Python scalars / strings (e.g. a frame rate) are static,
+        they select host tables and never enter a program."""
         pack = getattr(self.model, "pack", None)
         inputs = pack(*args, **kw) if pack is not None else (args[0] if args else kw)
-        return {k: jnp.asarray(v) for k, v in inputs.items() if v is not None}
+        statics = {k: v for k, v in inputs.items() if isinstance(v, _STATIC)} if pack is not None else {}
+        return {k: jnp.asarray(v) for k, v in inputs.items() if v is not None and k not in statics}, statics
 
     def check_inputs(self, inputs: dict) -> None:
         """Input errors before anything compiles: the model's own check, then every sharded input
@@ -246,9 +255,9 @@ class DiTRunner:
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kw):
         """The model's call (``pack``'s signature; default one inputs dict), weights resident or streamed."""
-        inputs = self._pack(args, kw)
+        inputs, statics = self._pack(args, kw)
         self.check_inputs(inputs)
-        tables = self.tables({k: tuple(v.shape) for k, v in inputs.items()})
+        tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
         if self.offload is None:
             return self._fwd(self.rest, self.stacks, inputs, tables)
         carry, consts = self._pre(self.rest, inputs, tables)
@@ -266,26 +275,28 @@ class DiTRunner:
         return {"rest": self.rest, **self.stacks}
 
     def step_params(self, shapes: dict) -> dict:
-        """:attr:`params` plus the host tables of inputs of ``shapes`` (name -> shape): what a jitted
+        """:attr:`params` plus the host tables of inputs of ``shapes`` (name -> shape, and any static
+        such as ``fps``): what a jitted
         sampling step passes to :meth:`apply`, so the tables are arguments of the program."""
         return {**self.params, "tables": self.tables(shapes)}
 
     def apply(self, params, *args, **kw):
         """Traceable forward (params stay arguments) for a jitted sampling step; without
         ``params["tables"]`` the host tables are computed into the program."""
-        inputs = self._pack(args, kw)
+        inputs, statics = self._pack(args, kw)
         self.check_inputs(inputs)
         tables = params.get("tables")
         if tables is None:
-            key, fn = self._host_tables({k: tuple(v.shape) for k, v in inputs.items()})
+            key, fn = self._host_tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
             tables = {} if fn is None else {k: jnp.asarray(v) for k, v in fn(key).items()}
         return self._forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs, tables)
 
     def lower(self, *args, **kw):
         """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
-        inputs = self._pack(args, kw)
+        inputs, statics = self._pack(args, kw)
         self.check_inputs(inputs)
-        return self._fwd.lower(self.rest, self.stacks, inputs, self.tables({k: tuple(v.shape) for k, v in inputs.items()}))
+        return self._fwd.lower(self.rest, self.stacks, inputs,
+                               self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics}))
 
     def program(self) -> "DiTRunner":
         """A copy of this runner without its weights: what :meth:`apply` needs (model, mesh, specs),

@@ -292,6 +292,13 @@ class ParallelContext:
             return s, n
         return jax.lax.psum(s, ax), n * self.size(ax)
 
+    def token_slice(self, table, n: int, axis: int = 0):
+        """This shard's ``n`` rows (along ``axis``) of a per-token ``table`` that is whole on every
+        device, when the tokens are split over ``sp`` (the whole table otherwise)."""
+        if self.size("sp") == 1:
+            return table
+        return jax.lax.dynamic_slice_in_dim(table, jax.lax.axis_index("sp") * n, n, axis)
+
     def self_attention(self, q, k, v):
         return ulysses_attention(q, k, v, axis="sp", axis_size=self.size("sp"), impl=self.attn_impl)
 
