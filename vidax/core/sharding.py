@@ -132,11 +132,6 @@ def shard_split(split, rules: Mapping[str, str | None], mesh):
     return split.replace(state=place(split.state, named_shardings(mesh, specs)))
 
 
-def divisible_rules(tp: int, **dims: int) -> dict[str, str]:
-    """``{logical axis: "tp"}`` for every named dimension that ``tp`` divides (the rest replicate)."""
-    return {axis: "tp" for axis, n in dims.items() if tp > 1 and n % tp == 0}
-
-
 def shard_bytes(shape, dtype, spec: P, mesh: Mesh | Mapping[str, int]) -> int:
     """Bytes one device holds of an array of ``shape`` laid out with ``spec``."""
     sizes = axis_sizes(mesh)
@@ -187,12 +182,20 @@ def resolve_parallelism(parallelism: str | None, mesh: Mesh | Mapping[str, int] 
 LOGICAL_AXES = {"batch": "dp", "tokens": "sp", "heads": "tp", "ffn": "tp"}
 
 
-def axis_rules(parallelism: str = "tp+sp", deltas: Mapping[str, str | None] | None = None) -> dict[str, str]:
+def axis_rules(parallelism: str = "tp+sp", deltas: Mapping[str, str | None] | None = None, *,
+               dims: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None) -> dict[str, str]:
     """Logical -> mesh axis under ``parallelism``: :data:`LOGICAL_AXES` with a family's ``deltas``,
-    restricted to the mesh axes the parallelism uses (``dp`` always; ``tp`` / ``sp`` when named)."""
+    restricted to the mesh axes the parallelism uses (``dp`` always; ``tp`` / ``sp`` when named).
+    With ``dims`` (logical name -> its size) and ``sizes`` (mesh axis -> devices): only those names,
+    each where its mesh axis has more than one device and divides it (else replicated) -- what the
+    text encoders use to shard whatever divides."""
     used = {"dp", *parallelism.split("+")}
     table = {**LOGICAL_AXES, **(deltas or {})}
-    return {k: v for k, v in table.items() if v is not None and v in used}
+    out = {k: v for k, v in table.items() if v is not None and v in used}
+    if dims is not None:
+        sizes = dict(sizes or {})
+        out = {k: v for k, v in out.items() if k in dims and sizes.get(v, 1) > 1 and dims[k] % sizes[v] == 0}
+    return out
 
 
 def logical_spec(names, mapping: Mapping[str, str], mesh=None) -> P:

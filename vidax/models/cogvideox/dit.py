@@ -46,6 +46,7 @@ from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import split_heads
 from vidax.core.runner import DiTRunner
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
@@ -281,8 +282,7 @@ def pos_mode(cfg: CogVideoXConfig, grid: tuple[int, int, int]) -> str:
 
 
 # ----------------------------------------------------------------------------------- modules
-def _heads(x, head_dim):
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def apply_rope(x, cos, sin):

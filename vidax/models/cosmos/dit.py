@@ -41,6 +41,7 @@ from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import split_heads
 from vidax.core.runner import DiTRunner
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
@@ -131,8 +132,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------- layers
-def _heads(x, head_dim):
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def apply_rope_half(x, cos, sin):

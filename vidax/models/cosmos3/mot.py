@@ -32,7 +32,6 @@ left unread).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -464,10 +463,11 @@ def vision_forward(state, cfg: Cosmos3Config, patches, t, noisy, cos, sin, cache
 # ----------------------------------------------------------------------------------- the reference's calling convention
 def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, position_ids, und_len: int,
                       sequence_length: int, vision_tokens, vision_token_shapes, vision_sequence_indexes,
-                      vision_mse_loss_indexes, vision_timesteps, vision_noisy_frame_indexes, **extra):
+                      vision_mse_loss_indexes, vision_timesteps, vision_noisy_frame_indexes, runner=None, **extra):
     """``Cosmos3OmniTransformer.forward`` (vision generation) on numpy inputs in the reference's layout:
     one packed sample whose text fills ``[0, und_len)`` and whose vision items follow it in order.
-    Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames)."""
+    Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames).
+    ``runner``: a :class:`Cosmos3Runner` (mesh / offloading) instead of ``state`` on one device."""
     for k, v in extra.items():
         if k.startswith(("sound_", "action_")) and v is not None:
             raise NotImplementedError(f"Cosmos3 {k}: sound and action generation are not ported")
@@ -506,13 +506,13 @@ def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, pos
         n_seen += len(sel)
         t_tok.append(t)
         shapes.append(((tt, hh, ww), np.asarray(noisy_frames, np.int64).reshape(-1), grid))
-    dt = state_dtype(state)
-    cache = text_cache(state, cfg, jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]),
-                       jnp.asarray(sin[None, :und_len]))
-    out = _vision_jit(state, cfg, jnp.asarray(np.concatenate(patches)[None], dt),
-                      jnp.asarray(np.concatenate(t_tok)[None]), jnp.asarray(np.concatenate(noisy)[None]),
-                      jnp.asarray(cos[None, und_len:]), jnp.asarray(sin[None, und_len:]), cache,
-                      jnp.ones((1, und_len), bool))
+    dt = state_dtype(state) if runner is None else runner.dtype
+    text = partial(text_cache, state, cfg) if runner is None else runner.text_cache
+    vision = partial(_vision_jit, state, cfg) if runner is None else runner.vision
+    cache = text(jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]), jnp.asarray(sin[None, :und_len]))
+    out = vision(jnp.asarray(np.concatenate(patches)[None], dt), jnp.asarray(np.concatenate(t_tok)[None]),
+                 jnp.asarray(np.concatenate(noisy)[None]), jnp.asarray(cos[None, und_len:]),
+                 jnp.asarray(sin[None, und_len:]), cache, jnp.ones((1, und_len), bool))
     last = np.asarray(out, np.float32)[0]  # [Lg, p*p*C] for every vision token
     preds = last[np.asarray(vision_mse_loss_indexes).reshape(-1) - und_len]
     results, start = [], 0
@@ -748,17 +748,30 @@ def load_model(path, cfg: Cosmos3Config | None = None, dtype=np.float32):
 
 # ----------------------------------------------------------------------------------- compat
 class _Cosmos3Compat(compat.CompatModel):
-    def __init__(self, config, state, cfg):
+    def __init__(self, config, state, cfg, runner=None):
         super().__init__("Cosmos3OmniTransformer", config, state, cfg)
+        self.runner = runner
 
     def forward(self, **kw):
         """The reference's keywords (numpy) -> the per-item vision predictions (its first output)."""
         kw.pop("return_dict", None)
-        return reference_forward(self.params, self.model_config, **kw)
+        return reference_forward(self.params, self.model_config, runner=self.runner, **kw)
 
 
-@compat.register("Cosmos3OmniTransformer")
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
+@compat.register("Cosmos3OmniTransformer", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
     cfg = Cosmos3Config.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load_model(folder, cfg, dtype=dtype)
+        return _Cosmos3Compat(config, jax.device_put(state), cfg)
+    # fail on an impossible layout before reading a single tensor
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
     state, cfg = load_model(folder, cfg, dtype=dtype)
-    return _Cosmos3Compat(config, jax.device_put(state), cfg)
+    r = Cosmos3Runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                      attn_impl=attn_impl)
+    return _Cosmos3Compat(config, None, cfg, r)

@@ -54,6 +54,7 @@ from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import MLP, PatchEmbed, split_heads
 from vidax.core.runner import DiTRunner
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
@@ -137,9 +138,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _heads(x, head_dim):
-    """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def modulation(layer: nnx.Linear, temb, n: int, par: vsh.ParallelContext):
@@ -239,33 +238,6 @@ def _qkv(q_lin, k_lin, v_lin, norm_q, norm_k, x, head_dim, par):
 
 
 # ----------------------------------------------------------------------------------- modules
-class PatchEmbed(nnx.Module):
-    """The reference's Conv3d with stride = kernel = patch, applied to patchified tokens as one
-    matmul (per token: runs unchanged on a token shard). ``kernel``: ``[pt, ph, pw, Cin, D]``."""
-
-    def __init__(self, patch, cin: int, dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.kernel = nn.param(rngs, nnx.initializers.lecun_normal(), (*patch, cin, dim), None, None, None, None, None,
-                               dtype=param_dtype)
-        self.bias = nn.param(rngs, nnx.initializers.zeros_init(), (dim,), None, dtype=param_dtype)
-
-    def __call__(self, tokens):
-        k = self.kernel[...]
-        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
-        return y + self.bias[...].astype(y.dtype)
-
-
-class MLP(nnx.Module):
-    """``l2(act(l1(x)))``: diffusers' ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``."""
-
-    def __init__(self, din: int, dhidden: int, dout: int, act: str = "silu", *, rngs: nnx.Rngs, param_dtype=F32):
-        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
-        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, param_dtype=param_dtype)
-        self.act = act
-
-    def __call__(self, x):
-        return self.l2(nn.activation(self.act)(self.l1(x)))
-
-
 def timestep_features(t):
     """diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``: [B] -> [B, 256] f32."""
     return sinusoidal_embedding(jnp.asarray(t, F32), 256, flip_sin_to_cos=True)

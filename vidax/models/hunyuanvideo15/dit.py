@@ -37,6 +37,7 @@ from vidax import compat
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
+from vidax.core.layers import MLP, PatchEmbed
 from vidax.core.runner import DiTRunner
 from vidax.models.hunyuanvideo import dit as h10
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -185,9 +186,9 @@ class Embed(nnx.Module):
         d = cfg.dim
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.cfg = cfg
-        self.patch = h10.PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = h10.MLP(256, d, d, "silu", **kw)
-        self.time_r = h10.MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
+        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
+        self.time_in = MLP(256, d, d, "silu", **kw)
+        self.time_r = MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
         self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
         self.glyph = GlyphProjection(cfg.text_embed_2_dim, 2048, d, **kw)
         self.image = ImageProjection(cfg.image_embed_dim, d, **kw)

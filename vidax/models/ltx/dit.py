@@ -149,9 +149,6 @@ class LTXHead(nnx.Module):
 class LTXTransformer(nnx.Module):
     """The LTX-Video DiT: ``embed`` -> stacked ``blocks`` -> ``head`` over named activations."""
 
-    #: logical axis -> mesh axis per parallelism (see vidax.core.sharding)
-    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
     def __init__(self, cfg: LTXDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = LTXEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
