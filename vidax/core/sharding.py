@@ -1,4 +1,4 @@
-"""Sharding as metadata: logical axis names on every parameter, one table per parallelism mapping
+"""Sharding as metadata: logical axis names on every parameter and activation, ONE table mapping
 them to mesh axes; Megatron tensor parallelism and DeepSpeed-Ulysses sequence parallelism as a
 small context object the model's layers call into inside ``shard_map``.
 
@@ -8,9 +8,12 @@ Every parameter of an NNX model carries its logical axes (``vidax.core.nn.logica
     self.q = nn.Linear(d, d, rngs=rngs, axes=("embed", "heads"))   # column-parallel under TP
     self.o = nn.Linear(d, d, rngs=rngs, axes=("heads", "embed"))   # row-parallel under TP
 
-and a family declares, per parallelism, which logical names go to which mesh axis::
+and :data:`LOGICAL_AXES` (``batch -> dp, tokens -> sp, heads -> tp, ffn -> tp``) maps them to
+mesh axes, for parameters and for activations (a DiT's ``act_spec`` names its activations' axes
+the same way: ``("batch", "tokens", None)``); a family lists only its deltas (HunyuanVideo's
+``{"mod": "tp"}``), and :func:`axis_rules` restricts the table to the axes a parallelism uses::
 
-    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}     # names not listed: replicated
+    axis_rules("tp", {"mod": "tp"})   # {"batch": "dp", "heads": "tp", "ffn": "tp", "mod": "tp"}
 
 :func:`param_specs` turns a state's logical specs (``nnx.get_partition_spec``) into mesh
 ``PartitionSpec`` s with that table. Nothing in a model file mentions devices. The same metadata
@@ -210,15 +213,6 @@ def logical_spec(names, mapping: Mapping[str, str], mesh=None) -> P:
     return P(*out)
 
 
-def logical_mapping(parallelism: str, tables: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """Logical -> mesh axes for a parallelism: the union of the family's tables (one per
-    parallelism, e.g. ``{"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}``) for the parts it uses."""
-    out: dict[str, str] = {}
-    for part in parallelism.split("+"):
-        out.update(tables.get(part, {}))
-    return out
-
-
 # ----------------------------------------------------------------------------------- collectives
 def row_parallel_linear(layer: nnx.Linear, x, axis: str):
     """``sum_shards(x[..., shard] @ kernel[shard, :]) + bias`` with the bias added exactly once.
@@ -317,6 +311,6 @@ def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility", "logical_mapping",
+__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from vidax import compat
 from vidax.core import mesh as vmesh
@@ -538,8 +538,8 @@ _vision_jit = jax.jit(vision_forward, static_argnums=(1,))
 #: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
 #: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
 #: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
-#: every device (they are short and computed once per prompt).
-AXIS_RULES = {"tp": {"heads": "tp", "kv_heads": "tp", "ffn": "tp", "vocab": "tp"}, "sp": {}}
+#: every device (they are short and computed once per prompt). Cosmos3's deltas to the core table:
+AXIS_DELTAS = {"kv_heads": "tp", "vocab": "tp"}
 
 
 def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
@@ -577,7 +577,7 @@ class Cosmos3Runner:
         self.mesh = vmesh.make_mesh(mesh)
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
         vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.mapping = mapping = vsh.axis_rules(self.parallelism, AXIS_DELTAS)
         self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
         self.specs = vsh.param_specs(state, mapping)
         vsh.check_param_divisibility(state, self.specs, self.mesh)
@@ -588,8 +588,7 @@ class Cosmos3Runner:
         self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
         und_sh = vsh.named_shardings(self.mesh, self.und_specs)
         gen_sh = vsh.named_shardings(self.mesh, self.gen_specs)
-        tp_kv = vsh.ParallelContext.create(mapping, self.mesh).size("tp") > 1 and mapping.get("kv_heads") == "tp"
-        self.cache_spec = P(None, "dp", None, "tp" if tp_kv else None, None)  # [layers, B, Lu, KV, hd]
+        self.cache_spec = self.spec(None, "batch", None, "kv_heads", None)  # [layers, B, Lu, KV, hd]
         self.offload = None
         if offload_chunk_size is None:
             self.und = vsh.place(state["layers"]["und"], und_sh)
@@ -622,6 +621,10 @@ class Cosmos3Runner:
     def _embed_text_fn(self, rest, ids):
         return nnx.merge(self.graphs["embed"], rest["embed"]).text(ids)
 
+    def spec(self, *names):
+        """The mesh layout of an activation with these logical axis names (the core table)."""
+        return vsh.logical_spec(names, self.mapping, self.mesh)
+
     def _embed_vision_fn(self, rest, patches, t, noisy):
         return nnx.merge(self.graphs["embed"], rest["embed"]).vision(patches, t, noisy)
 
@@ -631,22 +634,22 @@ class Cosmos3Runner:
     # ---------------------------------------------------------------- resident
     def _text_resident(self, rest, und, ids, cos, sin):
         x = self._embed_text_fn(rest, ids)
-        tok = P("dp", None, None)
+        tok = self.spec("batch", None, None)
         _, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
                                (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
         return k, v
 
     def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm):
-        tok3 = P("dp", "sp", None)
+        tok3 = self.spec("batch", "tokens", None)
         h = self._embed_vision_fn(rest, patches, t, noisy)
         h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return self._head_fn(rest, h)
 
     # ---------------------------------------------------------------- offloaded chunks
     def _text_chunk(self, und, carry, cos, sin):
         x, ks, vs, i = carry
-        tok = P("dp", None, None)
+        tok = self.spec("batch", None, None)
         x, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
                                (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
         ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(ks.dtype), i, axis=0)
@@ -657,14 +660,14 @@ class Cosmos3Runner:
         h, i = carry
         k = jax.lax.dynamic_slice_in_dim(ks, i, self.chunk, axis=0)
         v = jax.lax.dynamic_slice_in_dim(vs, i, self.chunk, axis=0)
-        tok3 = P("dp", "sp", None)
+        tok3 = self.spec("batch", "tokens", None)
         h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return h, i + self.chunk
 
     def _zero(self):
         """The layer counter an offloaded pass carries, replicated over the mesh."""
-        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, P()))
+        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, self.spec()))
 
     # ---------------------------------------------------------------- public
     def text_cache(self, ids, cos, sin):
