@@ -48,7 +48,7 @@ from vidax.models.cogvideox import dit as cdit
 from vidax.models.cogvideox import vae as cvae
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
-from vidax.schedulers import from_diffusers_config, make_scheduler
+from vidax.schedulers import from_diffusers_config
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
@@ -380,7 +380,6 @@ class CogVideoX(Pipeline):
         if self.image_to_video and image_latents is None:
             raise ValueError("this is an image-to-video model: pass image_latents=encode_image(...)")
         sched = scheduler or self.scheduler(steps)
-        cfg = dit[1] if dit is not None else self.dit_config()
         b = cond.shape[0]
         shape = self.latent_shape(b, height, width, num_frames)
         if latents is None:
