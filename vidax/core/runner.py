@@ -52,6 +52,28 @@ def _shapes_key(inputs: dict) -> tuple:
     return tuple(sorted((k, tuple(np.shape(v))) for k, v in inputs.items()))
 
 
+def run_local(model, inputs: dict, tables: dict, dtype, par=vsh.LOCAL):
+    """A (concrete) model's forward on one device, or compiler-partitioned, through the same hooks
+    the runner runs per shard: ``prepare`` -> ``embed`` -> every stack (``link_<name>`` first) ->
+    ``head`` -> ``finish``. ``inputs``: :meth:`pack`'s arrays (no None); ``tables``: its host tables."""
+    from vidax.core import nn
+
+    shapes = tuple(sorted((k, tuple(jnp.shape(v))) for k, v in inputs.items()))
+    a = {**inputs, **tables}
+    prepare = getattr(model, "prepare", None)
+    a = a if prepare is None else prepare(a, dtype)
+    carry, consts = model.embed(a, par)
+    for i, name in enumerate(getattr(model, "STACKS", ("blocks",))):
+        link = getattr(model, f"link_{name}", None)
+        if i and link is not None:
+            carry = link(carry, consts, par)
+        step = getattr(model, "step" if name == "blocks" else f"step_{name}")
+        carry = nn.scan(getattr(model, name), carry, lambda blk, c, step=step: step(blk, c, consts, par))
+    out = model.head(carry, consts, par)
+    finish = getattr(model, "finish", None)
+    return out if finish is None else finish(out, dict(shapes))
+
+
 class DiTRunner:
     """``model``: the family's module (abstract or concrete) with the hooks above; ``state``: its
     state (host numpy preferred, or the module). ``mesh``: a Mesh, a spec like ``"tp=2,sp=2"``, or
@@ -314,4 +336,4 @@ class DiTRunner:
                 tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl)
 
 
-__all__ = ["DiTRunner"]
+__all__ = ["DiTRunner", "run_local"]

@@ -47,7 +47,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -574,15 +574,12 @@ class CogVideoXTransformer(nnx.Module):
         ``pos``: the sin-cos table [Lv, D] (optional: computed when needed). Returns [B, F, H, W, Cout]."""
         inputs = self.pack(x, t, ctx, ofs, None if cos is None else (cos, sin))
         inputs = {k: v for k, v in inputs.items() if v is not None}
-        shapes = {k: tuple(v.shape) for k, v in inputs.items()}
-        grid = token_grid(self.cfg, shapes["x"])
-        check_text(self.cfg, shapes["ctx"][1], grid)
+        grid = token_grid(self.cfg, jnp.shape(x))
+        check_text(self.cfg, jnp.shape(ctx)[1], grid)
+        tables = {}
         if pos_mode(self.cfg, grid) == "sincos":
-            inputs["pos"] = jnp.asarray(sincos_table(self.cfg, grid)) if pos is None else pos
-        a = self.prepare(inputs, self.embed.text.kernel[...].dtype)
-        carry, consts = self.embed(a, par)
-        carry = nn.scan(self.blocks, carry, lambda blk, c: self.step(blk, c, consts, par))
-        return self.finish(self.head(carry, consts, par), shapes)
+            tables["pos"] = jnp.asarray(sincos_table(self.cfg, grid)) if pos is None else pos
+        return run_local(self, inputs, tables, self.embed.text.kernel[...].dtype, par)
 
 
 def check_text(cfg: CogVideoXConfig, lt: int, grid) -> None:

@@ -42,7 +42,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
@@ -415,14 +415,10 @@ class CosmosTransformer(nnx.Module):
         here). Returns [B, F, H, W, out_channels]."""
         inputs = self.pack(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps)
         inputs = {k: v for k, v in inputs.items() if v is not None and k != "fps"}
-        shapes = {k: tuple(jnp.shape(v)) for k, v in inputs.items()}
-        tables = {k: jnp.asarray(v) for k, v in self.tables((token_grid(self.cfg, shapes["x"]), fps)).items()}
+        tables = {k: jnp.asarray(v) for k, v in self.tables((token_grid(self.cfg, jnp.shape(x)), fps)).items()}
         if rope is not None:
             tables["cos"], tables["sin"] = rope
-        a = self.prepare({**inputs, **tables}, self.embed.patch.kernel[...].dtype)
-        carry, consts = self.embed(a, par)
-        carry = nn.scan(self.blocks, carry, lambda blk, c: self.step(blk, c, consts, par))
-        return self.finish(self.head(carry, consts, par), shapes)
+        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- geometry helpers

@@ -55,7 +55,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -514,16 +514,10 @@ class DualStreamHooks:
     def run(self, inputs: dict, par, rope=None):
         """The one-device forward through the same hooks (what the runner runs per shard)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
-        shapes = {k: tuple(jnp.shape(v)) for k, v in inputs.items()}
-        tables = {k: jnp.asarray(v) for k, v in self.tables(self.table_key(shapes)).items()}
+        tables = {k: jnp.asarray(v) for k, v in self.tables(grid_of(self.cfg, jnp.shape(inputs["x"]))).items()}
         if rope is not None:
             tables["cos"], tables["sin"] = rope
-        a = self.prepare({**inputs, **tables}, self.embed.patch.kernel[...].dtype)
-        carry, consts = self.embed(a, par)
-        for name in self.STACKS:
-            step = getattr(self, f"step_{name}")
-            carry = nn.scan(getattr(self, name), carry, lambda blk, c, step=step: step(blk, c, consts, par))
-        return self.finish(self.head(carry, consts, par), shapes)
+        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par)
 
 
 class HunyuanVideoTransformer(DualStreamHooks, nnx.Module):

@@ -31,7 +31,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
@@ -316,12 +316,8 @@ class WanTransformer(nnx.Module):
         tables of the token grid (:func:`rope_tables`; computed here when None). Returns
         [B, F, H, W, Cout]."""
         inputs = {k: v for k, v in self.pack(x, t, ctx, img).items() if v is not None}
-        shapes = {k: tuple(v.shape) for k, v in inputs.items()}
-        cos, sin = rope_tables(self.cfg, self.table_key(shapes)) if rope is None else rope
-        a = self.prepare({**inputs, "cos": cos, "sin": sin}, self.embed.patch.kernel[...].dtype)
-        carry, consts = self.embed(a, par)
-        carry = nn.scan(self.blocks, carry, lambda blk, c: self.step(blk, c, consts, par))
-        return self.finish(self.head(carry, consts, par), shapes)
+        cos, sin = rope_tables(self.cfg, token_grid(self.cfg, jnp.shape(x))) if rope is None else rope
+        return run_local(self, inputs, {"cos": cos, "sin": sin}, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- state
