@@ -145,8 +145,8 @@ def offload_chunk1():
 
     cfg = dit.WanDiTConfig(num_heads=8, head_dim=64, text_dim=512, freq_dim=64, ffn_dim=2048, num_layers=8)
     state = dit.init_state(cfg, seed=0)
-    resident = dit.WanDiTRunner(state, cfg)
-    offloaded = dit.WanDiTRunner(state, cfg, offload_chunk_size=1)
+    resident = dit.runner(state, cfg)
+    offloaded = dit.runner(state, cfg, offload_chunk_size=1)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 4, 32, 32, 16)).astype(np.float32))
     ctx = jnp.asarray(rng.standard_normal((1, 128, 512)).astype(np.float32))

@@ -57,7 +57,7 @@ def run(repeat: int = 3, layers: int = 8):
     n_dev = len(jax.devices())
     shape = f"{layers} blocks, dim {cfg.dim}, {cfg.num_heads} heads, ffn {cfg.ffn_dim}, batch {b} x {f * h * w // 4} tokens, text {lt}"
 
-    single = dit.WanDiTRunner(params, cfg, None)
+    single = dit.runner(params, cfg, None)
     base_fn = lambda: single(x, t, ctx).block_until_ready()
     bases = []
 
@@ -73,7 +73,7 @@ def run(repeat: int = 3, layers: int = 8):
             need *= int(part.split("=")[1])
         if need > n_dev:
             continue
-        s, ratio = timed(dit.WanDiTRunner(params, cfg, spec))
+        s, ratio = timed(dit.runner(params, cfg, spec))
         par_rows.append(dict(config=spec.replace(",", " x "), mesh=spec, seconds=s, ratio=ratio))
         print(f"  {spec}: {s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
@@ -82,7 +82,7 @@ def run(repeat: int = 3, layers: int = 8):
         for prefetch in (True, False):
             if chunk == "all" and not prefetch:
                 continue  # one chunk: nothing to overlap
-            r = dit.WanDiTRunner(params, cfg, None, offload_chunk_size=chunk, prefetch=prefetch)
+            r = dit.runner(params, cfg, None, offload_chunk_size=chunk, prefetch=prefetch)
             s, ratio = timed(r)
             c = layers if chunk == "all" else chunk
             off_rows.append(dict(chunk=f"{c}" + (" (all)" if chunk == "all" else ""), prefetch=prefetch, seconds=s,

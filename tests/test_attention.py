@@ -72,8 +72,8 @@ def test_splash_inside_shard_map_with_sequence_parallelism():
     x = jnp.asarray(rng.standard_normal((2, 3, 6, 12, cfg.in_channels)).astype(np.float32))  # 54 tokens
     t = jnp.asarray([900.0, 20.0])
     ctx = jnp.asarray(rng.standard_normal((2, 7, cfg.text_dim)).astype(np.float32))
-    dense = wdit.WanDiTRunner(state, cfg, "dp=2,sp=2", attn_impl="xla")(x, t, ctx)
-    splash = wdit.WanDiTRunner(state, cfg, "dp=2,sp=2", attn_impl="splash")(x, t, ctx)
+    dense = wdit.runner(state, cfg, "dp=2,sp=2", attn_impl="xla")(x, t, ctx)
+    splash = wdit.runner(state, cfg, "dp=2,sp=2", attn_impl="splash")(x, t, ctx)
     np.testing.assert_allclose(np.asarray(splash), np.asarray(dense), atol=1e-5, rtol=1e-5)
 
 

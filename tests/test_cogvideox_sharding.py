@@ -69,7 +69,7 @@ def _close(out, ref, what):
 
 
 def test_logical_axes_give_megatron_layout():
-    m = vsh.logical_mapping("tp", dit.AXIS_RULES)
+    m = vsh.axis_rules("tp")
     b = nnx.to_pure_dict(vsh.param_specs(dit.abstract_state(CFG), m))["blocks"]
     for n in "qkv":
         assert b[n]["kernel"] == P(None, None, "tp") and b[n]["bias"] == P(None, "tp")
@@ -84,17 +84,17 @@ def test_logical_axes_give_megatron_layout():
 ])
 def test_sharded_equals_single_device(refs, variant, spec):
     params, (x, t, ctx, ofs), ref = refs[variant]
-    r = dit.CogVideoXRunner(params, VARIANTS[variant], spec)
+    r = dit.runner(params, VARIANTS[variant], spec)
     _close(r(x, t, ctx, ofs), ref, f"CogVideoX {variant} {spec} ({r.parallelism})")
     tp = dict(r.mesh.shape)["tp"]
-    q = r.blocks["q"]["kernel"].get_value()
+    q = r.stacks["blocks"]["q"]["kernel"].get_value()
     assert q.addressable_shards[0].data.shape == (CFG.num_layers, CFG.dim, CFG.dim // tp)
 
 
 def test_text_tokens_are_never_split(refs):
     """7 text tokens on sp=4: only the 32 video tokens must divide; 30 video tokens cannot."""
     params, (x, t, ctx, ofs), ref = refs["2b"]
-    r = dit.CogVideoXRunner(params, CFG, "sp=4")
+    r = dit.runner(params, CFG, "sp=4")
     assert ctx.shape[1] % 4
     _close(r(x, t, ctx), ref, "sp=4 with 7 text tokens")
     bad = jnp.zeros((2, 2, 10, 6, 4))  # 2 x 5 x 3 = 30 video tokens
@@ -105,7 +105,7 @@ def test_text_tokens_are_never_split(refs):
 @pytest.mark.parametrize("variant,spec,chunk", [("2b", None, 1), ("1.5-i2v", "tp=2,sp=2", 1), ("5b-i2v", "sp=2", "all")])
 def test_offload_equals_resident(refs, variant, spec, chunk):
     params, (x, t, ctx, ofs), ref = refs[variant]
-    r = dit.CogVideoXRunner(params, VARIANTS[variant], spec, offload_chunk_size=chunk)
+    r = dit.runner(params, VARIANTS[variant], spec, offload_chunk_size=chunk)
     _close(r(x, t, ctx, ofs), ref, f"offload chunk={chunk} {spec}")
     t2 = jnp.asarray(np.asarray(t) + 1.0)
     with CompileCounter() as cc:

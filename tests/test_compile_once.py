@@ -128,7 +128,7 @@ def _wan_step_model(mesh, x, t, ctx):
         return (jax.jit(partial(wpipe._dit_apply, cfg=cfg)), ((dit, wdit.rope_tables(cfg, grid)), x, t, ctx),
                 jax.jit(lambda p, *a: wdit.forward(p, cfg, *a)), (dit, x, t, ctx))
     spec = dit.program()
-    return jax.jit(spec.apply), (dit.step_params(x.shape), x, t, ctx), jax.jit(spec.apply), (dit.params, x, t, ctx)
+    return jax.jit(spec.apply), (dit.step_params({"x": x.shape}), x, t, ctx), jax.jit(spec.apply), (dit.params, x, t, ctx)
 
 
 def _cosmos_step_model(mesh, x, t, ctx):
@@ -146,7 +146,7 @@ def _cosmos_step_model(mesh, x, t, ctx):
         return (fn, ((dit, cdit.rope_tables(cfg, grid)), x, t, ctx, cm),
                 jax.jit(lambda p, x, t, ctx, cm: cdit.forward(p, cfg, x, t, ctx, cond_mask=cm)), (dit, x, t, ctx, cm))
     fn = jax.jit(lambda p, x, t, ctx, cm: dit.apply(p, x, t, ctx, cond_mask=cm))
-    return fn, (dit.step_params(x.shape), x, t, ctx, cm), fn, (dit.params, x, t, ctx, cm)
+    return fn, (dit.step_params({"x": x.shape}), x, t, ctx, cm), fn, (dit.params, x, t, ctx, cm)
 
 
 def _hunyuanvideo_step_model(mesh, x, t, ctx):
@@ -165,7 +165,7 @@ def _hunyuanvideo_step_model(mesh, x, t, ctx):
         return (fn, ((dit, hdit.rope_tables(cfg, hdit.grid_of(cfg, x.shape))), x, t, ctx, *rest),
                 jax.jit(lambda p, *a: hdit.forward(p, cfg, *a)), (dit, x, t, ctx, *rest))
     fn = jax.jit(dit.apply)
-    return fn, (dit.step_params(x.shape), x, t, ctx, *rest), fn, (dit.params, x, t, ctx, *rest)
+    return fn, (dit.step_params({"x": x.shape}), x, t, ctx, *rest), fn, (dit.params, x, t, ctx, *rest)
 
 
 @pytest.mark.parametrize("mesh", [None, "tp=2"])

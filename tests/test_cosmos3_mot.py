@@ -85,6 +85,23 @@ def test_reference_calling_convention(model):
     assert not out[0][:, :, 0].any()  # the conditioning frame has no prediction
 
 
+@pytest.mark.parametrize("opts", [dict(mesh="tp=2"), dict(mesh="sp=2", offload_chunk_size=1)])
+def test_load_pretrained_on_a_mesh_and_offloaded(model, opts):
+    """``load_pretrained`` places Cosmos3 on a mesh / streams its layers as it does every DiT:
+    the same predictions as on one device (18 vision tokens: sp=2 divides them; shapes no other test
+    compiles, so the compile-count tests below see their own programs)."""
+    ref, path, cfg = model
+    if cfg is EDGE:
+        return  # the layout does not depend on the variant
+    kw = _packed(cfg, und_len=6, h=4, w=6, per_token_t=True)
+    one = compat.load_pretrained(path).forward(**kw)[0]
+    m = compat.load_pretrained(path, **opts)
+    assert m.runner is not None and m.params is None
+    out = m.forward(**kw)[0]
+    e = float(np.max(np.abs(out - one)) / np.max(np.abs(one)))
+    assert out.shape == one.shape and e <= 1e-5, f"Cosmos3 {opts}: {e:.2e}"
+
+
 def test_image_positions_without_fps(model):
     ref, path, cfg = model
     if cfg is EDGE:

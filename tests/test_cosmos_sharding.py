@@ -53,11 +53,11 @@ def predict():
 @pytest.mark.parametrize("spec,chunk", [("tp=8", None), ("sp=4", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)])
 def test_predict25_dit_scaled(predict, spec, chunk):
     state, (x, t, ctx), kw, ref = predict
-    runner = cdit.CosmosDiTRunner(state, PCFG, spec, offload_chunk_size=chunk)
+    runner = cdit.runner(state, PCFG, spec, offload_chunk_size=chunk)
     _close(runner(x, t, ctx, **kw), ref, f"Cosmos DiT {spec} offload={chunk}")
     if spec and "tp" in spec and chunk is None:
         tp = int(spec.split("tp=")[1].split(",")[0])
-        q = runner.blocks["attn1"]["q"]["kernel"].get_value()
+        q = runner.stacks["blocks"]["attn1"]["q"]["kernel"].get_value()
         assert q.addressable_shards[0].data.shape == (PCFG.num_layers, PCFG.dim, PCFG.dim // tp)
 
 

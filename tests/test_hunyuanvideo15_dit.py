@@ -144,14 +144,14 @@ def test_scaled_equals_single_device(scale_setup, mesh, offload):
     equal the one-device forward (I2V image tokens: the condition reordering runs per device).
     Offloading on a mesh, through the pipeline's sampling: test_hunyuanvideo15_pipeline."""
     state, args, ref, _ = scale_setup
-    r = dit.HunyuanVideo15Runner(state, SCFG, mesh, offload_chunk_size=offload)
+    r = dit.runner(state, SCFG, mesh, offload_chunk_size=offload)
     _close(r(*args), ref, f"HunyuanVideo 1.5 DiT mesh={mesh} offload={offload}")
     if offload is not None:
         p = r.offload.pools["double"]
         assert p.fn._cache_size() == 1 and p.num_chunks == SCFG.num_layers
     if mesh and "tp" in mesh and offload is None:
         tp = int(mesh.split("tp=")[1].split(",")[0])
-        assert r.pools["double"]["q"]["kernel"].get_value().addressable_shards[0].data.shape == (2, 64, 64 // tp)
+        assert r.stacks["double"]["q"]["kernel"].get_value().addressable_shards[0].data.shape == (2, 64, 64 // tp)
 
 
 def test_chunk_sizes():

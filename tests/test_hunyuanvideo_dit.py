@@ -142,7 +142,7 @@ def _close(out, ref, what, tol=1e-5):
 
 
 def test_logical_axes_give_megatron_layout():
-    specs = nnx.to_pure_dict(vsh.param_specs(dit.abstract_state(SCFG), vsh.logical_mapping("tp", dit.AXIS_RULES)))
+    specs = nnx.to_pure_dict(vsh.param_specs(dit.abstract_state(SCFG), vsh.axis_rules("tp", dit.DualStreamHooks.AXIS_DELTAS)))
     d, s = specs["double"], specs["single"]
     for n in ("q", "k", "v", "add_q", "add_k", "add_v"):
         assert d[n]["kernel"] == P(None, None, "tp") and d[n]["bias"] == P(None, "tp")  # column-parallel
@@ -161,12 +161,12 @@ def test_sharded_equals_single_device(scale_setup, mesh):
     """Tensor / sequence parallelism equal the one-device forward (token_replace config: with
     sp=8 the first latent frame's tokens are spread over 4 devices; the text stays whole)."""
     state, args, ref, _ = scale_setup
-    r = dit.HunyuanVideoRunner(state, SCFG, mesh)
+    r = dit.runner(state, SCFG, mesh)
     _close(r(*args), ref, f"HunyuanVideo DiT mesh={mesh}")
     tp = int(mesh.split("tp=")[1].split(",")[0]) if "tp" in mesh else 1
-    q = r.pools["double"]["q"]["kernel"].get_value()
+    q = r.stacks["double"]["q"]["kernel"].get_value()
     assert q.addressable_shards[0].data.shape == (SCFG.num_layers, SCFG.dim, SCFG.dim // tp)
-    mod = r.pools["single"]["mod"]["kernel"].get_value()
+    mod = r.stacks["single"]["mod"]["kernel"].get_value()
     assert mod.addressable_shards[0].data.shape == (SCFG.num_single_layers, SCFG.dim, 3 * SCFG.dim // tp)
 
 
@@ -175,7 +175,7 @@ def test_two_offload_pools(scale_setup, mesh, offload):
     """Each block stack streams through its own pool with its own chunk size and ONE compiled
     chunk program; composed with tp x sp; equal to the resident one-device forward."""
     state, args, ref, _ = scale_setup
-    r = dit.HunyuanVideoRunner(state, SCFG, mesh, offload_chunk_size=offload)
+    r = dit.runner(state, SCFG, mesh, offload_chunk_size=offload)
     _close(r(*args), ref, f"HunyuanVideo DiT mesh={mesh} offload={offload}")
     pools = r.offload.pools
     sizes = dict(p.split("=") for p in offload.split(","))

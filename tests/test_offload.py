@@ -29,7 +29,7 @@ def setup():
 ], 5, "offload-variants"))
 def test_offload_equals_resident(setup, chunk, prefetch, mesh):
     params, (x, t, ctx), ref = setup
-    r = dit.WanDiTRunner(params, OCFG, mesh, offload_chunk_size=chunk, prefetch=prefetch)
+    r = dit.runner(params, OCFG, mesh, offload_chunk_size=chunk, prefetch=prefetch)
     pool = r.offload.pools["blocks"]
     assert pool.num_chunks == OCFG.num_layers // (OCFG.num_layers if chunk == "all" else chunk)
     assert_close(r(x, t, ctx), ref, f"offload chunk={chunk} prefetch={prefetch} mesh={mesh}")
@@ -41,7 +41,7 @@ def test_offload_equals_resident(setup, chunk, prefetch, mesh):
 
 def test_one_compiled_chunk_function(setup):
     params, (x, t, ctx), ref = setup
-    r = dit.WanDiTRunner(params, OCFG, "tp=2", offload_chunk_size=1)
+    r = dit.runner(params, OCFG, "tp=2", offload_chunk_size=1)
     with CompileCounter() as first:
         r(x, t, ctx).block_until_ready()
     ts = [jnp.asarray(np.asarray(t) + s) for s in range(3)]
@@ -57,7 +57,7 @@ def test_one_compiled_chunk_function(setup):
 @pytest.mark.parametrize("mesh", [None, "tp=2,sp=2"])
 def test_offload_footprint_bounded_by_a_chunk(setup, mesh):
     params, (x, t, ctx), ref = setup
-    resident = dit.WanDiTRunner(params, OCFG, mesh)
+    resident = dit.runner(params, OCFG, mesh)
     res_ma = resident.lower(x, t, ctx).compile().memory_analysis()
     res_blocks = vsh.per_device_bytes(params["blocks"], resident.block_specs, resident.mesh)
     print(f"\nmesh={mesh}: resident forward argument bytes/device {res_ma.argument_size_in_bytes} "
@@ -65,18 +65,17 @@ def test_offload_footprint_bounded_by_a_chunk(setup, mesh):
     print("chunk | prefetch | chunk bytes/dev | chunk-fn argument bytes | chunk-fn temp | measured peak-baseline | bound")
     for chunk in (1, 2, "all"):
         for prefetch in (True, False):
-            r = dit.WanDiTRunner(params, OCFG, mesh, offload_chunk_size=chunk, prefetch=prefetch, track_memory=True)
+            r = dit.runner(params, OCFG, mesh, offload_chunk_size=chunk, prefetch=prefetch, track_memory=True)
             out = r(x, t, ctx)
             assert_close(out, ref, f"offload {chunk}/{prefetch}")
             pool = r.offload.pools["blocks"]
             c = pool.chunk_size
             assert pool.chunk_bytes == res_blocks * c // OCFG.num_layers
             # compiled memory analysis of the ONE chunk program
-            a = r._pre(r.rest, x, t, ctx, None)
-            consts = {k: v for k, v in a.items() if k not in ("h", "temb")}
-            consts.update(zip(("cos", "sin"), r.rope((2, 4, 4))))
-            ma = r.offload.memory_analysis("blocks", a["h"], consts)
-            act = sum(vsh.shard_bytes(v.shape, v.dtype, v.sharding.spec, r.mesh) for v in jax.tree.leaves((a["h"], consts)))
+            carry, consts = r._pre(r.rest, r._pack((x, t, ctx), {})[0], r.tables({"x": x.shape}))
+            a = carry
+            ma = r.offload.memory_analysis("blocks", carry, consts)
+            act = sum(vsh.shard_bytes(v.shape, v.dtype, v.sharding.spec, r.mesh) for v in jax.tree.leaves((carry, consts)))
             assert pool.chunk_bytes <= ma.argument_size_in_bytes <= pool.chunk_bytes + act
             # measured: live device bytes during the loop, above what was there before it
             st = r.offload.stats
@@ -122,5 +121,5 @@ def test_several_stacks_each_get_a_pool():
 def test_chunk_size_must_divide(setup):
     params = setup[0]
     with pytest.raises(vo.OffloadConfigError, match=r"offload_chunk_size=3 does not divide num_layers=4.*valid: 1, 2, 4"):
-        dit.WanDiTRunner(params, OCFG, None, offload_chunk_size=3)
+        dit.runner(params, OCFG, None, offload_chunk_size=3)
     assert vo.resolve_chunk_size("all", 40) == 40 and vo.valid_chunk_sizes(12) == [1, 2, 3, 4, 6, 12]

@@ -92,7 +92,7 @@ def test_parse_and_make_mesh():
 
 
 def test_logical_axes_give_megatron_layout():
-    m = vsh.logical_mapping("tp", dit.AXIS_RULES)
+    m = vsh.axis_rules("tp")
     specs = nnx.to_pure_dict(vsh.param_specs(dit.abstract_state(CFG), m))
     b = specs["blocks"]
     for a in ("attn1", "attn2"):
@@ -102,7 +102,7 @@ def test_logical_axes_give_megatron_layout():
         assert b[a]["norm_q"]["scale"] == P(None, "tp")
     assert b["ffn"]["up"]["kernel"] == P(None, None, "tp") and b["ffn"]["down"]["kernel"] == P(None, "tp")
     assert specs["embed"]["time_proj"]["kernel"] == P() and b["sst"] == P() and specs["head"]["proj"]["kernel"] == P()
-    sp_only = vsh.param_specs(dit.abstract_state(CFG), vsh.logical_mapping("sp", dit.AXIS_RULES))
+    sp_only = vsh.param_specs(dit.abstract_state(CFG), vsh.axis_rules("sp"))
     assert all(s == P() for s in jax.tree.leaves(sp_only, is_leaf=lambda s: isinstance(s, P)))
 
 
@@ -110,12 +110,12 @@ def test_logical_axes_give_megatron_layout():
 @pytest.mark.parametrize("spec", ["tp=2", "tp=4", "tp=8", "sp=2", "sp=4", "sp=8", "tp=2,sp=2", "tp=2,sp=4"])
 def test_sharded_equals_single_device(setup, spec):
     params, (x, t, ctx), ref = setup
-    runner = dit.WanDiTRunner(params, CFG, spec)
+    runner = dit.runner(params, CFG, spec)
     out = runner(x, t, ctx)
     assert_close(out, ref, f"Wan DiT {spec} ({runner.parallelism})")
     # weights really are split: a column-parallel kernel holds 1/tp of its columns per device
     tp = vmesh.axis_sizes(runner.mesh)["tp"]
-    q = runner.blocks["attn1"]["q"]["kernel"].get_value()
+    q = runner.stacks["blocks"]["attn1"]["q"]["kernel"].get_value()
     assert q.addressable_shards[0].data.shape == (CFG.num_layers, CFG.dim, CFG.dim // tp)
 
 
@@ -127,8 +127,8 @@ def test_per_token_timesteps_and_image_branch_tp_sp():
     img = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 24)), jnp.float32)
     ref = reference(params, cfg, x, t, ctx, img)
     for spec in ["tp=2,sp=4", "sp=8"]:
-        assert_close(dit.WanDiTRunner(params, cfg, spec)(x, t, ctx, img), ref, f"per-token t + I2V, {spec}")
-    r = dit.WanDiTRunner(params, cfg, "tp=2,sp=2", offload_chunk_size=1)
+        assert_close(dit.runner(params, cfg, spec)(x, t, ctx, img), ref, f"per-token t + I2V, {spec}")
+    r = dit.runner(params, cfg, "tp=2,sp=2", offload_chunk_size=1)
     assert_close(r(x, t, ctx, img), ref, "per-token t + I2V, tp=2,sp=2, offloaded")
 
 
@@ -145,12 +145,12 @@ def test_cfg_parallel_step(setup):
     p1 = jax.device_put(jax.tree.map(jnp.asarray, params), jax.devices()[0])
     ref, _ = single(p1, x1, sched.init_state(x1), i, cond, uncond, g, key)
     for spec in ["dp=2", "dp=2,tp=2,sp=2"]:
-        runner = dit.WanDiTRunner(params, CFG, spec)
+        runner = dit.runner(params, CFG, spec)
         step = make_step(runner.apply, sched, use_cfg=True)
         out, _ = step(runner.params, x1, sched.init_state(x1), i, cond, uncond, g, key)
         assert_close(out, ref, f"CFG-parallel sampling step, {spec}")
     # the two halves of the 2B batch live on different devices
-    runner = dit.WanDiTRunner(params, CFG, "dp=2")
+    runner = dit.runner(params, CFG, "dp=2")
     xx, tt, cc = jnp.concatenate([x1, x1]), jnp.full((2,), 500.0), jnp.concatenate([cond, uncond])
     v = runner(xx, tt, cc)
     rows = {s.device: s.index[0] for s in v.addressable_shards}
@@ -200,7 +200,7 @@ def test_row_parallel_bias_added_once(monkeypatch):
     params = perturbed_params(CFG)
     x, t, ctx = inputs(CFG)
     ref = reference(params, CFG, x, t, ctx)
-    assert_close(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref, "tp=4, bias after the psum")
+    assert_close(dit.runner(params, CFG, "tp=4")(x, t, ctx), ref, "tp=4, bias after the psum")
 
     # the same bug is invisible when the row-parallel biases are zero
     pure = nnx.to_pure_dict(params)
@@ -215,17 +215,17 @@ def test_row_parallel_bias_added_once(monkeypatch):
         bad = run()
         np.testing.assert_allclose(np.asarray(bad) - want, np.broadcast_to(3 * np.asarray(lin.bias[...]), want.shape),
                                    atol=1e-4)
-        naive = rel_err(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref)
+        naive = rel_err(dit.runner(params, CFG, "tp=4")(x, t, ctx), ref)
         print(f"tp=4 with the bias inside each shard's partial matmul: rel err {naive:.2e}")
         assert naive > 100 * TOL, "the naive row-parallel bias should break parity with perturbed biases"
-        assert_close(dit.WanDiTRunner(zero, CFG, "tp=4")(x, t, ctx), zref, "naive bias, zero biases (hidden)")
+        assert_close(dit.runner(zero, CFG, "tp=4")(x, t, ctx), zref, "naive bias, zero biases (hidden)")
 
 
 def test_qk_rms_norm_reduces_across_tp(setup, monkeypatch):
     """Wan's q/k RMS norm spans every head; a per-shard norm (no psum of the sum of squares) is wrong."""
     params, (x, t, ctx), ref = setup
     monkeypatch.setattr(vsh.ParallelContext, "feature_sum", per_shard_feature_sum)
-    e = rel_err(dit.WanDiTRunner(params, CFG, "tp=4")(x, t, ctx), ref)
+    e = rel_err(dit.runner(params, CFG, "tp=4")(x, t, ctx), ref)
     print(f"tp=4 with per-shard q/k norm: rel err {e:.2e}")
     assert e > 100 * TOL
 
@@ -242,9 +242,9 @@ def test_memory_tp_shrinks_parameter_bytes(setup):
     rest_total = vsh.tree_bytes({k: v for k, v in params.items() if k != "blocks"})
     rows, args = [], {}
     for tp in (1, 2, 4, 8):
-        r = dit.WanDiTRunner(params, CFG, f"tp={tp}")
+        r = dit.runner(params, CFG, f"tp={tp}")
         ma = r.lower(x, t, ctx).compile().memory_analysis()
-        blocks_dev = _arg_bytes_on_device0(r.blocks)
+        blocks_dev = _arg_bytes_on_device0(r.stacks["blocks"])
         args[tp] = ma.argument_size_in_bytes
         rows.append((tp, blocks_dev, ma.argument_size_in_bytes, ma.temp_size_in_bytes))
         # the block weights per device are exactly 1/tp, apart from the replicated row-parallel
@@ -255,7 +255,7 @@ def test_memory_tp_shrinks_parameter_bytes(setup):
         whole += sum(pb[a]["o"]["bias"].nbytes for a in ("attn1", "attn2")) + pb["ffn"]["down"]["bias"].nbytes
         assert blocks_dev == whole + (block_total - whole) // tp
         # compiled per-device arguments: the device's parameter shards + the (small) inputs
-        inputs = sum(np.asarray(a).nbytes for a in (x, t, ctx, *r.rope((2, 4, 4))))
+        inputs = sum(np.asarray(a).nbytes for a in (x, t, ctx, *r.tables({"x": x.shape}).values()))
         assert blocks_dev + rest_total <= ma.argument_size_in_bytes <= blocks_dev + rest_total + inputs + 4096
     print("\nTP: per-device bytes (compiled memory_analysis, fp32)")
     print(f"block params total {block_total}, replicated non-block params {rest_total}")
@@ -271,7 +271,7 @@ def test_memory_sp_shrinks_activation_bytes():
     x, t, ctx = inputs(CFG, b=1, f=4, h=16, w=16)  # 256 tokens: activations dominate
     temps = {}
     for sp in (1, 2, 4, 8):
-        r = dit.WanDiTRunner(params, CFG, f"sp={sp}")
+        r = dit.runner(params, CFG, f"sp={sp}")
         temps[sp] = r.lower(x, t, ctx).compile().memory_analysis().temp_size_in_bytes
     print("\nSP: per-device temp (activation) bytes:", temps)
     assert temps[1] > temps[2] > temps[4] > temps[8]
@@ -301,7 +301,7 @@ def test_indivisible_configs_fail_before_compute(setup):
             args = (x[:1], t[:1], ctx[:1])
         with CompileCounter() as cc:
             with pytest.raises(vmesh.ShardingConfigError) as e:
-                dit.WanDiTRunner(p, cfg, kw["mesh"], kw.get("parallelism"))(*args)
+                dit.runner(p, cfg, kw["mesh"], kw.get("parallelism"))(*args)
         msg = str(e.value)
         print(msg)
         assert re.search(pattern, msg.split(" [mesh")[0]), msg

@@ -343,3 +343,21 @@ class ModelKit:
 
     def merge(self, state, cfg):
         return nnx.merge(self.graphdefs(cfg, self.state_dtype(state).name)["model"], state)
+
+    def abstract_model(self, cfg, dtype: str = "float32"):
+        """The module with ``jax.ShapeDtypeStruct`` leaves (cached): what the runner reads its
+        hooks and graph definitions from."""
+        return self._abstract(cfg, np.dtype(dtype).name)
+
+    @functools.cached_property
+    def _abstract(self):
+        return functools.lru_cache(maxsize=None)(lambda cfg, dtype: nnx.eval_shape(lambda: self.build(cfg, 0, dtype)))
+
+    def runner(self, state, cfg, mesh=None, parallelism=None, **kw):
+        """:class:`vidax.core.runner.DiTRunner` of this model for ``state`` (host numpy preferred,
+        or the module)."""
+        from vidax.core.runner import DiTRunner
+
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        return DiTRunner(self.abstract_model(cfg, self.state_dtype(state).name), state, mesh, parallelism, **kw)

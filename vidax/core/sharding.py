@@ -1,4 +1,4 @@
-"""Sharding as metadata: logical axis names on every parameter, one table per parallelism mapping
+"""Sharding as metadata: logical axis names on every parameter and activation, ONE table mapping
 them to mesh axes; Megatron tensor parallelism and DeepSpeed-Ulysses sequence parallelism as a
 small context object the model's layers call into inside ``shard_map``.
 
@@ -8,9 +8,12 @@ Every parameter of an NNX model carries its logical axes (``vidax.core.nn.logica
     self.q = nn.Linear(d, d, rngs=rngs, axes=("embed", "heads"))   # column-parallel under TP
     self.o = nn.Linear(d, d, rngs=rngs, axes=("heads", "embed"))   # row-parallel under TP
 
-and a family declares, per parallelism, which logical names go to which mesh axis::
+and :data:`LOGICAL_AXES` (``batch -> dp, tokens -> sp, heads -> tp, ffn -> tp``) maps them to
+mesh axes, for parameters and for activations (a DiT's ``act_spec`` names its activations' axes
+the same way: ``("batch", "tokens", None)``); a family lists only its deltas (HunyuanVideo's
+``{"mod": "tp"}``), and :func:`axis_rules` restricts the table to the axes a parallelism uses::
 
-    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}     # names not listed: replicated
+    axis_rules("tp", {"mod": "tp"})   # {"batch": "dp", "heads": "tp", "ffn": "tp", "mod": "tp"}
 
 :func:`param_specs` turns a state's logical specs (``nnx.get_partition_spec``) into mesh
 ``PartitionSpec`` s with that table. Nothing in a model file mentions devices. The same metadata
@@ -132,11 +135,6 @@ def shard_split(split, rules: Mapping[str, str | None], mesh):
     return split.replace(state=place(split.state, named_shardings(mesh, specs)))
 
 
-def divisible_rules(tp: int, **dims: int) -> dict[str, str]:
-    """``{logical axis: "tp"}`` for every named dimension that ``tp`` divides (the rest replicate)."""
-    return {axis: "tp" for axis, n in dims.items() if tp > 1 and n % tp == 0}
-
-
 def shard_bytes(shape, dtype, spec: P, mesh: Mesh | Mapping[str, int]) -> int:
     """Bytes one device holds of an array of ``shape`` laid out with ``spec``."""
     sizes = axis_sizes(mesh)
@@ -179,13 +177,40 @@ def resolve_parallelism(parallelism: str | None, mesh: Mesh | Mapping[str, int] 
     return p
 
 
-def logical_mapping(parallelism: str, tables: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """Logical -> mesh axes for a parallelism: the union of the family's tables (one per
-    parallelism, e.g. ``{"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}``) for the parts it uses."""
-    out: dict[str, str] = {}
-    for part in parallelism.split("+"):
-        out.update(tables.get(part, {}))
+#: THE logical-axis table, for parameters and activations alike: logical name -> mesh axis. A
+#: parameter's axes come from its metadata (``nn.Linear(axes=("embed", "heads"))``), an
+#: activation's from its model's ``act_spec(name, shape)`` (a tuple of logical names); names not
+#: listed (``embed``, ``layers``, ``None``) stay replicated. A family that shards more (or less)
+#: lists only its deltas (``{"mod": "tp"}``; ``None`` removes a name) -- see :func:`axis_rules`.
+LOGICAL_AXES = {"batch": "dp", "tokens": "sp", "heads": "tp", "ffn": "tp"}
+
+
+def axis_rules(parallelism: str = "tp+sp", deltas: Mapping[str, str | None] | None = None, *,
+               dims: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None) -> dict[str, str]:
+    """Logical -> mesh axis under ``parallelism``: :data:`LOGICAL_AXES` with a family's ``deltas``,
+    restricted to the mesh axes the parallelism uses (``dp`` always; ``tp`` / ``sp`` when named).
+    With ``dims`` (logical name -> its size) and ``sizes`` (mesh axis -> devices): only those names,
+    each where its mesh axis has more than one device and divides it (else replicated) -- what the
+    text encoders use to shard whatever divides."""
+    used = {"dp", *parallelism.split("+")}
+    table = {**LOGICAL_AXES, **(deltas or {})}
+    out = {k: v for k, v in table.items() if v is not None and v in used}
+    if dims is not None:
+        sizes = dict(sizes or {})
+        out = {k: v for k, v in out.items() if k in dims and sizes.get(v, 1) > 1 and dims[k] % sizes[v] == 0}
     return out
+
+
+def logical_spec(names, mapping: Mapping[str, str], mesh=None) -> P:
+    """A ``PartitionSpec`` from logical names (``("batch", "tokens", None)``) through ``mapping``;
+    with ``mesh``, mesh axes of size 1 are dropped (inside ``shard_map`` a named axis makes a value
+    "varying" over it even when it has one device)."""
+    sizes = axis_sizes(mesh) if mesh is not None else None
+    out = []
+    for n in names:
+        a = mapping.get(n) if isinstance(n, str) else None
+        out.append(a if a is not None and (sizes is None or sizes[a] > 1) else None)
+    return P(*out)
 
 
 # ----------------------------------------------------------------------------------- collectives
@@ -264,6 +289,13 @@ class ParallelContext:
             return s, n
         return jax.lax.psum(s, ax), n * self.size(ax)
 
+    def token_slice(self, table, n: int, axis: int = 0):
+        """This shard's ``n`` rows (along ``axis``) of a per-token ``table`` that is whole on every
+        device, when the tokens are split over ``sp`` (the whole table otherwise)."""
+        if self.size("sp") == 1:
+            return table
+        return jax.lax.dynamic_slice_in_dim(table, jax.lax.axis_index("sp") * n, n, axis)
+
     def self_attention(self, q, k, v):
         return ulysses_attention(q, k, v, axis="sp", axis_size=self.size("sp"), impl=self.attn_impl)
 
@@ -279,6 +311,6 @@ def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "LOCAL", "PARALLELISMS", "ParallelContext", "check_param_divisibility", "logical_mapping",
+__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]

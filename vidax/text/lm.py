@@ -594,9 +594,10 @@ def tp_rules(cfg: LMConfig, tp: int) -> dict[str, str]:
     4, Gemma-3-12B 8), the k/v projections (1/G of the attention weights) are replicated and every
     device computes all kv heads; query heads stay sharded. Qwen2.5-7B's 28 query heads shard over
     tp = 2 or 4 (on tp = 8 its attention is replicated and only the MLP and vocabulary shard)."""
-    from vidax.core.sharding import divisible_rules
+    from vidax.core.sharding import axis_rules
 
-    rules = divisible_rules(tp, heads=cfg.num_heads, ffn=cfg.intermediate_size, vocab=cfg.vocab_size)
+    rules = axis_rules("tp", {"vocab": "tp"}, dims=dict(heads=cfg.num_heads, ffn=cfg.intermediate_size,
+                                                        vocab=cfg.vocab_size), sizes={"tp": tp})
     if "heads" in rules and tp > 1 and cfg.num_kv_heads % tp == 0:
         rules["kv_heads"] = "tp"
     return rules

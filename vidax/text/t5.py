@@ -450,9 +450,10 @@ def tp_rules(cfg: T5Config, tp: int) -> dict[str, str]:
     """Megatron tensor parallelism over a ``tp``-way axis: attention heads (q/k/v columns, the
     output projection's rows, the relative-position bias), the FFN and the vocabulary, each where
     ``tp`` divides it (else replicated)."""
-    from vidax.core.sharding import divisible_rules
+    from vidax.core.sharding import axis_rules
 
-    return divisible_rules(tp, heads=cfg.num_heads, ffn=cfg.d_ff, vocab=cfg.vocab_size)
+    return axis_rules("tp", {"vocab": "tp"}, dims=dict(heads=cfg.num_heads, ffn=cfg.d_ff, vocab=cfg.vocab_size),
+                      sizes={"tp": tp})
 
 
 def shard(enc: T5Encoder, mesh) -> T5Encoder:

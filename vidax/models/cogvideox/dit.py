@@ -23,7 +23,7 @@ Variants, all configuration of one module (:class:`CogVideoXConfig`, the diffuse
 Layout: the model takes latents channels-last ``[B, F, H, W, C]``; the ``compat`` adapter takes the
 reference's ``[B, F, C, H, W]``. Timesteps are the scheduler's integers (any float works).
 
-The blocks are stacked (``nn.stack``) and run with ``lax.scan``; :class:`CogVideoXRunner` places or
+The blocks are stacked (``nn.stack``) and run with ``lax.scan``; :func:`runner` (the core runner) places or
 streams the same state on a ``(dp, tp, sp)`` mesh: Megatron TP over heads / FFN width, and joint
 sequence parallelism (:func:`joint_attention`): Ulysses all-to-all over the **video** tokens only,
 the replicated text tokens' q/k/v sliced to the local heads.
@@ -39,13 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
+from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import split_heads
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
@@ -279,8 +281,7 @@ def pos_mode(cfg: CogVideoXConfig, grid: tuple[int, int, int]) -> str:
 
 
 # ----------------------------------------------------------------------------------- modules
-def _heads(x, head_dim):
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def apply_rope(x, cos, sin):
@@ -360,21 +361,24 @@ class CogEmbed(nnx.Module):
             emb = emb + self.ofs(o.astype(dt)).astype(F32)
         return emb
 
-    def learned_positions(self):
-        """(text part [Lt, D], video part [Lv, D]) of the learned table."""
-        lt = self.cfg.max_text_seq_length
-        p = self.pos[...][0]
-        return p[:lt], p[lt:]
-
-    def __call__(self, tokens, ctx, pos_txt=None, pos_vid=None):
-        """``tokens``: patch tokens [B, Lv, feat]; ``ctx``: [B, Lt, text_dim]. Returns (video, text)."""
-        vid = self.patch(tokens)
-        txt = self.text(ctx)
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``a``: patch ``tokens`` [B, Lv, feat] (this shard's), ``ctx`` [B, Lt, text_dim], ``t``,
+        ``ofs``, the video tables (``cos`` / ``sin``, the sin-cos ``pos``). Returns ``({"vid",
+        "txt"}, {"temb", "cos", "sin"})``; without a ``pos`` table a learned table (at the
+        checkpoint's native grid) is added, its video rows sliced to this token shard."""
+        vid = self.patch(a["tokens"])
+        txt = self.text(a["ctx"])
+        pos_txt, pos_vid = None, a.get("pos")
+        if pos_vid is None and self.pos is not None:
+            lt = self.cfg.max_text_seq_length
+            p = self.pos[...][0]
+            pos_txt, pos_vid = p[:lt], par.token_slice(p[lt:], vid.shape[1])
         if pos_vid is not None:
             vid = vid + pos_vid[None].astype(vid.dtype)
         if pos_txt is not None:
             txt = txt + pos_txt[None].astype(txt.dtype)
-        return vid, txt
+        return {"vid": vid, "txt": txt}, {"temb": self.temb(a["t"], a.get("ofs")),
+                                          **{k: a[k] for k in ("cos", "sin") if k in a}}
 
 
 def joint_attention(par: vsh.ParallelContext, txt, vid):
@@ -490,23 +494,20 @@ class CogHead(nnx.Module):
         self.norm_out = nn.LayerNorm(d, eps=cfg.norm_eps, affine=cfg.norm_elementwise_affine, axis="embed", **kw)
         self.proj = nn.Linear(d, cfg.out_channels * cfg.pt * cfg.patch_size**2, axes=("embed", None), **kw)
 
-    def __call__(self, vid, temb):
+    def __call__(self, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+        vid = carry["vid"]
         dt = vid.dtype
         h = self.norm_final(vid.astype(F32)).astype(dt)
-        m = self.mod(jax.nn.silu(temb).astype(dt)).astype(F32)
+        m = self.mod(jax.nn.silu(c["temb"]).astype(dt)).astype(F32)
         shift, scale = jnp.split(m, 2, axis=-1)
         h = (self.norm_out(h.astype(F32)) * (1 + scale[:, None]) + shift[:, None]).astype(dt)
-        return self.proj(h)
-
-
-def run_blocks(blocks, vid, txt, temb, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
-    """``lax.scan`` of :class:`CogBlock` over stacked blocks (the module, or ``(graphdef, state)``
-    of it or of an offload chunk)."""
-    return nn.scan(blocks, (vid, txt), lambda blk, c: blk(c[0], c[1], temb, cos, sin, par))
+        return {"y": self.proj(h)}
 
 
 class CogVideoXTransformer(nnx.Module):
-    """The CogVideoX DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+    """The CogVideoX DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
+    :class:`vidax.core.runner.DiTRunner`. The video tokens are split over sp (joint attention,
+    :func:`joint_attention`); the text tokens and the timestep embedding stay whole."""
 
     def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
@@ -514,29 +515,70 @@ class CogVideoXTransformer(nnx.Module):
         self.blocks = nn.stack(lambda r: CogBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = CogHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
-    def positions(self, grid, pos=None):
-        """(text, video) positional tables for a token grid: the learned table, a sin-cos table
-        (``pos`` if given, else computed on the host at trace time) or nothing."""
-        mode = pos_mode(self.cfg, grid)
-        if mode == "learned":
-            return self.embed.learned_positions()
-        if mode == "sincos":
-            return None, (jnp.asarray(sincos_table(self.cfg, grid)) if pos is None else pos)
-        return None, None
+    @staticmethod
+    def step(blk, carry, c, par):
+        vid, txt = blk(carry["vid"], carry["txt"], c["temb"], c.get("cos"), c.get("sin"), par)
+        return {"vid": vid, "txt": txt}
+
+    @staticmethod
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        if name in ("tokens", "vid", "y"):
+            return ("batch", "tokens", None)
+        if name in ("cos", "sin", "pos"):
+            return ("tokens", None)
+        if name == "ofs":
+            return (None,) * len(shape)
+        return ("batch", *(None,) * (len(shape) - 1))  # x, t, temb, ctx, txt: replicated over tp and sp
+
+    @staticmethod
+    def pack(x, t, ctx, ofs=None, rope=None) -> dict:
+        """The call signature: ``x`` [B, F, H, W, C], ``t`` [B], ``ctx`` [B, Lt, text_dim], ``ofs``
+        (1.5 I2V), ``rope``: ``(cos, sin)`` to use instead of :func:`rope_tables`."""
+        cos, sin = (None, None) if rope is None else rope
+        return {"x": x, "t": jnp.asarray(t, F32), "ctx": ctx,
+                "ofs": None if ofs is None else jnp.reshape(jnp.asarray(ofs, F32), (-1,)),
+                "cos": None if cos is None else jnp.asarray(cos, F32), "sin": None if sin is None else jnp.asarray(sin, F32)}
+
+    def prepare(self, a: dict, dtype) -> dict:
+        return {"tokens": patchify(self.cfg, a["x"].astype(dtype))[0], "t": a["t"], "ctx": a["ctx"].astype(dtype),
+                **{k: a[k] for k in ("ofs", "cos", "sin", "pos") if k in a}}
+
+    def finish(self, out: dict, shapes: dict):
+        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
+
+    def check(self, shapes: dict, mesh) -> None:
+        g = token_grid(self.cfg, shapes["x"])
+        if "ctx" in shapes:
+            check_text(self.cfg, shapes["ctx"][1], g)
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=math.prod(g), batch=shapes["x"][0]), mesh)
+
+    def table_key(self, shapes: dict):
+        return token_grid(self.cfg, shapes["x"]), "cos" in shapes
+
+    def tables(self, key) -> dict:
+        """The video positional tables of a grid: rotary ``cos`` / ``sin`` (unless given) and the
+        sin-cos ``pos`` (the learned table is the embedding's own parameter)."""
+        grid, given = key
+        out = {}
+        if self.cfg.use_rotary_positional_embeddings and not given:
+            out["cos"], out["sin"] = (np.asarray(a, np.float32) for a in rope_tables(self.cfg, grid))
+        if pos_mode(self.cfg, grid) == "sincos":
+            out["pos"] = sincos_table(self.cfg, grid)
+        return out
 
     def __call__(self, x, t, ctx, ofs=None, cos=None, sin=None, pos=None, *, par: vsh.ParallelContext = vsh.LOCAL):
         """Velocity (v-prediction). ``x``: [B, F, H, W, C] latents; ``t``: [B]; ``ctx``: [B, Lt,
         text_dim]; ``ofs``: [B] / [1] (1.5 I2V); ``cos``/``sin``: [Lv, head_dim] rotary tables;
         ``pos``: the sin-cos table [Lv, D] (optional: computed when needed). Returns [B, F, H, W, Cout]."""
-        cfg = self.cfg
-        dt = self.embed.text.kernel[...].dtype
-        tokens, grid = patchify(cfg, x.astype(dt))
-        check_text(cfg, ctx.shape[1], grid)
-        pos_txt, pos_vid = self.positions(grid, pos)
-        temb = self.embed.temb(t, ofs)
-        vid, txt = self.embed(tokens, ctx.astype(dt), pos_txt, pos_vid)
-        vid, txt = run_blocks(self.blocks, vid, txt, temb, cos, sin, par)
-        return unpatchify(cfg, self.head(vid, temb), grid)
+        inputs = self.pack(x, t, ctx, ofs, None if cos is None else (cos, sin))
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        grid = token_grid(self.cfg, jnp.shape(x))
+        check_text(self.cfg, jnp.shape(ctx)[1], grid)
+        tables = {}
+        if pos_mode(self.cfg, grid) == "sincos":
+            tables["pos"] = jnp.asarray(sincos_table(self.cfg, grid)) if pos is None else pos
+        return run_local(self, inputs, tables, self.embed.text.kernel[...].dtype, par)
 
 
 def check_text(cfg: CogVideoXConfig, lt: int, grid) -> None:
@@ -546,28 +588,19 @@ def check_text(cfg: CogVideoXConfig, lt: int, grid) -> None:
 
 
 # ----------------------------------------------------------------------------------- patchify
+def token_grid(cfg: CogVideoXConfig, x_shape) -> tuple:
+    return geometry.token_grid(x_shape[1:4], (cfg.pt, cfg.patch_size, cfg.patch_size))
+
+
 def patchify(cfg: CogVideoXConfig, x):
     """[B, F, H, W, C] -> tokens [B, f*h*w, feat] (1.0: features (ph, pw, c); 1.5: (c, pt, ph, pw))
     and the token grid (f, h, w)."""
-    b, f, h, w, c = x.shape
-    pt, p = cfg.pt, cfg.patch_size
-    if f % pt or h % p or w % p:
-        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch}")
-    grid = (f // pt, h // p, w // p)
-    if cfg.patch_size_t is None:
-        x = x.reshape(b, f, h // p, p, w // p, p, c).transpose(0, 1, 2, 4, 3, 5, 6)
-    else:
-        x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
-    return x.reshape(b, grid[0] * grid[1] * grid[2], -1), grid
+    return geometry.patchify(x, (cfg.pt, cfg.patch_size, cfg.patch_size), "thwc" if cfg.patch_size_t is None else "cthw")
 
 
 def unpatchify(cfg: CogVideoXConfig, y, grid):
     """[B, f*h*w, Cout*pt*p*p] (features (c, pt, ph, pw)) -> [B, F, H, W, Cout]."""
-    b = y.shape[0]
-    pt, p = cfg.pt, cfg.patch_size
-    f, h, w = grid
-    y = y.reshape(b, f, h, w, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
-    return y.reshape(b, f * pt, h * p, w * p, -1)
+    return geometry.unpatchify(y, grid, (cfg.pt, cfg.patch_size, cfg.patch_size), "cthw")
 
 
 # ----------------------------------------------------------------------------------- state
@@ -588,12 +621,6 @@ def forward(state, cfg: CogVideoXConfig, x, t, ctx, ofs=None, rope=None, pos=Non
 
 
 # ----------------------------------------------------------------------------------- sharding
-#: Logical axis -> mesh axis per parallelism: TP splits the heads (q/k/v by output, the attention
-#: output by input: row-parallel, bias once) and the FFN width; the per-head q/k norms need no
-#: reduction (they span one head). SP keeps every weight whole.
-AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
-
 def video_tokens(cfg: CogVideoXConfig, latent_frames: int, h: int, w: int) -> int:
     return (latent_frames // cfg.pt) * (h // cfg.patch_size) * (w // cfg.patch_size)
 
@@ -612,191 +639,10 @@ def parallel_constraints(cfg: CogVideoXConfig, *, tokens: int | None = None, bat
     return r
 
 
-def _rest(state) -> nnx.State:
-    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
-
-
-class CogVideoXRunner:
-    """The CogVideoX DiT on a ``(dp, tp, sp)`` mesh, blocks resident or offloaded.
-
-    ``state``: host numpy preferred (``load_dit``); ``mesh``: Mesh, spec (``"tp=2,sp=2"``) or None;
-    ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh implies);
-    ``offload_chunk_size``: None (resident), an int dividing num_layers, or "all". The video tokens
-    are split over sp (joint attention, :func:`joint_attention`), the text tokens and the timestep
-    embedding stay whole; the batch (CFG's 2B) is split over dp."""
-
-    def __init__(self, state, cfg: CogVideoXConfig, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 track_memory: bool = False):
-        if isinstance(state, nnx.Module):
-            state = nnx.state(state)
-        self.cfg, self.attn_impl = cfg, attn_impl
-        self.mesh = vmesh.make_mesh(mesh)
-        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
-        self.specs = vsh.param_specs(state, mapping)
-        vsh.check_param_divisibility(state, self.specs, self.mesh)
-        self.dtype = state_dtype(state)
-        self.graphs = graphdefs(cfg, self.dtype.name)
-        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
-        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
-        self._tables: dict = {}
-        self.offload = None
-        if offload_chunk_size is None:
-            self.blocks = vsh.place(state["blocks"], block_shardings)
-            self._fwd = jax.jit(self._resident)
-        else:
-            self.blocks = None
-            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
-            self._pre = jax.jit(self._prologue)
-            self._post = jax.jit(self._epilogue, static_argnums=(3,))
-
-    # ------------------------------------------------------------------ checks, tables
-    def grid(self, x_shape):
-        _, f, h, w, _ = x_shape
-        pt, p = self.cfg.pt, self.cfg.patch_size
-        if f % pt or h % p or w % p:
-            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch}")
-        return (f // pt, h // p, w // p)
-
-    def check_inputs(self, x_shape, lt: int | None = None) -> None:
-        g = self.grid(x_shape)
-        if lt is not None:
-            check_text(self.cfg, lt, g)
-        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=g[0] * g[1] * g[2], batch=x_shape[0]), self.mesh)
-
-    def tables(self, grid, rope=None):
-        """Video positional tables for a grid, placed token-sharded over sp (cached): ``{"cos",
-        "sin"}`` (rotary, from ``rope`` or :func:`rope_tables`), ``{"pos"}`` (sin-cos or the learned
-        table's video part) and ``{"pos_txt"}`` (the learned table's text part, replicated)."""
-        key = (grid, None if rope is None else id(rope[0]))
-        if key in self._tables:
-            return self._tables[key]
-        cfg, out = self.cfg, {}
-        tok = NamedSharding(self.mesh, P("sp", None))
-        rep = NamedSharding(self.mesh, P())
-        if cfg.use_rotary_positional_embeddings:
-            cos, sin = rope if rope is not None else rope_tables(cfg, grid)
-            out["cos"], out["sin"] = vsh.place([np.asarray(cos, np.float32), np.asarray(sin, np.float32)], [tok, tok])
-        mode = pos_mode(cfg, grid)
-        if mode == "sincos":
-            out["pos"] = vsh.place(sincos_table(cfg, grid), tok)
-        elif mode == "learned":
-            table = np.asarray(self.rest["embed"]["pos"][...])[0]
-            lt = cfg.max_text_seq_length
-            out["pos_txt"], out["pos"] = vsh.place(table[:lt], rep), vsh.place(table[lt:], tok)
-        if rope is None:
-            self._tables[key] = out
-        return out
-
-    @staticmethod
-    def _act_specs(acts):
-        specs = {}
-        for k, a in acts.items():
-            if k in ("tokens", "vid", "y"):
-                specs[k] = P("dp", "sp", None)
-            elif k in ("cos", "sin", "pos"):
-                specs[k] = P("sp", None)
-            elif k == "pos_txt":
-                specs[k] = P()
-            elif k == "ofs":
-                specs[k] = P()
-            else:  # t, temb, ctx, txt: replicated over tp and sp
-                specs[k] = P("dp", *([None] * (a.ndim - 1)))
-        return specs
-
-    def _smap(self, fn, in_specs, out_specs):
-        return vsh.smap(fn, self.mesh, in_specs, out_specs)
-
-    def _inputs(self, x, t, ctx, ofs, tables):
-        dt = self.dtype
-        tokens, grid = patchify(self.cfg, x.astype(dt))
-        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": ctx.astype(dt), **tables}
-        if ofs is not None:
-            a["ofs"] = jnp.reshape(jnp.asarray(ofs, F32), (-1,))
-        return a, grid
-
-    # ------------------------------------------------------------------ units (inside shard_map)
-    def _embed(self, rest, a):
-        embed = nnx.merge(self.graphs["embed"], rest["embed"])
-        temb = embed.temb(a["t"], a.get("ofs"))
-        vid, txt = embed(a["tokens"], a["ctx"], a.get("pos_txt"), a.get("pos"))
-        return vid, txt, temb
-
-    def _blocks(self, blocks, carry, c):
-        return run_blocks((self.graphs["blocks"], blocks), carry[0], carry[1], c["temb"], c.get("cos"), c.get("sin"),
-                          self.par)
-
-    def _head(self, rest, vid, temb):
-        return nnx.merge(self.graphs["head"], rest["head"])(vid, temb)
-
-    # ------------------------------------------------------------------ resident
-    def _resident(self, rest, blocks, x, t, ctx, ofs, tables):
-        acts, grid = self._inputs(x, t, ctx, ofs, tables)
-
-        def inner(rest, blocks, a):
-            vid, txt, temb = self._embed(rest, a)
-            vid, _ = self._blocks(blocks, (vid, txt), {"temb": temb, "cos": a.get("cos"), "sin": a.get("sin")})
-            return self._head(rest, vid, temb)
-
-        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(
-            rest, blocks, acts)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ offloaded
-    def _prologue(self, rest, x, t, ctx, ofs, tables):
-        acts, _ = self._inputs(x, t, ctx, ofs, tables)
-        shapes = jax.eval_shape(lambda r, a: self._embed(r, a), rest, acts)
-        specs = self._act_specs({"vid": shapes[0], "txt": shapes[1], "temb": shapes[2]})
-        return self._smap(lambda r, a: dict(zip(("vid", "txt", "temb"), self._embed(r, a))),
-                          (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
-
-    def _chunk(self, blocks, carry, consts):
-        cs = self._act_specs(consts)
-        carry_specs = (P("dp", "sp", None), P("dp", None, None))
-        return self._smap(self._blocks, (self.block_specs, carry_specs, cs), carry_specs)(blocks, carry, consts)
-
-    def _epilogue(self, rest, vid, temb, grid):
-        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), P("dp", None)), P("dp", "sp", None))(
-            rest, vid, temb)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ calls
-    def __call__(self, x, t, ctx, ofs=None, rope=None):
-        """Same contract as :func:`forward` (channels-last latents)."""
-        x = jnp.asarray(x)
-        t = jnp.asarray(t, F32)
-        self.check_inputs(x.shape, ctx.shape[1])
-        grid = self.grid(x.shape)
-        tables = self.tables(grid, rope)
-        if self.offload is None:
-            return self._fwd(self.rest, self.blocks, x, t, ctx, ofs, tables)
-        a = self._pre(self.rest, x, t, ctx, ofs, tables)
-        consts = {"temb": a["temb"], **{k: v for k, v in tables.items() if k in ("cos", "sin")}}
-        vid, _ = self.offload.run("blocks", (a["vid"], a["txt"]), consts)
-        return self._post(self.rest, vid, a["temb"], grid)
-
-    @property
-    def params(self):
-        if self.offload is not None:
-            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
-        return {"rest": self.rest, "blocks": self.blocks}
-
-    def apply(self, params, x, t, ctx, tables, ofs=None):
-        """Traceable ``model_fn`` for a jitted sampling step (params = :attr:`params`, ``tables`` =
-        :meth:`tables` of the grid)."""
-        return self._resident(params["rest"], params["blocks"], x, t, ctx, ofs, tables)
-
-    def lower(self, x, t, ctx, ofs=None):
-        x, t = jnp.asarray(x), jnp.asarray(t, F32)
-        self.check_inputs(x.shape, ctx.shape[1])
-        return self._fwd.lower(self.rest, self.blocks, x, t, ctx, ofs, self.tables(self.grid(x.shape)))
+def runner(state, cfg: CogVideoXConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The CogVideoX DiT on a ``(dp, tp, sp)`` mesh through ``vidax.core.runner.DiTRunner``, blocks
+    resident or offloaded: ``runner(x, t, ctx, ofs, rope)`` (:func:`forward`'s contract)."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -810,7 +656,7 @@ def _norm(ref: str, dst: str, affine: bool = True) -> list[tuple[str, str, str]]
 
 def diffusers_keymap(cfg: CogVideoXConfig) -> KeyMap:
     aff = cfg.norm_elementwise_affine
-    top = [(f"patch_embed.proj.weight", "embed.patch.kernel", "conv2d" if cfg.patch_size_t is None else "linear"),
+    top = [("patch_embed.proj.weight", "embed.patch.kernel", "conv2d" if cfg.patch_size_t is None else "linear"),
            *([("patch_embed.proj.bias", "embed.patch.bias", "none")] if cfg.patch_has_bias else []),
            *_linear("patch_embed.text_proj", "embed.text"),
            *_linear("time_embedding.linear_1", "embed.time.l1"), *_linear("time_embedding.linear_2", "embed.time.l2"),
@@ -866,7 +712,7 @@ class _CogCompat(compat.CompatModel):
     """``forward(hidden_states [B, F, C, H, W], encoder_hidden_states, timestep, ofs=None,
     image_rotary_emb=None)`` -> ``[B, F, Cout, H, W]``, the reference's calling convention."""
 
-    def __init__(self, config, state, cfg, runner: CogVideoXRunner | None = None):
+    def __init__(self, config, state, cfg, runner: DiTRunner | None = None):
         super().__init__("CogVideoXTransformer3DModel", config, state, cfg)
         self.runner = runner
         if runner is None:
@@ -903,11 +749,10 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
     state, cfg = load_dit(folder, cfg, dtype=dtype)
-    runner = CogVideoXRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
-                             attn_impl=attn_impl)
-    return _CogCompat(config, None, cfg, runner)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    return _CogCompat(config, None, cfg, r)
 
 
-__all__ = ["AXIS_RULES", "CogVideoXConfig", "CogVideoXRunner", "CogVideoXTransformer", "PRESETS", "abstract_state",
+__all__ = ["CogVideoXConfig", "CogVideoXTransformer", "PRESETS", "abstract_state",
            "diffusers_keymap", "forward", "init_model", "init_state", "joint_attention", "load_dit", "patchify",
-           "pos_mode", "rope_3d", "rope_tables", "sincos_table", "unpatchify"]
+           "pos_mode", "rope_3d", "rope_tables", "runner", "sincos_table", "unpatchify"]

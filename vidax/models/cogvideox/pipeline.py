@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo, make_step, make_update
 from vidax.models.cogvideox import dit as cdit
 from vidax.models.cogvideox import vae as cvae
@@ -258,12 +259,12 @@ class CogVideoX(Pipeline):
         return self.transformer_lora_targets(clora.aliases(), "this CogVideoX DiT (transformer)")
 
     def load_dit(self):
-        """``(state on one device, cfg)``, or with a mesh / offloading ``(CogVideoXRunner, cfg)``."""
+        """``(state on one device, cfg)``, or with a mesh / offloading ``(DiTRunner, cfg)``."""
         state, cfg = self._load_dit_host()
         if not self.scaled:
             return jax.device_put(state), cfg
-        return cdit.CogVideoXRunner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
-                                    prefetch=self.prefetch), cfg
+        return cdit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                           prefetch=self.prefetch), cfg
 
     def load_vae(self) -> cvae.CogVAE:
         if self.preset:
@@ -363,8 +364,8 @@ class CogVideoX(Pipeline):
         """Everything the model needs besides latents / timestep / text, as device arrays."""
         grid = (shape[1] // cfg.pt, shape[2] // cfg.patch_size, shape[3] // cfg.patch_size)
         aux = {}
-        if isinstance(dit, cdit.CogVideoXRunner):
-            aux["tables"] = dit.tables(grid)
+        if isinstance(dit, DiTRunner):
+            aux["tables"] = dit.tables({"x": shape})
         else:
             if cfg.use_rotary_positional_embeddings:
                 aux["rope"] = tuple(jnp.asarray(a) for a in cdit.rope_tables(cfg, grid))
@@ -414,7 +415,7 @@ class CogVideoX(Pipeline):
 
     def _denoise(self, dit, x, cond, uncond, sched, guidances, seed, start, state, on_step, image_cond):
         params, cfg = dit
-        runner = params if isinstance(params, cdit.CogVideoXRunner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         use_cfg = uncond is not None
         dt = runner.dtype if runner is not None else cdit.state_dtype(params)
         aux = self._aux(params, cfg, x.shape, image_cond)
@@ -423,7 +424,7 @@ class CogVideoX(Pipeline):
         uncond = cond if uncond is None else jnp.asarray(uncond, dt)
         if runner is not None:
             b = (2 if use_cfg else 1) * x.shape[0]
-            runner.check_inputs((b, *x.shape[1:-1], cfg.in_channels), cond.shape[1])
+            runner.check_shapes({"x": (b, *x.shape[1:-1], cfg.in_channels), "ctx": (b, *cond.shape[1:])})
         else:
             cdit.check_text(cfg, cond.shape[1], (x.shape[1] // cfg.pt, x.shape[2] // cfg.patch_size,
                                                  x.shape[3] // cfg.patch_size))
@@ -486,7 +487,7 @@ class CogVideoX(Pipeline):
         on the CFG batch on this pipeline's mesh, inputs as the sampling step passes them (float32
         latents with the I2V image channels, rotary / sin-cos / learned tables, 1.5-I2V's ofs);
         the VAE's first frame batch and a following one with its causal-conv cache."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
 
         from vidax.core import nn
         from vidax.core import plan as vplan
@@ -496,27 +497,24 @@ class CogVideoX(Pipeline):
         tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
         units = [t5mod.plan_unit(tcfg, b, lt, dtype=tdt, tp=tp, mask=False)]
         cfg = self.dit_config()
-        runner = cdit.CogVideoXRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = cdit.runner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance > 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
-        grid = runner.grid(shape)
+        grid = cdit.token_grid(cfg, shape)
         n = grid[0] * grid[1] * grid[2]
-        tok, rep = NamedSharding(runner.mesh, P("sp", None)), NamedSharding(runner.mesh, P())
+        tok = NamedSharding(runner.mesh, runner.act_spec("pos", (n, cfg.dim)))
         tables = {}
         if cfg.use_rotary_positional_embeddings:
             cos, _ = cdit.rope_tables(cfg, grid)
             tables["cos"] = tables["sin"] = vplan.abstract(np.shape(cos), np.float32, tok)
         mode = cdit.pos_mode(cfg, grid)
-        if mode == "sincos":
+        if mode == "sincos":  # (a learned table is a parameter of the embedding)
             tables["pos"] = vplan.abstract((n, cfg.dim), np.float32, tok)
-        elif mode == "learned":
-            pdt = jax.tree.leaves(runner.rest["embed"]["pos"])[0].dtype
-            tables["pos_txt"], tables["pos"] = vplan.abstract((lt, cfg.dim), pdt, rep), vplan.abstract((n, cfg.dim), pdt, tok)
         x = vplan.abstract((*shape[:-1], cfg.in_channels), np.float32)
         t = vplan.abstract((nb,), np.float32)
         ctx = vplan.abstract((nb, lt, cfg.text_embed_dim), self.dtype)
         ofs = vplan.abstract((1,), np.float32) if cfg.ofs_embed_dim else None
-        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.params, x, t, ctx, tables, ofs),
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), ({**runner.params, "tables": tables}, x, t, ctx, ofs),
                                 weights=runner.params, note=f"batch {nb} x {n:,} tokens"))
         vcfg = self.vae_config()
         vae = cvae.CogVAE(*nn.abstract_state(cvae._build(vcfg)), vcfg)
@@ -639,7 +637,7 @@ class CogVideoX(Pipeline):
         sched = self.scheduler(1)
         ts = sched.timesteps_for_flow_sigmas(sigmas)
         params, cfg = self.load_dit()
-        runner = params if isinstance(params, cdit.CogVideoXRunner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else cdit.state_dtype(params)
         x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)  # [B, F, h, w, C]
         extra = (cfg.pt - x.shape[1] % cfg.pt) % cfg.pt
@@ -715,7 +713,7 @@ def _probe_forward(cfg):
 
 
 def _runner_apply(runner, params, x, t, ctx, aux):
-    return runner.apply(params, x, t, ctx, aux["tables"], aux.get("ofs"))
+    return runner.apply({**params, "tables": aux["tables"]}, x, t, ctx, aux.get("ofs"))
 
 
 def _streamed_step(runner, sched, use_cfg: bool, prepare):

@@ -19,7 +19,7 @@ What the reference does, and how it is kept here:
   7B reasoner) are projected once to ``text_embed_dim`` (``crossattn_proj``: linear + exact GELU);
 - no preconditioning of any kind: the model sees the timestep the caller passes.
 
-:func:`forward` is a pure function of the state; :class:`CosmosDiTRunner` places or streams the same
+:func:`forward` is a pure function of the state; :func:`runner` (the core runner) places or streams the same
 state on a ``(dp, tp, sp)`` mesh (Megatron TP over heads and FFN width, Ulysses SP over tokens;
 cross-attention to the text stays local) and offloads the stacked blocks in chunks.
 """
@@ -34,13 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
+from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import split_heads
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
@@ -118,8 +120,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------- layers
-def _heads(x, head_dim):
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def apply_rope_half(x, cos, sin):
@@ -292,11 +293,20 @@ class CosmosEmbed(nnx.Module):
             return ctx
         return nn.gelu_exact(self.ctx_proj(ctx))
 
-    def positions(self, grid):
-        """The learnable absolute positions [L, D] for a token grid (normalised as the reference)."""
-        f, h, w = grid
-        e = (self.pos_t[...][:f, None, None] + self.pos_h[...][None, :h, None] + self.pos_w[...][None, None, :w])
-        e = e.reshape(f * h * w, -1).astype(F32)
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``a``: ``tokens``, ``t`` [B, Fm], ``ctx`` (+ ``ctx_mask``) and the per-token tables
+        (``cos`` / ``sin`` / ``fot`` / ``pos_index``) of this shard. Returns ``({"h"}, consts)``."""
+        temb, emb = self.time(a["t"])
+        c = {"emb": emb, "temb": temb, "ctx": self.context(a["ctx"]), **{k: a[k] for k in ("cos", "sin", "fot", "ctx_mask")
+                                                                         if k in a}}
+        if self.pos_t is not None:
+            c["pos"] = self.positions(a["pos_index"])
+        return {"h": self.patch(a["tokens"])}, c
+
+    def positions(self, index):
+        """The learnable absolute positions [L, D] of tokens with (t, h, w) ``index`` [L, 3]
+        (:func:`grid_index`), normalised as the reference."""
+        e = (self.pos_t[...][index[:, 0]] + self.pos_h[...][index[:, 1]] + self.pos_w[...][index[:, 2]]).astype(F32)
         norm = jnp.sqrt(jnp.sum(jnp.square(e), axis=-1, keepdims=True))
         return e / (1e-6 + norm * math.sqrt(1.0 / e.shape[-1]))
 
@@ -311,26 +321,77 @@ class CosmosHead(nnx.Module):
         self.mod = AdaLNLoRA(d, cfg.adaln_lora_dim, 2, **kw)
         self.proj = nn.Linear(d, math.prod(cfg.patch_size) * cfg.out_channels, bias=False, axes=("embed", None), **kw)
 
-    def __call__(self, h, emb, temb, fot):
+    def __call__(self, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+        h, emb = carry["h"], c["emb"]
         dt = h.dtype
-        m = frame_to_tokens(self.mod(emb, temb[..., : 2 * emb.shape[-1]]), fot)
+        m = frame_to_tokens(self.mod(emb, c["temb"][..., : 2 * emb.shape[-1]]), c["fot"])
         shift, scale = jnp.split(m, 2, axis=-1)
-        return self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))
-
-
-def run_blocks(blocks, h, c: dict, par: vsh.ParallelContext = vsh.LOCAL):
-    """``lax.scan`` of :class:`CosmosBlock` over the stacked blocks (or an offload chunk of them)."""
-    return nn.scan(blocks, h, lambda blk, h: blk(h, c, par))
+        return {"y": self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))}
 
 
 class CosmosTransformer(nnx.Module):
-    """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+    """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
+    :class:`vidax.core.runner.DiTRunner`."""
 
     def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = CosmosEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
         self.blocks = nn.stack(lambda r: CosmosBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = CosmosHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    @staticmethod
+    def step(blk, carry, c, par):
+        return {"h": blk(carry["h"], c, par)}
+
+    @staticmethod
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        if name in ("tokens", "h", "y"):
+            return ("batch", "tokens", None)
+        if name in ("cos", "sin", "pos", "pos_index"):
+            return ("tokens", None)
+        if name == "fot":
+            return ("tokens",)
+        if name in ("pad_mask", "cond_mask") and shape[0] == 1:  # [1, ...]: broadcast over the batch
+            return (None,) * len(shape)
+        return ("batch", *(None,) * (len(shape) - 1))  # x, t, emb, temb, ctx, masks: per sample
+
+    @staticmethod
+    def pack(x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None) -> dict:
+        """The call signature (:meth:`__call__`'s); ``fps`` is static (it selects the RoPE tables)."""
+        t = jnp.asarray(t, F32)
+        if t.ndim == 1:  # one timestep for every sample: broadcast (the batch is split over dp)
+            t = jnp.broadcast_to(t, (jnp.shape(x)[0],))
+        return {"x": x, "t": t, "ctx": ctx, "cond_mask": cond_mask, "pad_mask": pad_mask,
+                "ctx_mask": None if ctx_mask is None else jnp.asarray(ctx_mask, bool),
+                "fps": None if fps is None else float(fps)}
+
+    def prepare(self, a: dict, dtype) -> dict:
+        cfg, x = self.cfg, a["x"]
+        tokens, grid = patchify(cfg, model_input(cfg, x.astype(dtype), a.get("cond_mask"), a.get("pad_mask")).astype(dtype))
+        t = a["t"]
+        return {"tokens": tokens, "t": time_per_frame(cfg, t, x.shape[0], grid[0]), "ctx": a["ctx"].astype(dtype),
+                **{k: a[k] for k in ("cos", "sin", "fot", "pos_index", "ctx_mask") if k in a}}
+
+    def finish(self, out: dict, shapes: dict):
+        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
+
+    def check(self, shapes: dict, mesh) -> None:
+        g = token_grid(self.cfg, shapes["x"])
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=math.prod(g), batch=shapes["x"][0]), mesh)
+
+    def table_key(self, shapes: dict):
+        return token_grid(self.cfg, shapes["x"]), shapes.get("fps")
+
+    def tables(self, key) -> dict:
+        """RoPE tables, each token's frame and (learned positions) its (t, h, w) index, per token."""
+        grid, fps = key
+        ang = rope_angles(self.cfg, grid, fps)
+        out = {"cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32),
+               "fot": np.arange(math.prod(grid), dtype=np.int32) // (grid[1] * grid[2])}
+        if self.cfg.extra_pos_embed_type == "learnable":
+            out["pos_index"] = grid_index(grid)
+        return out
 
     def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
                  par: vsh.ParallelContext = vsh.LOCAL, rope=None):
@@ -340,21 +401,12 @@ class CosmosTransformer(nnx.Module):
         ``ctx_mask``: [B, S] bool (True = attend); ``fps``: scales the temporal RoPE (None: images).
         ``rope``: the (cos, sin) tables of the grid (:func:`rope_tables`) as arguments (None: computed
         here). Returns [B, F, H, W, out_channels]."""
-        cfg = self.cfg
-        dt = self.embed.patch.kernel[...].dtype
-        x = model_input(cfg, x, cond_mask, pad_mask).astype(dt)
-        tokens, grid = patchify(cfg, x)
-        h = self.embed.patch(tokens)
-        tt = time_per_frame(cfg, t, x.shape[0], grid[0])
-        temb, emb = self.embed.time(tt)
-        c = {"emb": emb, "temb": temb, "fot": frame_of_tokens(grid), "ctx": self.embed.context(ctx.astype(dt))}
-        c["cos"], c["sin"] = rope_tables(cfg, grid, fps) if rope is None else rope
-        if ctx_mask is not None:
-            c["ctx_mask"] = jnp.asarray(ctx_mask, bool)
-        if self.embed.pos_t is not None:
-            c["pos"] = self.embed.positions(grid)
-        h = run_blocks(self.blocks, h, c, par)
-        return unpatchify(cfg, self.head(h, emb, temb, c["fot"]), grid)
+        inputs = self.pack(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps)
+        inputs = {k: v for k, v in inputs.items() if v is not None and k != "fps"}
+        tables = {k: jnp.asarray(v) for k, v in self.tables((token_grid(self.cfg, jnp.shape(x)), fps)).items()}
+        if rope is not None:
+            tables["cos"], tables["sin"] = rope
+        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- geometry helpers
@@ -387,31 +439,23 @@ def time_per_frame(cfg: CosmosDiTConfig, t, b: int, frames: int):
     return t
 
 
-def frame_of_tokens(grid, offset=0, count=None):
-    """The token-grid frame of tokens ``offset .. offset+count-1`` (frame-major token order)."""
-    f, h, w = grid
-    n = f * h * w if count is None else count
-    return (jnp.arange(n, dtype=jnp.int32) + offset) // (h * w)
+def token_grid(cfg: CosmosDiTConfig, x_shape) -> tuple:
+    return geometry.token_grid(x_shape[1:4], cfg.patch_size)
+
+
+def grid_index(grid) -> np.ndarray:
+    """The (t, h, w) index [f*h*w, 3] of every token of a grid (frame-major token order)."""
+    return np.stack(np.meshgrid(*(np.arange(g, dtype=np.int32) for g in grid), indexing="ij"), -1).reshape(-1, 3)
 
 
 def patchify(cfg: CosmosDiTConfig, x):
     """[B, F, H, W, C] -> tokens [B, f*h*w, C*pt*ph*pw] (the reference's ``(C, pt, ph, pw)`` order)."""
-    b, f, h, w, c = x.shape
-    pt, ph, pw = cfg.patch_size
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch_size}")
-    x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
-    grid = (f // pt, h // ph, w // pw)
-    return x.reshape(b, grid[0] * grid[1] * grid[2], c * pt * ph * pw), grid
+    return geometry.patchify(x, cfg.patch_size, "cthw")
 
 
 def unpatchify(cfg: CosmosDiTConfig, y, grid):
     """[B, L, ph*pw*pt*C] (the reference's output order: ``(ph, pw, pt, C)``) -> [B, F, H, W, C]."""
-    b = y.shape[0]
-    pt, ph, pw = cfg.patch_size
-    f, h, w = grid
-    y = y.reshape(b, f, h, w, ph, pw, pt, -1).transpose(0, 1, 6, 2, 4, 3, 5, 7)
-    return y.reshape(b, f * pt, h * ph, w * pw, -1)
+    return geometry.unpatchify(y, grid, cfg.patch_size, "hwtc")
 
 
 def rope_angles(cfg: CosmosDiTConfig, grid, fps=None) -> np.ndarray:
@@ -477,12 +521,6 @@ def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------- sharding
-#: Tensor parallelism splits the attention heads (q/k/v by output, the output projection by input:
-#: row-parallel) and the FFN width; the per-head q/k RMS norms need no reduction. Sequence
-#: parallelism splits the tokens (Ulysses all_to_all around self-attention); weights stay whole.
-AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
-
 def parallel_constraints(cfg: CosmosDiTConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
                          "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
@@ -494,204 +532,11 @@ def parallel_constraints(cfg: CosmosDiTConfig, *, tokens: int | None = None, bat
     return r
 
 
-def _rest(state) -> nnx.State:
-    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
-
-
-class CosmosDiTRunner:
-    """The Cosmos DiT on a ``(dp, tp, sp)`` mesh, blocks resident or offloaded (same contract as
-    :class:`vidax.models.wan.dit.WanDiTRunner`): ``runner(x, t, ctx, cond_mask=, pad_mask=,
-    ctx_mask=, fps=)`` with channels-last latents; :meth:`apply` is the traceable resident form."""
-
-    def __init__(self, state, cfg: CosmosDiTConfig, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 track_memory: bool = False):
-        if isinstance(state, nnx.Module):
-            state = nnx.state(state)
-        self.cfg, self.attn_impl = cfg, attn_impl
-        self.mesh = vmesh.make_mesh(mesh)
-        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
-        self.specs = vsh.param_specs(state, mapping)
-        vsh.check_param_divisibility(state, self.specs, self.mesh)
-        self.dtype = state_dtype(state)
-        self.graphs = graphdefs(cfg, self.dtype.name)
-        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
-        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
-        self._tables: dict = {}
-        self.offload = None
-        if offload_chunk_size is None:
-            self.blocks = vsh.place(state["blocks"], block_shardings)
-            self._fwd = jax.jit(self._resident, static_argnums=(3,))
-        else:
-            self.blocks = None
-            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
-            self._pre = jax.jit(self._prologue, static_argnums=(2,))
-            self._post = jax.jit(self._epilogue, static_argnums=(4,))
-
-    # ------------------------------------------------------------------ checks and tables
-    def _grid(self, x_shape):
-        pt, ph, pw = self.cfg.patch_size
-        return (x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw)
-
-    def check_inputs(self, x_shape) -> None:
-        b, f, h, w = x_shape[:4]
-        pt, ph, pw = self.cfg.patch_size
-        if f % pt or h % ph or w % pw:
-            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch_size}")
-        g = self._grid(x_shape)
-        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=g[0] * g[1] * g[2], batch=b), self.mesh)
-
-    def tables(self, grid, fps=None):
-        """RoPE tables (and learned positions' frame index) for a grid, token-sharded over sp (cached)."""
-        key = (grid, fps)
-        if key not in self._tables:
-            ang = rope_angles(self.cfg, grid, fps)
-            s = NamedSharding(self.mesh, P("sp", None))
-            fot = np.asarray(frame_of_tokens(grid))
-            cos, sin, fot = vsh.place([np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), fot],
-                                      [s, s, NamedSharding(self.mesh, P("sp"))])
-            self._tables[key] = {"cos": cos, "sin": sin, "fot": fot}
-        return self._tables[key]
-
-    @staticmethod
-    def _act_specs(acts):
-        specs = {}
-        for k, a in acts.items():
-            if k in ("tokens", "h", "pos"):
-                specs[k] = P("dp", "sp", None) if k != "pos" else P("sp", None)
-            elif k in ("cos", "sin"):
-                specs[k] = P("sp", None)
-            elif k == "fot":
-                specs[k] = P("sp")
-            else:  # t, emb, temb, ctx, ctx_mask: per sample, replicated over tp and sp
-                specs[k] = P("dp", *([None] * (a.ndim - 1)))
-        return specs
-
-    def _smap(self, fn, in_specs, out_specs):
-        return vsh.smap(fn, self.mesh, in_specs, out_specs)
-
-    def _inputs(self, x, t, ctx, cond_mask, pad_mask, ctx_mask):
-        dt = self.dtype
-        xin = model_input(self.cfg, jnp.asarray(x).astype(dt), cond_mask, pad_mask)
-        tokens, grid = patchify(self.cfg, xin)
-        a = {"tokens": tokens, "t": jnp.broadcast_to(time_per_frame(self.cfg, t, x.shape[0], grid[0]),
-                                                      (x.shape[0], 1) if jnp.ndim(t) == 1 else jnp.shape(t)),
-             "ctx": jnp.asarray(ctx).astype(dt)}
-        if ctx_mask is not None:
-            a["ctx_mask"] = jnp.asarray(ctx_mask, bool)
-        return a, grid
-
-    # ------------------------------------------------------------------ units (inside shard_map)
-    def _embed(self, rest, a):
-        embed = nnx.merge(self.graphs["embed"], rest["embed"])
-        h = embed.patch(a["tokens"])
-        temb, emb = embed.time(a["t"])
-        out = {"h": h, "emb": emb, "temb": temb, "ctx": embed.context(a["ctx"])}
-        if "ctx_mask" in a:
-            out["ctx_mask"] = a["ctx_mask"]
-        return out
-
-    def _positions(self, rest, grid):
-        return nnx.merge(self.graphs["embed"], rest["embed"]).positions(grid)
-
-    def _blocks(self, blocks, h, c):
-        return run_blocks((self.graphs["blocks"], blocks), h, c, self.par)
-
-    def _head(self, rest, h, c):
-        return nnx.merge(self.graphs["head"], rest["head"])(h, c["emb"], c["temb"], c["fot"])
-
-    # ------------------------------------------------------------------ resident
-    def _with_positions(self, rest, acts, grid):
-        if self.cfg.extra_pos_embed_type != "learnable":
-            return acts
-        pos = vsh.with_constraint(self._positions(rest, grid), self.mesh, P("sp", None))
-        return dict(acts, pos=pos)
-
-    def _resident(self, rest, blocks, acts, grid):
-        acts = self._with_positions(rest, acts, grid)
-
-        def inner(rest, blocks, a):
-            e = self._embed(rest, a)
-            c = {k: v for k, v in e.items() if k != "h"}
-            c.update(cos=a["cos"], sin=a["sin"], fot=a["fot"])
-            if "pos" in a:
-                c["pos"] = a["pos"]
-            h = self._blocks(blocks, e["h"], c)
-            return self._head(rest, h, c)
-
-        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(
-            rest, blocks, acts)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    def _acts(self, rest, x, t, ctx, cond_mask, pad_mask, ctx_mask, fps):
-        acts, grid = self._inputs(x, t, ctx, cond_mask, pad_mask, ctx_mask)
-        acts.update(self.tables(grid, fps))
-        return acts, grid
-
-    # ------------------------------------------------------------------ offloaded
-    def _prologue(self, rest, acts, grid):
-        def inner(rest, a):
-            return self._embed(rest, a)
-
-        shapes = jax.eval_shape(inner, rest, acts)
-        e = self._smap(inner, (self.rest_specs, self._act_specs(acts)), self._act_specs(shapes))(rest, acts)
-        return self._with_positions(rest, e, grid)
-
-    def _chunk(self, blocks, h, consts):
-        return self._smap(self._blocks, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)),
-                          P("dp", "sp", None))(blocks, h, consts)
-
-    def _epilogue(self, rest, h, c, fot, grid):
-        c = dict(c, fot=fot)
-        specs = self._act_specs(c)
-        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), specs), P("dp", "sp", None))(rest, h, c)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ call
-    def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None):
-        x = jnp.asarray(x)
-        self.check_inputs(x.shape)
-        acts, grid = self._acts(self.rest, x, t, ctx, cond_mask, pad_mask, ctx_mask, fps)
-        if self.offload is None:
-            return self._fwd(self.rest, self.blocks, acts, grid)
-        pre_in = {k: v for k, v in acts.items() if k in ("tokens", "t", "ctx", "ctx_mask")}
-        e = self._pre(self.rest, pre_in, grid)
-        consts = {k: v for k, v in e.items() if k != "h"}
-        consts.update(cos=acts["cos"], sin=acts["sin"], fot=acts["fot"])
-        h = self.offload.run("blocks", e["h"], consts)
-        head_c = {k: consts[k] for k in ("emb", "temb")}
-        return self._post(self.rest, h, head_c, acts["fot"], grid)
-
-    @property
-    def params(self):
-        if self.offload is not None:
-            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
-        return {"rest": self.rest, "blocks": self.blocks}
-
-    def step_params(self, x_shape, fps=None) -> dict:
-        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (:meth:`tables`): what
-        a jitted step passes to :meth:`apply`, so the tables are arguments, not compiled-in constants."""
-        pt, ph, pw = self.cfg.patch_size
-        return {**self.params, "tables": self.tables((x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw), fps)}
-
-    def apply(self, params, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None):
-        """Traceable resident forward (params = :meth:`step_params`: weights and RoPE tables kept as
-        arguments; without ``"tables"`` the tables are computed into the program)."""
-        self.check_inputs(jnp.shape(x))
-        acts, grid = self._inputs(x, t, ctx, cond_mask, pad_mask, ctx_mask)
-        if "tables" in params:
-            acts.update(params["tables"])
-        else:
-            ang = rope_angles(self.cfg, grid, fps)
-            acts.update(cos=jnp.asarray(np.cos(ang), F32), sin=jnp.asarray(np.sin(ang), F32), fot=frame_of_tokens(grid))
-        return self._resident(params["rest"], params["blocks"], acts, grid)
+def runner(state, cfg: CosmosDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The Cosmos DiT on a ``(dp, tp, sp)`` mesh through ``vidax.core.runner.DiTRunner`` (TP splits
+    heads and FFN width, SP the tokens), blocks resident or offloaded: ``runner(x, t, ctx,
+    cond_mask=, pad_mask=, ctx_mask=, fps=)`` with channels-last latents."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -824,7 +669,7 @@ def _ref_inputs(cfg: CosmosDiTConfig, hidden_states, timestep, condition_mask, p
 
 
 class _CosmosDiTCompat(compat.CompatModel):
-    def __init__(self, config, state, cfg, runner: CosmosDiTRunner | None = None):
+    def __init__(self, config, state, cfg, runner: DiTRunner | None = None):
         super().__init__("CosmosTransformer3DModel", config, state, cfg)
         self.runner = runner
         self._fwd = jax.jit(partial(forward, cfg=cfg), static_argnames=("fps",)) if runner is None else None
@@ -857,6 +702,5 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
     state, cfg = load_dit(folder, cfg, dtype=dtype)
-    runner = CosmosDiTRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
-                             attn_impl=attn_impl)
-    return _CosmosDiTCompat(config, None, cfg, runner)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    return _CosmosDiTCompat(config, None, cfg, r)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat, text as ctext
 from vidax.models.cosmos import dit as cdit
@@ -275,12 +276,12 @@ class CosmosPredict(TileStages, Pipeline):
 
     def load_dit(self):
         """DiT state + config on one device, or (``mesh`` / ``offload_chunk_size``) a
-        :class:`~vidax.models.cosmos.dit.CosmosDiTRunner` that places or streams it."""
+        :class:`~vidax.core.runner.DiTRunner` that places or streams it."""
         params, cfg = self._load_dit_host()
         if not self.scaled:
             return jax.device_put(params), cfg
-        return cdit.CosmosDiTRunner(params, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
-                                    prefetch=self.prefetch), cfg
+        return cdit.runner(params, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                           prefetch=self.prefetch), cfg
 
     def load_vae(self):
         if self.preset:
@@ -416,14 +417,14 @@ class CosmosPredict(TileStages, Pipeline):
 
     def _denoise(self, dit, sched, x, cond, uncond, guidance, aux, start, state, on_step):
         params, cfg = dit
-        runner = params if isinstance(params, cdit.CosmosDiTRunner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else cdit.state_dtype(params)
         use_cfg = uncond is not None
         ctx = jnp.asarray(cond, dt)
         if use_cfg:
             ctx = jnp.concatenate([ctx, jnp.asarray(uncond, dt)], axis=0)
         if runner is not None:
-            runner.check_inputs((ctx.shape[0], *x.shape[1:-1], cfg.in_channels - 1))
+            runner.check_shapes({"x": (ctx.shape[0], *x.shape[1:-1], cfg.in_channels - 1)})
         inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
         update = partial(_step_update, sched, use_cfg)
 
@@ -442,7 +443,7 @@ class CosmosPredict(TileStages, Pipeline):
                 xin, t, cm = inputs(x, i, aux)
                 return update(x, state, model(p, xin, t, ctx, cm), i, aux, g)
 
-            p = runner.step_params(x.shape)  # weights and RoPE tables: arguments of the step
+            p = runner.step_params({"x": x.shape})  # weights and RoPE tables: arguments of the step
             call = lambda x, state, i: step(p, x, state, i, ctx, g, aux)  # noqa: E731
         else:
             pre, post = jax.jit(inputs), jax.jit(update)
@@ -490,7 +491,7 @@ class CosmosPredict(TileStages, Pipeline):
                                   method="hidden_states", note=f"{b} prompt(s) x {self.max_text_len} tokens"
                                   + (f", tp={n}" if n > 1 else ""))]
         cfg = self.dit_config()
-        runner = cdit.CosmosDiTRunner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = cdit.runner(cdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance > 1.0 else b
         _, f, h, w, c = self.latent_shape(nb, request.height, request.width, request.num_frames)
         pt, ph, pw = cfg.patch_size
@@ -498,7 +499,7 @@ class CosmosPredict(TileStages, Pipeline):
         t = vplan.abstract((nb, f), np.float32)  # per-frame timesteps (conditioning frames at cond_timestep)
         ctx = vplan.abstract((nb, self.max_text_len, cfg.context_dim), self.dtype)
         cm = vplan.abstract((nb, f, h, w, 1), np.float32)
-        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx),
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), (runner.step_params({"x": x.shape}), x, t, ctx),
                                 kwargs={"cond_mask": cm}, weights=runner.params,
                                 note=f"batch {nb} x {(f // pt) * (h // ph) * (w // pw):,} tokens"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
@@ -580,7 +581,7 @@ class CosmosPredict(TileStages, Pipeline):
         ctx = np.asarray(conditioning["prompt_embeds"], np.float32)[:1]
         aux = self._conditioning(conditioning.get("cond_latents"), x.shape, jnp.zeros(x.shape, jnp.float32), 1e-4)
         out = []
-        runner = params if isinstance(params, cdit.CosmosDiTRunner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else cdit.state_dtype(params)
         fwd = None if runner is not None else jax.jit(cdit.forward, static_argnums=1)
         for i, s in enumerate(np.asarray(sigmas, np.float32)):

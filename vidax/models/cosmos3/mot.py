@@ -32,7 +32,6 @@ left unread).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -41,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from vidax import compat
 from vidax.core import mesh as vmesh
@@ -460,10 +459,11 @@ def vision_forward(state, cfg: Cosmos3Config, patches, t, noisy, cos, sin, cache
 # ----------------------------------------------------------------------------------- the reference's calling convention
 def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, position_ids, und_len: int,
                       sequence_length: int, vision_tokens, vision_token_shapes, vision_sequence_indexes,
-                      vision_mse_loss_indexes, vision_timesteps, vision_noisy_frame_indexes, **extra):
+                      vision_mse_loss_indexes, vision_timesteps, vision_noisy_frame_indexes, runner=None, **extra):
     """``Cosmos3OmniTransformer.forward`` (vision generation) on numpy inputs in the reference's layout:
     one packed sample whose text fills ``[0, und_len)`` and whose vision items follow it in order.
-    Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames)."""
+    Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames).
+    ``runner``: a :class:`Cosmos3Runner` (mesh / offloading) instead of ``state`` on one device."""
     for k, v in extra.items():
         if k.startswith(("sound_", "action_")) and v is not None:
             raise NotImplementedError(f"Cosmos3 {k}: sound and action generation are not ported")
@@ -502,13 +502,13 @@ def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, pos
         n_seen += len(sel)
         t_tok.append(t)
         shapes.append(((tt, hh, ww), np.asarray(noisy_frames, np.int64).reshape(-1), grid))
-    dt = state_dtype(state)
-    cache = text_cache(state, cfg, jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]),
-                       jnp.asarray(sin[None, :und_len]))
-    out = _vision_jit(state, cfg, jnp.asarray(np.concatenate(patches)[None], dt),
-                      jnp.asarray(np.concatenate(t_tok)[None]), jnp.asarray(np.concatenate(noisy)[None]),
-                      jnp.asarray(cos[None, und_len:]), jnp.asarray(sin[None, und_len:]), cache,
-                      jnp.ones((1, und_len), bool))
+    dt = state_dtype(state) if runner is None else runner.dtype
+    text = partial(text_cache, state, cfg) if runner is None else runner.text_cache
+    vision = partial(_vision_jit, state, cfg) if runner is None else runner.vision
+    cache = text(jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]), jnp.asarray(sin[None, :und_len]))
+    out = vision(jnp.asarray(np.concatenate(patches)[None], dt), jnp.asarray(np.concatenate(t_tok)[None]),
+                 jnp.asarray(np.concatenate(noisy)[None]), jnp.asarray(cos[None, und_len:]),
+                 jnp.asarray(sin[None, und_len:]), cache, jnp.ones((1, und_len), bool))
     last = np.asarray(out, np.float32)[0]  # [Lg, p*p*C] for every vision token
     preds = last[np.asarray(vision_mse_loss_indexes).reshape(-1) - und_len]
     results, start = [], 0
@@ -534,8 +534,8 @@ _vision_jit = jax.jit(vision_forward, static_argnums=(1,))
 #: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
 #: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
 #: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
-#: every device (they are short and computed once per prompt).
-AXIS_RULES = {"tp": {"heads": "tp", "kv_heads": "tp", "ffn": "tp", "vocab": "tp"}, "sp": {}}
+#: every device (they are short and computed once per prompt). Cosmos3's deltas to the core table:
+AXIS_DELTAS = {"kv_heads": "tp", "vocab": "tp"}
 
 
 def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
@@ -573,7 +573,7 @@ class Cosmos3Runner:
         self.mesh = vmesh.make_mesh(mesh)
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
         vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
+        self.mapping = mapping = vsh.axis_rules(self.parallelism, AXIS_DELTAS)
         self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
         self.specs = vsh.param_specs(state, mapping)
         vsh.check_param_divisibility(state, self.specs, self.mesh)
@@ -584,8 +584,7 @@ class Cosmos3Runner:
         self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
         und_sh = vsh.named_shardings(self.mesh, self.und_specs)
         gen_sh = vsh.named_shardings(self.mesh, self.gen_specs)
-        tp_kv = vsh.ParallelContext.create(mapping, self.mesh).size("tp") > 1 and mapping.get("kv_heads") == "tp"
-        self.cache_spec = P(None, "dp", None, "tp" if tp_kv else None, None)  # [layers, B, Lu, KV, hd]
+        self.cache_spec = self.spec(None, "batch", None, "kv_heads", None)  # [layers, B, Lu, KV, hd]
         self.offload = None
         if offload_chunk_size is None:
             self.und = vsh.place(state["layers"]["und"], und_sh)
@@ -618,6 +617,10 @@ class Cosmos3Runner:
     def _embed_text_fn(self, rest, ids):
         return nnx.merge(self.graphs["embed"], rest["embed"]).text(ids)
 
+    def spec(self, *names):
+        """The mesh layout of an activation with these logical axis names (the core table)."""
+        return vsh.logical_spec(names, self.mapping, self.mesh)
+
     def _embed_vision_fn(self, rest, patches, t, noisy):
         return nnx.merge(self.graphs["embed"], rest["embed"]).vision(patches, t, noisy)
 
@@ -627,22 +630,22 @@ class Cosmos3Runner:
     # ---------------------------------------------------------------- resident
     def _text_resident(self, rest, und, ids, cos, sin):
         x = self._embed_text_fn(rest, ids)
-        tok = P("dp", None, None)
+        tok = self.spec("batch", None, None)
         _, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
                                (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
         return k, v
 
     def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm):
-        tok3 = P("dp", "sp", None)
+        tok3 = self.spec("batch", "tokens", None)
         h = self._embed_vision_fn(rest, patches, t, noisy)
         h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return self._head_fn(rest, h)
 
     # ---------------------------------------------------------------- offloaded chunks
     def _text_chunk(self, und, carry, cos, sin):
         x, ks, vs, i = carry
-        tok = P("dp", None, None)
+        tok = self.spec("batch", None, None)
         x, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
                                (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
         ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(ks.dtype), i, axis=0)
@@ -653,14 +656,14 @@ class Cosmos3Runner:
         h, i = carry
         k = jax.lax.dynamic_slice_in_dim(ks, i, self.chunk, axis=0)
         v = jax.lax.dynamic_slice_in_dim(vs, i, self.chunk, axis=0)
-        tok3 = P("dp", "sp", None)
+        tok3 = self.spec("batch", "tokens", None)
         h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           P("dp", None)), tok3)(gen, h, cos, sin, k, v, tm)
+                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return h, i + self.chunk
 
     def _zero(self):
         """The layer counter an offloaded pass carries, replicated over the mesh."""
-        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, P()))
+        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, self.spec()))
 
     # ---------------------------------------------------------------- public
     def text_cache(self, ids, cos, sin):
@@ -744,17 +747,30 @@ def load_model(path, cfg: Cosmos3Config | None = None, dtype=np.float32):
 
 # ----------------------------------------------------------------------------------- compat
 class _Cosmos3Compat(compat.CompatModel):
-    def __init__(self, config, state, cfg):
+    def __init__(self, config, state, cfg, runner=None):
         super().__init__("Cosmos3OmniTransformer", config, state, cfg)
+        self.runner = runner
 
     def forward(self, **kw):
         """The reference's keywords (numpy) -> the per-item vision predictions (its first output)."""
         kw.pop("return_dict", None)
-        return reference_forward(self.params, self.model_config, **kw)
+        return reference_forward(self.params, self.model_config, runner=self.runner, **kw)
 
 
-@compat.register("Cosmos3OmniTransformer")
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **_):
+@compat.register("Cosmos3OmniTransformer", scalable=True)
+def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
+                 prefetch: bool = True, attn_impl=None, **_):
     cfg = Cosmos3Config.from_diffusers(config)
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load_model(folder, cfg, dtype=dtype)
+        return _Cosmos3Compat(config, jax.device_put(state), cfg)
+    # fail on an impossible layout before reading a single tensor
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(parallel_constraints(cfg), m)
+    if offload_chunk_size is not None:
+        voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
     state, cfg = load_model(folder, cfg, dtype=dtype)
-    return _Cosmos3Compat(config, jax.device_put(state), cfg)
+    r = Cosmos3Runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                      attn_impl=attn_impl)
+    return _Cosmos3Compat(config, None, cfg, r)

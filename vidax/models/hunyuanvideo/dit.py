@@ -6,7 +6,7 @@ blocks: video and text keep their own weights and meet in one joint attention) -
 (single-stream blocks: one sequence [video; text], parallel attention + MLP) -> ``head``. The two
 block stacks have different shapes, so each is stacked on its own leading ``"layers"`` axis and
 runs with its own ``lax.scan`` -- and streams from host memory through its own offload pool with
-its own chunk size (:class:`HunyuanVideoRunner`).
+its own chunk size (:func:`runner`, the core runner).
 
 Particulars of this family, each with its place in the code:
 
@@ -26,7 +26,7 @@ Particulars of this family, each with its place in the code:
   (timestep 0, no guidance) in every block (:func:`pick`).
 
 Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``. Every parameter
-carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes per parallelism. The
+carries logical axis names, mapped to mesh axes by the core table plus ``AXIS_DELTAS``. The
 single-stream block's output projection reads ``[attention; MLP]``: it is kept as two kernels
 (``out_attn`` split by heads, ``out_mlp`` split by the MLP width) so that under tensor
 parallelism both halves are row-parallel with one reduction and the bias added once.
@@ -39,20 +39,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
+from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import MLP, PatchEmbed, split_heads
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
 from vidax.weights import load_params, open_checkpoint
@@ -134,9 +136,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _heads(x, head_dim):
-    """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
-    return x.reshape(*x.shape[:-1], -1, head_dim)
+_heads = split_heads
 
 
 def modulation(layer: nnx.Linear, temb, n: int, par: vsh.ParallelContext):
@@ -236,33 +236,6 @@ def _qkv(q_lin, k_lin, v_lin, norm_q, norm_k, x, head_dim, par):
 
 
 # ----------------------------------------------------------------------------------- modules
-class PatchEmbed(nnx.Module):
-    """The reference's Conv3d with stride = kernel = patch, applied to patchified tokens as one
-    matmul (per token: runs unchanged on a token shard). ``kernel``: ``[pt, ph, pw, Cin, D]``."""
-
-    def __init__(self, patch, cin: int, dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.kernel = nn.param(rngs, nnx.initializers.lecun_normal(), (*patch, cin, dim), None, None, None, None, None,
-                               dtype=param_dtype)
-        self.bias = nn.param(rngs, nnx.initializers.zeros_init(), (dim,), None, dtype=param_dtype)
-
-    def __call__(self, tokens):
-        k = self.kernel[...]
-        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
-        return y + self.bias[...].astype(y.dtype)
-
-
-class MLP(nnx.Module):
-    """``l2(act(l1(x)))``: diffusers' ``TimestepEmbedding`` and ``PixArtAlphaTextProjection``."""
-
-    def __init__(self, din: int, dhidden: int, dout: int, act: str = "silu", *, rngs: nnx.Rngs, param_dtype=F32):
-        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
-        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, param_dtype=param_dtype)
-        self.act = act
-
-    def __call__(self, x):
-        return self.l2(nn.activation(self.act)(self.l1(x)))
-
-
 def timestep_features(t):
     """diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``: [B] -> [B, 256] f32."""
     return sinusoidal_embedding(jnp.asarray(t, F32), 256, flip_sin_to_cos=True)
@@ -360,10 +333,14 @@ class Embed(nnx.Module):
             temb = temb + vec
         return temb.astype(F32), tr
 
-    def __call__(self, tokens, t, ctx, mask, pooled, guidance=None):
-        h = self.patch(tokens)
-        temb, tr = self.conditioning(t, pooled, guidance)
-        return h, temb, tr, self.refiner(ctx, t, mask)
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``a``: patch ``tokens`` (this shard's), ``t``, ``ctx``, ``mask``, ``pooled``, ``guidance``
+        and the per-token tables. Returns ``({"h", "y"}, consts)``."""
+        temb, tr = self.conditioning(a["t"], a["pooled"], a.get("guidance"))
+        c = {"temb": temb, "text_len": text_lengths(a["mask"]), "cos": a["cos"], "sin": a["sin"]}
+        if tr is not None:
+            c.update(tr=tr, first=a["first"])
+        return {"h": self.patch(a["tokens"]), "y": self.refiner(a["ctx"], a["t"], a["mask"])}, c
 
 
 class DoubleBlock(nnx.Module):
@@ -480,26 +457,71 @@ class Head(nnx.Module):
         self.mod = nn.Linear(d, 2 * d, rngs=rngs, param_dtype=param_dtype)
         self.proj = nn.Linear(d, cfg.out_channels * math.prod(cfg.patch), rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, h, temb):
+    def __call__(self, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
+        h = carry["h"]
         dt = h.dtype
-        m = self.mod(jax.nn.silu(temb.astype(dt))).astype(F32)
+        m = self.mod(jax.nn.silu(c["temb"].astype(dt))).astype(F32)
         d = h.shape[-1]
         scale, shift = m[:, None, :d], m[:, None, d:]
-        return self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))
+        return {"out": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
-def run_double(blocks, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
-    """``lax.scan`` of :class:`DoubleBlock` over a stack (the module, or ``(graphdef, state)`` of it
-    or of an offload chunk)."""
-    return nn.scan(blocks, carry, lambda blk, cy: blk(cy, c, par))
+class DualStreamHooks:
+    """The :class:`vidax.core.runner.DiTRunner` hooks HunyuanVideo 1.0 and 1.5 share: a video carry
+    ``h`` split over sp and a text carry ``y`` whole on every device through the dual-stream (and
+    single-stream) stacks, the RoPE tables (+ token_replace's first-frame flags) per video token, the
+    modulation projections' columns split over tp (``"mod"``)."""
+
+    AXIS_DELTAS = {"mod": "tp"}
+
+    @staticmethod
+    def step_double(blk, carry, c, par):
+        h, y = blk((carry["h"], carry["y"]), c, par)
+        return {"h": h, "y": y}
+
+    step_single = step_double
+
+    @staticmethod
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        if name in ("tokens", "h", "out"):
+            return ("batch", "tokens", None)
+        if name in ("cos", "sin"):
+            return ("tokens", None)
+        if name == "first":
+            return ("tokens",)
+        return ("batch", *(None,) * (len(shape) - 1))  # x, ctx / y, masks, pooled, t, guidance, temb, tr, text_len
+
+    def finish(self, out: dict, shapes: dict):
+        return unpatchify(self.cfg, out["out"], grid_of(self.cfg, shapes["x"]))
+
+    def check(self, shapes: dict, mesh) -> None:
+        tokens = math.prod(geometry.token_grid(shapes["x"][1:4], self.cfg.patch))
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=shapes["x"][0]), mesh)
+
+    def table_key(self, shapes: dict):
+        return grid_of(self.cfg, shapes["x"])
+
+    def tables(self, grid) -> dict:
+        ang = rope_angles(self.cfg.rope_axes_dim, grid, self.cfg.rope_theta)
+        out = {"cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)}
+        if getattr(self.cfg, "token_replace", False):
+            out["first"] = np.arange(math.prod(grid)) < grid[1] * grid[2]
+        return out
+
+    def run(self, inputs: dict, par, rope=None):
+        """The one-device forward through the same hooks (what the runner runs per shard)."""
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        tables = {k: jnp.asarray(v) for k, v in self.tables(grid_of(self.cfg, jnp.shape(inputs["x"]))).items()}
+        if rope is not None:
+            tables["cos"], tables["sin"] = rope
+        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par)
 
 
-def run_single(blocks, carry, c, par: vsh.ParallelContext = vsh.LOCAL):
-    return nn.scan(blocks, carry, lambda blk, cy: blk(cy, c, par))
-
-
-class HunyuanVideoTransformer(nnx.Module):
+class HunyuanVideoTransformer(DualStreamHooks, nnx.Module):
     """The HunyuanVideo DiT: ``embed`` -> stacked ``double`` -> stacked ``single`` -> ``head``."""
+
+    STACKS = ("double", "single")
 
     def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
@@ -508,27 +530,29 @@ class HunyuanVideoTransformer(nnx.Module):
         self.single = nn.stack(lambda r: SingleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_single_layers, rngs)
         self.head = Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
+    @staticmethod
+    def pack(x, t, ctx, mask, pooled, guidance=None) -> dict:
+        return {"x": x, "t": jnp.asarray(t, F32), "ctx": ctx, "mask": jnp.asarray(mask, F32), "pooled": pooled,
+                "guidance": None if guidance is None else jnp.asarray(guidance, F32)}
+
+    def prepare(self, a: dict, dtype) -> dict:
+        return {"tokens": patchify(self.cfg, a["x"].astype(dtype))[0], "t": a["t"], "ctx": jnp.asarray(a["ctx"]).astype(dtype),
+                "mask": a["mask"], "pooled": jnp.asarray(a["pooled"]).astype(dtype),
+                **{k: a[k] for k in ("guidance", "cos", "sin", "first") if k in a}}
+
+    def chunk_sizes(self, offload_chunk_size) -> dict:
+        return parse_chunk_sizes(offload_chunk_size, self.cfg)
+
     def __call__(self, x, t, ctx, mask, pooled, guidance=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B]; ``ctx``: [B, Lt,
         text_embed_dim]; ``mask``: [B, Lt]; ``pooled``: [B, pooled_projection_dim]; ``guidance``:
         [B] (already ``scale * 1000``) for guidance-embedding models; ``rope``: the grid's (cos, sin)
         tables (:func:`rope_tables`) as arguments (None: computed here). Returns [B, F, H, W, Cout]."""
-        cfg = self.cfg
-        dt = self.embed.patch.kernel[...].dtype
-        tokens, grid = patchify(cfg, x.astype(dt))
-        h, temb, tr, y = self.embed(tokens, t, ctx.astype(dt), mask, pooled, guidance)
-        cos, sin = rope_tables(cfg, grid) if rope is None else rope
-        c = dict(temb=temb, cos=cos, sin=sin, text_len=text_lengths(mask))
-        if tr is not None:
-            c.update(tr=tr, first=first_frame_tokens(grid))
-        carry = run_double(self.double, (h, y), c, par)
-        h, _ = run_single(self.single, carry, c, par)
-        return unpatchify(cfg, self.head(h, temb), grid)
+        return self.run(self.pack(x, t, ctx, mask, pooled, guidance), par, rope)
 
 
 # ----------------------------------------------------------------------------------- state
 UNITS = ("embed", "double", "single", "head")
-POOLS = ("double", "single")
 KIT = nn.ModelKit(HunyuanVideoTransformer, units=UNITS, dtype_leaf=("embed", "patch", "kernel"))
 #: the abstract state a checkpoint fills, its shapes, the graphdefs the runner merges unit by unit,
 #: the state's dtype and the module back from a state: see ``nn.ModelKit`` (the seeded weights
@@ -575,22 +599,12 @@ def init_model(cfg: HunyuanVideoConfig, seed: int = 0, dtype=np.float32) -> Huny
 # ----------------------------------------------------------------------------------- geometry
 def patchify(cfg: HunyuanVideoConfig, x):
     """[B, F, H, W, C] -> tokens [B, f*h*w, pt*ph*pw*C] and the token grid (f, h, w)."""
-    b, f, h, w, c = x.shape
-    pt, ph, pw = cfg.patch
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch}")
-    x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 5, 2, 4, 6, 7)
-    grid = (f // pt, h // ph, w // pw)
-    return x.reshape(b, grid[0] * grid[1] * grid[2], pt * ph * pw * c), grid
+    return geometry.patchify(x, cfg.patch, "thwc")
 
 
 def unpatchify(cfg: HunyuanVideoConfig, y, grid):
     """[B, L, Cout*pt*ph*pw] (the reference's per-token order: channel, then t, h, w) -> [B, F, H, W, Cout]."""
-    b = y.shape[0]
-    pt, ph, pw = cfg.patch
-    f, h, w = grid
-    y = y.reshape(b, f, h, w, -1, pt, ph, pw).transpose(0, 1, 5, 2, 6, 3, 7, 4)
-    return y.reshape(b, f * pt, h * ph, w * pw, -1)
+    return geometry.unpatchify(y, grid, cfg.patch, "cthw")
 
 
 def grid_of(cfg: HunyuanVideoConfig, x_shape) -> tuple[int, int, int]:
@@ -628,20 +642,17 @@ def text_lengths(mask) -> jnp.ndarray:
 
 def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=None, *, attn_impl=None, rope=None):
     """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``); single
-    device or compiler-partitioned. For meshes and offloading see :class:`HunyuanVideoRunner`."""
+    device or compiler-partitioned. For meshes and offloading see :func:`runner`."""
     return merge(state, cfg)(x, t, ctx, mask, pooled, guidance, par=vsh.ParallelContext(attn_impl=attn_impl),
                              rope=rope)
 
 
 # ----------------------------------------------------------------------------------- sharding
-#: Logical axis -> mesh axis per parallelism (names not listed stay replicated). TP splits the
-#: heads (q/k/v and their text twins by output, attention outputs by input), the MLP width (up
-#: by output, down and the single block's MLP half of proj_out by input) and the modulation
-#: projections' columns (gathered after; they hold a quarter of the weights). The token refiner,
-#: embedders and head stay whole. SP keeps every weight whole and splits the video tokens.
-AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp", "mod": "tp"}, "sp": {}}
-
-
+#: TP splits the heads (q/k/v and their text twins by output, attention outputs by input), the MLP
+#: width (up by output, down and the single block's MLP half of proj_out by input) and, HunyuanVideo's
+#: delta to the core table (``DualStreamHooks.AXIS_DELTAS``), the modulation projections' columns
+#: (gathered after; they hold a quarter of the weights). The token refiner, embedders and head stay
+#: whole. SP keeps every weight whole and splits the video tokens.
 def parallel_constraints(cfg: HunyuanVideoConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
                          "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
@@ -690,202 +701,11 @@ def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, 
     return out
 
 
-class HunyuanVideoRunner:
-    """The HunyuanVideo DiT on a ``(dp, tp, sp)`` mesh, with both block stacks resident or streamed.
-
-    ``state``: the DiT's ``nnx.State`` (host numpy preferred) or the module; ``mesh``: a Mesh, a
-    spec like ``"tp=2,sp=2"`` or None (one device); ``parallelism``: "tp" | "sp" | "tp+sp" |
-    "none" (None: what the mesh implies). ``offload_chunk_size``: None keeps the blocks resident;
-    otherwise each stack (``double``, ``single``) streams from host memory through its own
-    :class:`~vidax.core.offload.OffloadRunner` pool and compiled chunk program, chunk sizes per
-    :func:`parse_chunk_sizes` (e.g. ``"double=5,single=8"``)."""
-
-    #: the block stacks streamed as offload pools, the unit graphdefs and the chunk-size parser: a
-    #: family with other stacks (HunyuanVideo 1.5: ``double`` only) sets these in a subclass
-    POOLS = POOLS
-    graphdefs = staticmethod(graphdefs)
-    chunk_sizes = staticmethod(parse_chunk_sizes)
-
-    def __init__(self, state, cfg: HunyuanVideoConfig, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 track_memory: bool = False):
-        if isinstance(state, nnx.Module):
-            state = nnx.state(state)
-        self.cfg, self.attn_impl = cfg, attn_impl
-        self.mesh = vmesh.make_mesh(mesh)
-        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
-        self.specs = vsh.param_specs(state, mapping)
-        vsh.check_param_divisibility(state, self.specs, self.mesh)
-        self.dtype = state_dtype(state)
-        self.graphs = self.graphdefs(cfg, self.dtype.name)
-        self.rest_specs = self._rest(self.specs)
-        self.rest = vsh.place(self._rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        pool_shardings = {k: vsh.named_shardings(self.mesh, self.specs[k]) for k in self.POOLS}
-        self._tables: dict = {}
-        self.offload = None
-        if offload_chunk_size is None:
-            self.pools = {k: vsh.place(state[k], pool_shardings[k]) for k in self.POOLS}
-            self._fwd = jax.jit(self._resident)
-        else:
-            sizes = self.chunk_sizes(offload_chunk_size, cfg)
-            self.pools = None
-            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            for k in self.POOLS:
-                self.offload.add_stack(k, state[k], partial(self._chunk, k), sizes[k], pool_shardings[k])
-            self._pre = jax.jit(self._prologue)
-            self._post = jax.jit(self._epilogue, static_argnums=(3,))
-
-    def _rest(self, state) -> nnx.State:
-        return nnx.State({k: v for k, v in state.items() if k not in self.POOLS})
-
-    # ------------------------------------------------------------------ specs and checks
-    def check_inputs(self, x_shape) -> None:
-        b, f, h, w, _ = x_shape
-        pt, ph, pw = self.cfg.patch
-        if f % pt or h % ph or w % pw:
-            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch}")
-        tokens = (f // pt) * (h // ph) * (w // pw)
-        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
-
-    @staticmethod
-    def _spec(k, a):
-        if k in ("tokens", "h"):
-            return P("dp", "sp", None)
-        if k in ("cos", "sin"):
-            return P("sp", None)
-        if k == "first":
-            return P("sp")
-        return P("dp", *([None] * (a.ndim - 1)))  # ctx/y, mask, pooled, t, guidance, temb, tr, text_len
-
-    def _act_specs(self, acts):
-        return {k: self._spec(k, a) for k, a in acts.items()}
-
-    def _smap(self, fn, in_specs, out_specs):
-        return vsh.smap(fn, self.mesh, in_specs, out_specs)
-
-    def tables(self, grid):
-        """RoPE tables (and token_replace's first-frame flags) for a grid, token-sharded over sp (cached)."""
-        if grid not in self._tables:
-            cos, sin = rope_tables(self.cfg, grid)
-            s2, s1 = NamedSharding(self.mesh, P("sp", None)), NamedSharding(self.mesh, P("sp"))
-            t = dict(zip(("cos", "sin"), vsh.place([np.asarray(cos), np.asarray(sin)], [s2, s2])))
-            if self.cfg.token_replace:
-                t["first"] = vsh.place(np.asarray(first_frame_tokens(grid)), s1)
-            self._tables[grid] = t
-        return self._tables[grid]
-
-    def _inputs(self, x, t, ctx, mask, pooled, guidance):
-        dt = self.dtype
-        tokens, grid = patchify(self.cfg, x.astype(dt))
-        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": jnp.asarray(ctx).astype(dt),
-             "mask": jnp.asarray(mask, F32), "pooled": jnp.asarray(pooled).astype(dt)}
-        if guidance is not None:
-            a["guidance"] = jnp.asarray(guidance, F32)
-        return a, grid
-
-    # ------------------------------------------------------------------ units, merged inside shard_map
-    def _embed(self, rest, a):
-        embed = nnx.merge(self.graphs["embed"], rest["embed"])
-        h, temb, tr, y = embed(a["tokens"], a["t"], a["ctx"], a["mask"], a["pooled"], a.get("guidance"))
-        out = {"h": h, "y": y, "temb": temb, "text_len": text_lengths(a["mask"])}
-        if tr is not None:
-            out["tr"] = tr
-        return out
-
-    def _consts(self, e, tables):
-        c = {k: e[k] for k in ("temb", "tr", "text_len") if k in e}
-        c.update(tables)
-        return c
-
-    def _stack(self, name, blocks, carry, c):
-        run = run_double if name == "double" else run_single
-        return run((self.graphs[name], blocks), carry, c, self.par)
-
-    def _head(self, rest, h, temb):
-        return nnx.merge(self.graphs["head"], rest["head"])(h, temb)
-
-    # ------------------------------------------------------------------ resident
-    def _resident(self, rest, pools, x, t, ctx, mask, pooled, guidance, tables):
-        acts, grid = self._inputs(x, t, ctx, mask, pooled, guidance)
-        acts.update(tables)
-
-        def inner(rest, pools, a):
-            e = self._embed(rest, a)
-            c = self._consts(e, {k: a[k] for k in tables})
-            carry = self._stack("double", pools["double"], (e["h"], e["y"]), c)
-            h, _ = self._stack("single", pools["single"], carry, c)
-            return self._head(rest, h, e["temb"])
-
-        pool_specs = {k: self.specs[k] for k in POOLS}
-        y = self._smap(inner, (self.rest_specs, pool_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, pools, acts)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ offloaded
-    def _prologue(self, rest, x, t, ctx, mask, pooled, guidance):
-        acts, _ = self._inputs(x, t, ctx, mask, pooled, guidance)
-        shapes = jax.eval_shape(self._embed, rest, acts)
-        return self._smap(self._embed, (self.rest_specs, self._act_specs(acts)), self._act_specs(shapes))(rest, acts)
-
-    def _chunk(self, name, blocks, carry, c):
-        carry_specs = (P("dp", "sp", None), P("dp", None, None))
-        return self._smap(partial(self._stack, name), (self.specs[name], carry_specs, self._act_specs(c)),
-                          carry_specs)(blocks, carry, c)
-
-    def _epilogue(self, rest, h, temb, grid):
-        y = self._smap(self._head, (self.rest_specs, P("dp", "sp", None), P("dp", None)), P("dp", "sp", None))(rest, h, temb)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ call
-    def __call__(self, x, t, ctx, mask, pooled, guidance=None):
-        """Same contract as :func:`forward` (channels-last latents)."""
-        x = jnp.asarray(x)
-        self.check_inputs(x.shape)
-        grid = grid_of(self.cfg, x.shape)
-        tables = self.tables(grid)
-        if self.offload is None:
-            return self._fwd(self.rest, self.pools, x, t, ctx, mask, pooled, guidance, tables)
-        e = self._pre(self.rest, x, t, ctx, mask, pooled, guidance)
-        c = self._consts(e, tables)
-        carry = self.offload.run("double", (e["h"], e["y"]), c)
-        h, _ = self.offload.run("single", carry, c)
-        return self._post(self.rest, h, e["temb"], grid)
-
-    @property
-    def params(self):
-        """The placed state of a resident runner: pass it to :meth:`apply`."""
-        if self.offload is not None:
-            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
-        return {"rest": self.rest, "pools": self.pools}
-
-    def step_params(self, x_shape) -> dict:
-        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (:meth:`tables`): what
-        a jitted step passes to :meth:`apply`, so the tables are arguments, not compiled-in constants."""
-        return {**self.params, "tables": self.tables(grid_of(self.cfg, x_shape))}
-
-    def apply(self, params, x, t, ctx, mask, pooled, guidance=None):
-        """Traceable ``model_fn`` for a jitted sampling step (params = :meth:`step_params`; without
-        ``"tables"`` the RoPE tables are computed into the program)."""
-        self.check_inputs(x.shape)
-        grid = grid_of(self.cfg, x.shape)
-        tables = params.get("tables")
-        if tables is None:
-            cos, sin = rope_tables(self.cfg, grid)
-            tables = {"cos": cos, "sin": sin}
-            if self.cfg.token_replace:
-                tables["first"] = first_frame_tokens(grid)
-        return self._resident(params["rest"], params["pools"], x, t, ctx, mask, pooled, guidance, tables)
-
-    def lower(self, x, t, ctx, mask, pooled, guidance=None):
-        """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
-        x = jnp.asarray(x)
-        self.check_inputs(x.shape)
-        tables = self.tables(grid_of(self.cfg, x.shape))
-        return self._fwd.lower(self.rest, self.pools, x, t, ctx, mask, pooled, guidance, tables)
+def runner(state, cfg: HunyuanVideoConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The HunyuanVideo DiT on a ``(dp, tp, sp)`` mesh through ``vidax.core.runner.DiTRunner``, both
+    block stacks resident or each streamed through its own offload pool (``offload_chunk_size``:
+    :func:`parse_chunk_sizes`, e.g. ``"double=5,single=8"``). Called like :func:`forward`."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -913,7 +733,7 @@ def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
 
 # ----------------------------------------------------------------------------------- compat
 class _Compat(compat.CompatModel):
-    def __init__(self, config, state, cfg, runner: HunyuanVideoRunner | None = None):
+    def __init__(self, config, state, cfg, runner: DiTRunner | None = None):
         super().__init__("HunyuanVideoTransformer3DModel", config, state, cfg)
         self.runner = runner
         self._fwd = jax.jit(lambda state, *a: forward(state, cfg, *a)) if runner is None else None
@@ -944,6 +764,5 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     if offload_chunk_size is not None:
         parse_chunk_sizes(offload_chunk_size, cfg)
     state, cfg = load_dit(folder, cfg, dtype=dtype)
-    runner = HunyuanVideoRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
-                                attn_impl=attn_impl)
-    return _Compat(config, None, cfg, runner)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    return _Compat(config, None, cfg, r)

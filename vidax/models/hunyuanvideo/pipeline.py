@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.hunyuanvideo import dit as hdit
 from vidax.models.hunyuanvideo import text as htext
@@ -293,7 +294,7 @@ class HunyuanVideoT2V(Pipeline):
         return self.transformer_lora_targets(hlora.aliases(), "this HunyuanVideo DiT (transformer)")
 
     def load_dit(self):
-        """DiT state + config: on one device, or (mesh / offloading) a :class:`HunyuanVideoRunner`."""
+        """DiT state + config: on one device, or (mesh / offloading) a :class:`~vidax.core.runner.DiTRunner`."""
         cfg = self.dit_config()
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
@@ -302,8 +303,8 @@ class HunyuanVideoT2V(Pipeline):
                 state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if not self.scaled:
             return jax.device_put(state), cfg
-        return hdit.HunyuanVideoRunner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
-                                       prefetch=self.prefetch), cfg
+        return hdit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                           prefetch=self.prefetch), cfg
 
     def load_vae(self):
         if self.preset:
@@ -442,7 +443,7 @@ class HunyuanVideoT2V(Pipeline):
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
         use_cfg = uncond is not None and true_cfg > 1.0
-        dt = _dtype(params, params if isinstance(params, hdit.HunyuanVideoRunner) else None)
+        dt = _dtype(params, params if isinstance(params, DiTRunner) else None)
         c = text_inputs(cond, cfg, dt, guidance)
         u = text_inputs(uncond, cfg, dt, guidance) if use_cfg else None
         prep = self._model_input(ct)
@@ -552,12 +553,12 @@ class HunyuanVideoT2V(Pipeline):
         units.append(vplan.split_unit("encode", "CLIP-L text encoder", clip_text.abstract(clip_cfg), i32(b, htext.CLIP_TOKENS),
                                       None, None, output_hidden_states=False, note=f"{b} x {htext.CLIP_TOKENS} tokens"))
         cfg = self.dit_config()
-        runner = hdit.HunyuanVideoRunner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = hdit.runner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if effective_true_cfg(request.options.get("true_cfg"), request.negative_prompt) > 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         tokens = int(np.prod(hdit.grid_of(cfg, shape)))
         f32 = lambda *s: vplan.abstract(s, np.float32)  # noqa: E731
-        args = (runner.step_params(shape), vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
+        args = (runner.step_params({"x": shape}), vplan.abstract((*shape[:-1], cfg.in_channels), self.dtype), f32(nb),
                 vplan.abstract((nb, text_len, cfg.text_embed_dim), self.dtype), f32(nb, text_len),
                 vplan.abstract((nb, cfg.pooled_projection_dim), self.dtype), f32(nb) if cfg.guidance_embeds else None)
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
@@ -680,7 +681,7 @@ class HunyuanVideoT2V(Pipeline):
         (latent_concat: channel-concatenated with the frame-0 mask; token_replace: frame 0 of the
         input replaced, and of the estimate too, as every step does)."""
         params, cfg = self.load_dit()
-        runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         cond = {k: np.asarray(conditioning[f"prompt_{k}"])[:1] for k in ("embeds", "mask", "pooled")}
         cc = text_inputs(cond, cfg, _dtype(params, runner), 6.0 if request is None else request.guidance)
         img = conditioning.get("image_latents")
@@ -747,7 +748,7 @@ _STEPS: dict = {}  # (cfg, schedule, condition type, true CFG) -> step, for one-
 def _cached_step(params, cfg, sched, schedule, ct, prep, use_cfg):
     """The step program for these settings, built once per process (one-device DiT) or per runner:
     a batch of runs with equal settings compiles it once."""
-    runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+    runner = params if isinstance(params, DiTRunner) else None
     cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv_steps", {})
     key = (cfg, schedule, ct, use_cfg)
     if key not in cache:
@@ -766,7 +767,7 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
     whole (model + guidance + Euler update) for a resident DiT, or a jitted input / update around
     the runner's own programs for a streaming (offloading) one. ``x`` channels-last float32."""
     timesteps = jnp.asarray(np.asarray(sched.timesteps, np.float32))
-    runner = params if isinstance(params, hdit.HunyuanVideoRunner) else None
+    runner = params if isinstance(params, DiTRunner) else None
 
     def model_in(x, aux):
         xin = x if prep is None else prep(x, aux)
@@ -808,7 +809,7 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
 
         if runner is None:  # params stay an argument (the caller binds them per run)
             return lambda p, x, state, i, cond, uncond, true_cfg, aux, key: step(p, x, state, i, cond, uncond, true_cfg, aux)
-        return lambda x, state, i, cond, uncond, true_cfg, aux, key: step(runner.step_params(x.shape), x, state, i, cond,
+        return lambda x, state, i, cond, uncond, true_cfg, aux, key: step(runner.step_params({"x": x.shape}), x, state, i, cond,
                                                                           uncond, true_cfg, aux)
 
     prep_j = jax.jit(lambda x, aux: model_in(x, aux).astype(runner.dtype))
@@ -847,4 +848,4 @@ _forward = jax.jit(hdit.forward, static_argnums=1)
 def _dit_once(params, cfg, x, t, cc):
     """One DiT evaluation (a state on one device or a runner) -> velocity."""
     args = (x, t, cc["ctx"], cc["mask"], cc["pooled"], cc.get("guidance"))
-    return params(*args) if isinstance(params, hdit.HunyuanVideoRunner) else _forward(params, cfg, *args)
+    return params(*args) if isinstance(params, DiTRunner) else _forward(params, cfg, *args)

@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
+from vidax.core.layers import MLP, PatchEmbed
+from vidax.core.runner import DiTRunner
 from vidax.models.hunyuanvideo import dit as h10
 from vidax.weights import load_params, open_checkpoint
 
@@ -174,9 +175,9 @@ class Embed(nnx.Module):
         d = cfg.dim
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.cfg = cfg
-        self.patch = h10.PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = h10.MLP(256, d, d, "silu", **kw)
-        self.time_r = h10.MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
+        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
+        self.time_in = MLP(256, d, d, "silu", **kw)
+        self.time_r = MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
         self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
         self.glyph = GlyphProjection(cfg.text_embed_2_dim, 2048, d, **kw)
         self.image = ImageProjection(cfg.image_embed_dim, d, **kw)
@@ -204,19 +205,38 @@ class Embed(nnx.Module):
         y2 = jnp.where(m2[..., None], y2, 0).astype(dt)
         return reorder([y3, y2, y1], [m3, m2, m1])
 
-    def __call__(self, tokens, t, ctx, mask, ctx2, mask2, image, t_r=None):
-        y, n = self.context(t, ctx, mask, ctx2, mask2, image)
-        return self.patch(tokens), self.conditioning(t, t_r), y, n
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``a``: patch ``tokens`` (this shard's), ``t``, the three condition streams and masks,
+        ``t_r`` and the per-token tables. Returns ``({"h", "y"}, consts)``."""
+        y, n = self.context(a["t"], a["ctx"], a["mask"], a["ctx2"], a["mask2"], a["image"])
+        c = {"temb": self.conditioning(a["t"], a.get("t_r")), "text_len": n, "cos": a["cos"], "sin": a["sin"]}
+        return {"h": self.patch(a["tokens"]), "y": y}, c
 
 
-class HunyuanVideo15Transformer(nnx.Module):
+class HunyuanVideo15Transformer(h10.DualStreamHooks, nnx.Module):
     """The HunyuanVideo 1.5 DiT: ``embed`` -> stacked ``double`` (1.0's dual-stream block) -> ``head``."""
+
+    STACKS = ("double",)
 
     def __init__(self, cfg: HunyuanVideo15Config, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs, param_dtype=param_dtype)
         self.double = nn.stack(lambda r: h10.DoubleBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = h10.Head(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    @staticmethod
+    def pack(x, t, ctx, mask, ctx2, mask2, image, t_r=None) -> dict:
+        return {"x": x, "t": jnp.asarray(t, F32), "ctx": ctx, "mask": jnp.asarray(mask, F32), "ctx2": ctx2,
+                "mask2": jnp.asarray(mask2, F32), "image": image, "t_r": None if t_r is None else jnp.asarray(t_r, F32)}
+
+    def prepare(self, a: dict, dtype) -> dict:
+        cast = lambda v: jnp.asarray(v).astype(dtype)  # noqa: E731
+        return {"tokens": h10.patchify(self.cfg, a["x"].astype(dtype))[0], "t": a["t"], "ctx": cast(a["ctx"]),
+                "mask": a["mask"], "ctx2": cast(a["ctx2"]), "mask2": a["mask2"], "image": cast(a["image"]),
+                **{k: a[k] for k in ("t_r", "cos", "sin") if k in a}}
+
+    def chunk_sizes(self, offload_chunk_size) -> dict:
+        return parse_chunk_sizes(offload_chunk_size, self.cfg)
 
     def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None, *, par: vsh.ParallelContext = vsh.LOCAL,
                  rope=None):
@@ -226,19 +246,11 @@ class HunyuanVideo15Transformer(nnx.Module):
         and mask; ``image``: SigLIP tokens [B, Li, image_embed_dim] (all zero: text-to-video);
         ``t_r``: meanflow's second timestep; ``rope``: the grid's (cos, sin) tables as arguments
         (None: computed here). Returns [B, F, H, W, Cout]."""
-        cfg = self.cfg
-        dt = self.embed.patch.kernel[...].dtype
-        tokens, grid = h10.patchify(cfg, x.astype(dt))
-        h, temb, y, n = self.embed(tokens, t, ctx, mask, ctx2, mask2, image, t_r)
-        cos, sin = h10.rope_tables(cfg, grid) if rope is None else rope
-        c = dict(temb=temb, cos=cos, sin=sin, text_len=n)
-        h, _ = nn.scan(self.double, (h, y), lambda blk, cy: blk(cy, c, par))
-        return h10.unpatchify(cfg, self.head(h, temb), grid)
+        return self.run(self.pack(x, t, ctx, mask, ctx2, mask2, image, t_r), par, rope)
 
 
 # ----------------------------------------------------------------------------------- state
 UNITS = ("embed", "double", "head")
-POOLS = ("double",)
 KIT = nn.ModelKit(HunyuanVideo15Transformer, units=UNITS, dtype_leaf=("embed", "patch", "kernel"))
 _build, abstract_state, param_shapes = KIT.build, KIT.abstract_state, KIT.param_shapes
 graphdefs, state_dtype, merge = KIT.graphdefs, KIT.state_dtype, KIT.merge
@@ -258,9 +270,8 @@ def forward(state, cfg: HunyuanVideo15Config, x, t, ctx, mask, ctx2, mask2, imag
 
 
 # ----------------------------------------------------------------------------------- sharding
-#: Logical axis -> mesh axis per parallelism: 1.0's rules (TP splits heads, MLP width and the
-#: modulation columns; SP splits the video tokens, the condition tokens stay whole on every device).
-AXIS_RULES = h10.AXIS_RULES
+#: 1.0's rules (the core table + ``h10.DualStreamHooks.AXIS_DELTAS``: TP splits heads, MLP width
+#: and the modulation columns; SP the video tokens) and divisibility rules: the same blocks.
 parallel_constraints = h10.parallel_constraints
 
 
@@ -282,59 +293,11 @@ def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideo15Config) -> dict[str
     return {"double": voff.resolve_chunk_size(v, cfg.num_layers)}
 
 
-class HunyuanVideo15Runner(h10.HunyuanVideoRunner):
-    """The HunyuanVideo 1.5 DiT on a ``(dp, tp, sp)`` mesh, its block stack resident or streamed
-    from host memory in chunks (``offload_chunk_size``): 1.0's runner (the same blocks, the same
-    joint attention under Ulysses SP) with 1.5's embedding and a single pool. Call it like
-    :func:`forward` (channels-last latents)."""
-
-    POOLS = POOLS
-    graphdefs = staticmethod(graphdefs)
-    chunk_sizes = staticmethod(parse_chunk_sizes)
-
-    def _inputs(self, x, t, ctx, mask, extra, t_r):
-        dt = self.dtype
-        tokens, grid = h10.patchify(self.cfg, x.astype(dt))
-        a = {"tokens": tokens, "t": jnp.asarray(t, F32), "ctx": jnp.asarray(ctx).astype(dt),
-             "mask": jnp.asarray(mask, F32), "ctx2": jnp.asarray(extra["ctx2"]).astype(dt),
-             "mask2": jnp.asarray(extra["mask2"], F32), "image": jnp.asarray(extra["image"]).astype(dt)}
-        if t_r is not None:
-            a["t_r"] = jnp.asarray(t_r, F32)
-        return a, grid
-
-    def _embed(self, rest, a):
-        embed = nnx.merge(self.graphs["embed"], rest["embed"])
-        h, temb, y, n = embed(a["tokens"], a["t"], a["ctx"], a["mask"], a["ctx2"], a["mask2"], a["image"], a.get("t_r"))
-        return {"h": h, "y": y, "temb": temb, "text_len": n}
-
-    def _resident(self, rest, pools, x, t, ctx, mask, extra, t_r, tables):
-        acts, grid = self._inputs(x, t, ctx, mask, extra, t_r)
-        acts.update(tables)
-
-        def inner(rest, pools, a):
-            e = self._embed(rest, a)
-            h, _ = self._stack("double", pools["double"], (e["h"], e["y"]), self._consts(e, {k: a[k] for k in tables}))
-            return self._head(rest, h, e["temb"])
-
-        specs = (self.rest_specs, {"double": self.specs["double"]}, self._act_specs(acts))
-        y = self._smap(inner, specs, P("dp", "sp", None))(rest, pools, acts)
-        return h10.unpatchify(self.cfg, vsh.with_constraint(y, self.mesh, P("dp", None, None)), grid)
-
-    def __call__(self, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
-        extra = {"ctx2": ctx2, "mask2": mask2, "image": image}
-        if self.offload is None:
-            return super().__call__(x, t, ctx, mask, extra, t_r)
-        x = jnp.asarray(x)
-        self.check_inputs(x.shape)
-        grid = h10.grid_of(self.cfg, x.shape)
-        e = self._pre(self.rest, x, t, ctx, mask, extra, t_r)
-        h, _ = self.offload.run("double", (e["h"], e["y"]), self._consts(e, self.tables(grid)))
-        return self._post(self.rest, h, e["temb"], grid)
-
-    def apply(self, params, x, t, ctx, mask, ctx2, mask2, image, t_r=None):
-        """Traceable ``model_fn`` for a jitted sampling step (params = :meth:`step_params`: weights
-        and the RoPE tables as arguments)."""
-        return super().apply(params, x, t, ctx, mask, {"ctx2": ctx2, "mask2": mask2, "image": image}, t_r)
+def runner(state, cfg: HunyuanVideo15Config, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The HunyuanVideo 1.5 DiT on a ``(dp, tp, sp)`` mesh through ``vidax.core.runner.DiTRunner``
+    (1.0's blocks and joint attention under Ulysses SP), its stack resident or streamed
+    (``offload_chunk_size``). Called like :func:`forward`."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -391,6 +354,5 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     state, cfg = load_dit(folder, cfg, dtype=dtype)
     if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
         return _Compat(config, jax.device_put(state), cfg)
-    runner = HunyuanVideo15Runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
-                                  attn_impl=attn_impl)
-    return _Compat(config, None, cfg, runner)
+    r = runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    return _Compat(config, None, cfg, r)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.hunyuanvideo import dit as h10
 from vidax.models.hunyuanvideo15 import dit as hdit
@@ -279,7 +280,7 @@ class HunyuanVideo15T2V(Pipeline):
         return siglip.load_siglip(self.folder / "image_encoder", dtype=np.float32)
 
     def load_dit(self):
-        """DiT state + config on one device, or (mesh / offloading) a :class:`HunyuanVideo15Runner`."""
+        """DiT state + config on one device, or (mesh / offloading) a :class:`~vidax.core.runner.DiTRunner`."""
         cfg = self.dit_config()
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
@@ -287,8 +288,8 @@ class HunyuanVideo15T2V(Pipeline):
             state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg
-        return hdit.HunyuanVideo15Runner(state, cfg, self.mesh, self.parallelism,
-                                          offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
+        return hdit.runner(state, cfg, self.mesh, self.parallelism,
+                           offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
 
     def weight_loaders(self, request) -> list:
         from vidax.text import lm, t5
@@ -405,7 +406,7 @@ class HunyuanVideo15T2V(Pipeline):
             x = jnp.asarray(np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1))
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
-        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else hdit.state_dtype(params)
         use_cfg = uncond is not None and float(guidance) != 1.0
         # the DiT's extra input channels: [condition latents, mask] (zeros for text-to-video)
@@ -432,7 +433,7 @@ class HunyuanVideo15T2V(Pipeline):
         if runner is None:
             params = (params, h10.rope_tables(cfg, h10.grid_of(cfg, x.shape)))
         elif runner.offload is None:
-            params = runner.step_params(x.shape)
+            params = runner.step_params({"x": x.shape})
         for i in range(start, n):
             t0 = time.perf_counter()
             x, state = step(params, x, state, jnp.int32(i), c, u, jnp.float32(guidance), aux)
@@ -527,11 +528,11 @@ class HunyuanVideo15T2V(Pipeline):
                       vae_unit("encode", "VAE image encode", vae, vplan.abstract((1, 1, ih, iw, 3), np.float32),
                                method="encode_tile", note=f"1 frame of {ih}x{iw}")]
         cfg = self.dit_config()
-        runner = hdit.HunyuanVideo15Runner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = hdit.runner(hdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if float(request.guidance) != 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         f32, dt = (lambda *a: vplan.abstract(a, np.float32)), (lambda *a: vplan.abstract(a, self.dtype))  # noqa: E731
-        args = (runner.step_params(shape), dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
+        args = (runner.step_params({"x": shape}), dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
                 f32(nb, self.text_tokens), dt(nb, self.glyph_tokens, cfg.text_embed_2_dim), f32(nb, self.glyph_tokens),
                 dt(nb, self.image_tokens(), cfg.image_embed_dim), f32(nb) if cfg.use_meanflow else None)
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
@@ -668,7 +669,7 @@ class HunyuanVideo15T2V(Pipeline):
         image latent's channels enter as in sampling (meanflow models: ``timestep_r`` 0, the
         average velocity to the end)."""
         params, cfg = self.load_dit()
-        runner = params if isinstance(params, hdit.HunyuanVideo15Runner) else None
+        runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else hdit.state_dtype(params)
         c = {k: jnp.asarray(np.asarray(conditioning[f"prompt_{k}"])[:1]) for k in ("embeds", "mask", "embeds_2", "mask_2")}
         x = np.asarray(latents, np.float32).transpose(0, 2, 3, 4, 1)

@@ -399,10 +399,6 @@ def load(folder):
     return nn.Split(g, jax.device_put(nn.fill(st, L.intkeys(pure))), cfg), cfg, stats
 
 
-#: tensor parallelism: heads (q/k/v by output, the out projection by input) and the SwiGLU width
-AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}}
-
-
 def shard(split: nn.Split, mesh) -> nn.Split:
     """The decoder's state placed on ``mesh`` by its logical axes (heads / ffn over ``tp``); the
     jitted calls are then partitioned by the compiler."""
@@ -410,7 +406,7 @@ def shard(split: nn.Split, mesh) -> nn.Split:
     from vidax.core import sharding as vsh
 
     m = vmesh.make_mesh(mesh)
-    specs = vsh.param_specs(split.state, vsh.logical_mapping("tp", AXIS_RULES))
+    specs = vsh.param_specs(split.state, vsh.axis_rules("tp"))  # heads (q/k/v, out) and the SwiGLU width
     vsh.check_param_divisibility(split.state, specs, m)
     return split.replace(state=vsh.place(jax.tree.map(np.asarray, split.state), vsh.named_shardings(m, specs)))
 

@@ -9,7 +9,7 @@ cross-attention honours the T5 mask as the reference does (an additive ``-10000`
 ``timestep`` is ``[B]`` or per token ``[B, S]`` (image-to-video: 0 on the known first frame).
 
 Runs on one device (:func:`forward`, ``jax.jit`` compiles once per shape) or on a mesh / with
-offloaded blocks through :class:`vidax.models.ltx.runner.DiTRunner` (:func:`runner`).
+offloaded blocks through :class:`vidax.core.runner.DiTRunner` (:func:`runner`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
@@ -31,7 +30,7 @@ from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.models.ltx import layers as L
-from vidax.models.ltx.runner import DiTRunner
+from vidax.core.runner import DiTRunner
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 F32 = jnp.float32
@@ -150,9 +149,6 @@ class LTXHead(nnx.Module):
 class LTXTransformer(nnx.Module):
     """The LTX-Video DiT: ``embed`` -> stacked ``blocks`` -> ``head`` over named activations."""
 
-    #: logical axis -> mesh axis per parallelism (see vidax.core.sharding)
-    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
     def __init__(self, cfg: LTXDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = LTXEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -164,18 +160,18 @@ class LTXTransformer(nnx.Module):
         return {"h": blk(carry["h"], consts, par)}
 
     @staticmethod
-    def act_spec(name: str, shape: tuple) -> P:
-        """How an activation is laid out on a (dp, tp, sp) mesh."""
-        bdim = None if shape[0] == 1 else "dp"
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        rest = (None,) * (len(shape) - 2)
         if name in ("tokens", "h", "y"):
-            return P("dp", "sp", None)
+            return ("batch", "tokens", None)
         if name == "t":
-            return P("dp", "sp") if len(shape) == 2 and shape[1] > 1 else P("dp", *([None] * (len(shape) - 1)))
+            return ("batch", "tokens") if len(shape) == 2 and shape[1] > 1 else ("batch", *(None,) * (len(shape) - 1))
         if name in ("temb6", "emb"):
-            return P("dp", "sp" if shape[1] > 1 else None, *([None] * (len(shape) - 2)))
-        if name in ("cos", "sin"):
-            return P(bdim, "sp", "tp", *([None] * (len(shape) - 3)))
-        return P("dp", *([None] * (len(shape) - 1)))  # ctx, bias: replicated over tp and sp
+            return ("batch", "tokens" if shape[1] > 1 else None, *rest)
+        if name in ("cos", "sin"):  # the rotary width goes with the heads
+            return (None if shape[0] == 1 else "batch", "tokens", "heads", *rest[1:])
+        return ("batch", *(None,) * (len(shape) - 1))  # ctx, bias: replicated over tp and sp
 
     def __call__(self, inputs: dict, par=vsh.LOCAL) -> dict:
         carry, consts = self.embed(inputs, par)

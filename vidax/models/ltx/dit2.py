@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
@@ -42,7 +41,7 @@ from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.models.ltx import layers as L
-from vidax.models.ltx.runner import DiTRunner
+from vidax.core.runner import DiTRunner
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 F32 = jnp.float32
@@ -345,9 +344,6 @@ class LTX2Head(nnx.Module):
 class LTX2Transformer(nnx.Module):
     """``embed`` -> stacked ``blocks`` -> ``head`` over named activations (see :func:`model_inputs`)."""
 
-    #: tensor parallelism splits every attention's heads (video and audio) and both FFN widths
-    AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
     def __init__(self, cfg: LTX2DiTConfig, *, rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = LTX2Embed(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -360,22 +356,23 @@ class LTX2Transformer(nnx.Module):
         return {"h": h, "a": a, "layer": carry["layer"] + 1}
 
     @staticmethod
-    def act_spec(name: str, shape: tuple) -> P:
-        rest = lambda n: [None] * (len(shape) - n)  # noqa: E731
-        bdim = None if shape and shape[0] == 1 else "dp"
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        rest = lambda n: (None,) * (len(shape) - n)  # noqa: E731
+        bdim = None if shape and shape[0] == 1 else "batch"
         if name in ("layer", "stg"):
-            return P()
+            return ()
         if name in ("vtok", "h", "y", "keyframes"):
-            return P("dp", "sp", *rest(2))
+            return ("batch", "tokens", *rest(2))
         if name in ("t", "tv", "ev", "cav", "cgv", "ca_t"):  # per video token when [B, S, ...]
             if len(shape) == 1:
-                return P("dp")
-            return P("dp", "sp" if shape[1] > 1 else None, *rest(2))
+                return ("batch",)
+            return ("batch", "tokens" if shape[1] > 1 else None, *rest(2))
         if name in ("vcos", "vsin", "cvcos", "cvsin"):
-            return P(bdim, "sp", "tp", *rest(3))
+            return (bdim, "tokens", "heads", *rest(3))
         if name in ("acos", "asin", "cacos", "casin"):
-            return P(bdim, None, "tp", *rest(3))
-        return P("dp", *rest(1))  # audio stream, contexts, masks, per-sample scalars
+            return (bdim, None, "heads", *rest(3))
+        return ("batch", *rest(1))  # audio stream, contexts, masks, per-sample scalars
 
     def __call__(self, inputs: dict, par=vsh.LOCAL) -> dict:
         carry, consts = self.embed(inputs, par)

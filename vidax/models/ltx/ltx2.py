@@ -456,7 +456,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
                            and int(s) < cfg.num_layers)
         uct = bool(options.get("use_cross_timestep"))
         ktok = None if keep is None else keep[0, ::pt, ::p, ::p, 0].reshape(1, -1)
-        from vidax.models.ltx.runner import DiTRunner
+        from vidax.core.runner import DiTRunner
 
         runner = params if isinstance(params, DiTRunner) else None
         dt = ldit2.state_dtype(params) if runner is None else jnp.dtype(self.dtype)

@@ -260,7 +260,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         cos, sin = self.rope(cfg, grid, fps)
         cos, sin = jnp.asarray(cos), jnp.asarray(sin)
         p, pt = cfg.patch_size, cfg.patch_size_t
-        from vidax.models.ltx.runner import DiTRunner
+        from vidax.core.runner import DiTRunner
 
         runner = params if isinstance(params, DiTRunner) else None
         dt = ldit.state_dtype(params) if runner is None else jnp.dtype(self.dtype)

@@ -8,12 +8,11 @@ projections, FLF2V's learned image-token positions) and Wan2.2 TI2V's per-token 
 
 Used as ``graphdef + state``: :func:`forward` is a pure function of the state (it merges the
 cached graph definition inside, so ``jax.jit(forward, static_argnums=1)`` compiles once per
-shape); :class:`WanDiTRunner` places or streams the same state on a ``(dp, tp, sp)`` mesh. Every
-parameter carries logical axis names; :data:`AXIS_RULES` maps them to mesh axes per parallelism.
+shape); :func:`runner` places or streams the same state on a ``(dp, tp, sp)`` mesh through the
+one core runner. Every parameter carries logical axis names, mapped to mesh axes by the core table
+(``vidax.core.sharding.LOGICAL_AXES``; Wan needs no deltas).
 """
 from __future__ import annotations
-
-import copy
 
 import math
 from dataclasses import dataclass, fields
@@ -24,13 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
+from vidax.core import geometry
 from vidax.core import sharding as vsh
+from vidax.core.layers import MLP, PatchEmbed, split_heads
+from vidax.core.runner import DiTRunner, run_local
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
@@ -86,36 +87,7 @@ F32 = jnp.float32
 _zeros = nnx.initializers.zeros_init()
 
 
-def _heads(x, head_dim):
-    """[..., H * head_dim] -> [..., H, head_dim] (H may be a shard's local head count)."""
-    return x.reshape(*x.shape[:-1], -1, head_dim)
-
-
-class PatchEmbed(nnx.Module):
-    """The reference's Conv3d with stride = kernel = patch, applied to patchified tokens as one
-    matmul (per token, so it runs unchanged on a token shard). ``kernel``: ``[pt, ph, pw, Cin, D]``."""
-
-    def __init__(self, patch, cin: int, dim: int, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.kernel = nn.param(rngs, nnx.initializers.lecun_normal(), (*patch, cin, dim), None, None, None, None, "embed",
-                               dtype=param_dtype)
-        self.bias = nn.param(rngs, _zeros, (dim,), "embed", dtype=param_dtype)
-
-    def __call__(self, tokens):
-        k = self.kernel[...]
-        y = jnp.matmul(tokens, k.reshape(-1, k.shape[-1]).astype(tokens.dtype), precision=jax.lax.Precision.HIGHEST)
-        return y + self.bias[...].astype(y.dtype)
-
-
-class MLP(nnx.Module):
-    """``l2(act(l1(x)))`` (the timestep and text embedders)."""
-
-    def __init__(self, din: int, dhidden: int, dout: int, act: str, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.l1 = nn.Linear(din, dhidden, rngs=rngs, param_dtype=param_dtype)
-        self.l2 = nn.Linear(dhidden, dout, rngs=rngs, axes=(None, "embed"), param_dtype=param_dtype)
-        self.act = act
-
-    def __call__(self, x):
-        return self.l2(nn.activation(self.act)(self.l1(x)))
+_heads = split_heads
 
 
 class ImageEmbed(nnx.Module):
@@ -153,23 +125,24 @@ class WanEmbed(nnx.Module):
         self.text_in = MLP(cfg.text_dim, d, d, "gelu_tanh", **kw)
         self.img_in = ImageEmbed(cfg, **kw) if cfg.image_dim is not None else None
 
-    def __call__(self, tokens, t, ctx, img=None):
-        """``tokens``: [B, L, pt*ph*pw*C] (compute dtype); ``t``: [B] or [B, T].
-        Returns ``(h, temb [B, T, D], temb6 [B, T, 6, D], ctx, img_ctx)`` (temb* in float32)."""
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """``a``: ``tokens`` [B, L, pt*ph*pw*C] (compute dtype), ``t`` [B] or [B, T], ``ctx``, ``img``
+        (optional), the RoPE ``cos`` / ``sin``. Returns ``({"h"}, consts)``: ``temb`` [B, T, D] and
+        ``temb6`` [B, T, 6, D] (float32), the embedded ``ctx`` / ``img_ctx`` and the RoPE tables."""
         cfg = self.cfg
-        h = self.patch(tokens)
-        t = jnp.asarray(t, F32)
+        h = self.patch(a["tokens"])
+        t = jnp.asarray(a["t"], F32)
         if t.ndim == 1:
             t = t[:, None]
         temb = self.time_in(sinusoidal_embedding(t, cfg.freq_dim, flip_sin_to_cos=True))
         temb6 = self.time_proj(jax.nn.silu(temb)).reshape(*temb.shape[:-1], 6, cfg.dim)
-        ctx = self.text_in(ctx)
-        img_ctx = None
-        if img is not None:
+        ctx = self.text_in(a["ctx"])
+        consts = {"temb": temb.astype(F32), "temb6": temb6.astype(F32), "ctx": ctx, "cos": a["cos"], "sin": a["sin"]}
+        if a.get("img") is not None:
             if self.img_in is None:
                 raise ValueError("image embeddings were given but this DiT has no image branch (image_dim is None)")
-            img_ctx = self.img_in(img).astype(ctx.dtype)
-        return h, temb.astype(F32), temb6.astype(F32), ctx, img_ctx
+            consts["img_ctx"] = self.img_in(a["img"]).astype(ctx.dtype)
+        return {"h": h}, consts
 
 
 class WanAttention(nnx.Module):
@@ -273,21 +246,17 @@ class WanHead(nnx.Module):
                               param_dtype=param_dtype)
         self.sst = nn.param(rngs, nnx.initializers.normal(d**-0.5), (1, 2, d), None, None, "embed", dtype=param_dtype)
 
-    def __call__(self, h, temb):
+    def __call__(self, carry, consts, par: vsh.ParallelContext = vsh.LOCAL):
+        h = carry["h"]
         dt = h.dtype
-        mod = self.sst[...][None].astype(F32) + temb[:, :, None, :]  # [B, T, 2, D]
+        mod = self.sst[...][None].astype(F32) + consts["temb"][:, :, None, :]  # [B, T, 2, D]
         shift, scale = mod[:, :, 0], mod[:, :, 1]
-        return self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))
-
-
-def run_blocks(blocks, h, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
-    """``lax.scan`` of :class:`WanBlock` over stacked blocks: the stacked module, or ``(graphdef,
-    state)`` of it or of an offload chunk (a slice of the state's leading layers axis)."""
-    return nn.scan(blocks, h, lambda blk, h: blk(h, ctx, img_ctx, temb6, cos, sin, par))
+        return {"y": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
 class WanTransformer(nnx.Module):
-    """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``."""
+    """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
+    :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
     def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
@@ -295,18 +264,60 @@ class WanTransformer(nnx.Module):
         self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = WanHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
+    @staticmethod
+    def step(blk, carry, c, par):
+        return {"h": blk(carry["h"], c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"], par)}
+
+    @staticmethod
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
+        if name in ("tokens", "h", "y"):
+            return ("batch", "tokens", None)
+        if name in ("cos", "sin"):
+            return ("tokens", None)
+        if name in ("t", "temb", "temb6"):  # [B], [B, 1, ...] or per token [B, L, ...]
+            return ("batch", "tokens" if len(shape) >= 2 and shape[1] > 1 else None, *(None,) * (len(shape) - 2))[:len(shape)]
+        return ("batch", *(None,) * (len(shape) - 1))  # x, ctx, img, img_ctx: replicated over tp and sp
+
+    @staticmethod
+    def pack(x, t, ctx, img=None) -> dict:
+        """The call signature: ``x`` [B, F, H, W, C] latents, ``t`` [B] or per-token [B, L], ``ctx``
+        [B, Lt, text_dim], ``img`` [B, Li, image_dim] or None."""
+        return {"x": x, "t": jnp.asarray(t, F32), "ctx": ctx, "img": img}
+
+    def prepare(self, a: dict, dtype) -> dict:
+        out = {"tokens": patchify(self.cfg, a["x"].astype(dtype))[0], "t": a["t"].astype(F32),
+               "ctx": a["ctx"].astype(dtype), "cos": a["cos"], "sin": a["sin"]}
+        if "img" in a:
+            out["img"] = a["img"].astype(dtype)
+        return out
+
+    def finish(self, out: dict, shapes: dict):
+        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
+
+    def check(self, shapes: dict, mesh) -> None:
+        """Input errors (patch size, per-token timesteps, tokens / batch against the mesh)."""
+        tokens = math.prod(token_grid(self.cfg, shapes["x"]))
+        t_shape = shapes.get("t")
+        if t_shape is not None and len(t_shape) == 2 and t_shape[1] not in (1, tokens):
+            raise ValueError(f"per-token timesteps: t has {t_shape[1]} entries per sample, the latents give {tokens} tokens")
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=shapes["x"][0]), mesh)
+
+    def table_key(self, shapes: dict):
+        return token_grid(self.cfg, shapes["x"])
+
+    def tables(self, grid) -> dict:
+        cos, sin = rope_tables(self.cfg, grid)
+        return {"cos": cos, "sin": sin}
+
     def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
         ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None; ``rope``: the (cos, sin)
         tables of the token grid (:func:`rope_tables`; computed here when None). Returns
         [B, F, H, W, Cout]."""
-        cfg = self.cfg
-        dt = self.embed.patch.kernel[...].dtype
-        tokens, grid = patchify(cfg, x.astype(dt))
-        h, temb, temb6, ctx, img_ctx = self.embed(tokens, t, ctx.astype(dt), None if img is None else img.astype(dt))
-        cos, sin = rope_tables(cfg, grid) if rope is None else rope
-        h = run_blocks(self.blocks, h, ctx, img_ctx, temb6, cos, sin, par)
-        return unpatchify(cfg, self.head(h, temb), grid)
+        inputs = {k: v for k, v in self.pack(x, t, ctx, img).items() if v is not None}
+        cos, sin = rope_tables(self.cfg, token_grid(self.cfg, jnp.shape(x))) if rope is None else rope
+        return run_local(self, inputs, {"cos": cos, "sin": sin}, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- state
@@ -319,23 +330,18 @@ param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, K
 
 
 # ----------------------------------------------------------------------------------- forward
+def token_grid(cfg: WanDiTConfig, x_shape) -> tuple:
+    """The (f, h, w) token grid of channels-last latents of shape ``x_shape``."""
+    return geometry.token_grid(x_shape[1:4], cfg.patch_size)
+
+
 def patchify(cfg: WanDiTConfig, x):
     """[B, F, H, W, C] -> tokens [B, f*h*w, pt*ph*pw*C] and the token grid (f, h, w)."""
-    b, f, h, w, c = x.shape
-    pt, ph, pw = cfg.patch_size
-    if f % pt or h % ph or w % pw:
-        raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {cfg.patch_size}")
-    x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c).transpose(0, 1, 3, 5, 2, 4, 6, 7)
-    grid = (f // pt, h // ph, w // pw)
-    return x.reshape(b, grid[0] * grid[1] * grid[2], pt * ph * pw * c), grid
+    return geometry.patchify(x, cfg.patch_size)
 
 
 def unpatchify(cfg: WanDiTConfig, y, grid):
-    b = y.shape[0]
-    pt, ph, pw = cfg.patch_size
-    f, h, w = grid
-    y = y.reshape(b, f, h, w, pt, ph, pw, -1).transpose(0, 1, 4, 2, 5, 3, 6, 7)
-    return y.reshape(b, f * pt, h * ph, w * pw, -1)
+    return geometry.unpatchify(y, grid, cfg.patch_size)
 
 
 def rope_tables(cfg: WanDiTConfig, grid):
@@ -352,20 +358,11 @@ def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None, ro
     [B, Li, image_dim] or None; ``rope``: (cos, sin) from :func:`rope_tables` to pass them as
     arguments (else they are computed into the program). Returns [B, F, H, W, Cout].
 
-    Single-device (or compiler-partitioned) path; for meshes and offloading see :class:`WanDiTRunner`."""
+    Single-device (or compiler-partitioned) path; for meshes and offloading see :func:`runner`."""
     return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope)
 
 
 # ----------------------------------------------------------------------------------- sharding
-#: Logical axis -> mesh axis, one table per parallelism; logical names not listed (``layers``,
-#: ``embed``, unnamed dims) stay replicated. Tensor parallelism splits the heads (q/k/v and
-#: the I2V image k/v by output, their RMS norms' weights, the attention output by input) and
-#: the FFN width (up by output, down by input). Layers whose kernel's *input* axis is split are
-#: row-parallel: the ParallelContext reduces them with one psum and adds their bias once after
-#: it. Sequence parallelism keeps every weight whole (it splits the tokens inside shard_map).
-AXIS_RULES = {"tp": {"heads": "tp", "ffn": "tp"}, "sp": {}}
-
-
 def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch: int | None = None):
     """Divisibility rules of the Wan DiT on a (dp, tp, sp) mesh. The text (and image-token)
     length has none: cross-attention keys are replicated over sp and split by heads over tp."""
@@ -379,221 +376,13 @@ def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch:
     return r
 
 
-def _rest(state) -> nnx.State:
-    """Everything but the stacked blocks (``embed`` and ``head``)."""
-    return nnx.State({k: v for k, v in state.items() if k != "blocks"})
-
-
-class WanDiTRunner:
-    """The Wan DiT on a ``(dp, tp, sp)`` mesh, with the block weights resident or offloaded.
-
-    ``state``: the DiT's ``nnx.State`` (host numpy preferred, e.g. from :func:`load_dit`, or
-    arrays), or the module. ``mesh``: a Mesh (axes dp/tp/sp), a spec like ``"tp=2,sp=2"``, or
-    None (one device). ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh
-    implies). TP shards the weights by their logical axes through :data:`AXIS_RULES`; SP shards
-    tokens (Ulysses); the batch is always split over dp (CFG-parallel when it is the 2B
-    conditional+unconditional batch). ``offload_chunk_size``: None keeps the blocks resident; an
-    int (dividing num_layers) or "all" streams slices of the stacked block state from host memory
-    through :class:`vidax.core.offload.OffloadRunner`.
-
-    Model-level divisibility is checked here, input-level (tokens, batch) on every call, both
-    before anything is placed or compiled."""
-
-    def __init__(self, state, cfg: WanDiTConfig, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 track_memory: bool = False):
-        if isinstance(state, nnx.Module):
-            state = nnx.state(state)
-        self.cfg, self.attn_impl = cfg, attn_impl
-        self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
-        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
-        mapping = vsh.logical_mapping(self.parallelism, AXIS_RULES)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
-        self.specs = vsh.param_specs(state, mapping)
-        vsh.check_param_divisibility(state, self.specs, self.mesh)
-        self.dtype = state_dtype(state)
-        self.graphs = graphdefs(cfg, self.dtype.name)
-        self.rest_specs, self.block_specs = _rest(self.specs), self.specs["blocks"]
-        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        block_shardings = vsh.named_shardings(self.mesh, self.block_specs)
-        self._rope: dict = {}
-        self.offload = None
-        if offload_chunk_size is None:
-            self.blocks = vsh.place(state["blocks"], block_shardings)
-            self._fwd = jax.jit(self._resident)
-        else:
-            self.blocks = None
-            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            self.offload.add_stack("blocks", state["blocks"], self._chunk, offload_chunk_size, block_shardings)
-            self._pre = jax.jit(self._prologue)
-            self._post = jax.jit(self._epilogue, static_argnums=(3,))
-
-    # ------------------------------------------------------------------ specs and checks
-    def check_inputs(self, x_shape, t_shape=None) -> None:
-        b, f, h, w, _ = x_shape
-        pt, ph, pw = self.cfg.patch_size
-        if f % pt or h % ph or w % pw:
-            raise ValueError(f"latent shape (F={f}, H={h}, W={w}) is not divisible by the patch size {self.cfg.patch_size}")
-        tokens = (f // pt) * (h // ph) * (w // pw)
-        if t_shape is not None and len(t_shape) == 2 and t_shape[1] not in (1, tokens):
-            raise ValueError(f"per-token timesteps: t has {t_shape[1]} entries per sample, the latents give {tokens} tokens")
-        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=b), self.mesh)
-
-    @staticmethod
-    def _act_specs(acts):
-        per_tok = lambda a: a.ndim >= 2 and a.shape[1] > 1  # [B, T, ...] with T = L tokens
-        specs = {}
-        for k, a in acts.items():
-            if k in ("tokens", "h", "y"):
-                specs[k] = P("dp", "sp", None)
-            elif k in ("cos", "sin"):
-                specs[k] = P("sp", None)
-            elif k == "t":
-                specs[k] = P("dp", "sp") if a.ndim == 2 and a.shape[1] > 1 else P("dp")
-            elif k in ("temb", "temb6"):
-                specs[k] = P("dp", "sp" if per_tok(a) else None, *([None] * (a.ndim - 2)))
-            else:  # ctx, img, img_ctx: replicated over tp and sp
-                specs[k] = P("dp", *([None] * (a.ndim - 1)))
-        return specs
-
-    def _smap(self, fn, in_specs, out_specs):
-        return vsh.smap(fn, self.mesh, in_specs, out_specs)
-
-    def rope(self, grid):
-        """RoPE tables for a token grid, placed token-sharded over sp (cached)."""
-        if grid not in self._rope:
-            cos, sin = rope_tables(self.cfg, grid)
-            s = NamedSharding(self.mesh, P("sp", None))
-            self._rope[grid] = tuple(vsh.place([np.asarray(cos), np.asarray(sin)], [s, s]))
-        return self._rope[grid]
-
-    def _inputs(self, x, t, ctx, img):
-        dt = self.dtype
-        tokens, grid = patchify(self.cfg, x.astype(dt))
-        a = {"tokens": tokens, "t": jnp.asarray(t, jnp.float32), "ctx": ctx.astype(dt)}
-        if img is not None:
-            a["img"] = img.astype(dt)
-        return a, grid
-
-    # ------------------------------------------------------------------ the units, merged inside shard_map
-    def _embed(self, rest, a):
-        embed = nnx.merge(self.graphs["embed"], rest["embed"])
-        return embed(a["tokens"], a["t"], a["ctx"], a.get("img"))
-
-    def _blocks(self, blocks, h, c):
-        return run_blocks((self.graphs["blocks"], blocks), h, c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"],
-                          self.par)
-
-    def _head(self, rest, h, temb):
-        return nnx.merge(self.graphs["head"], rest["head"])(h, temb)
-
-    # ------------------------------------------------------------------ resident
-    def _resident(self, rest, blocks, x, t, ctx, img, cos, sin):
-        acts, grid = self._inputs(x, t, ctx, img)
-        acts.update(cos=cos, sin=sin)
-
-        def inner(rest, blocks, a):
-            h, temb, temb6, c, ic = self._embed(rest, a)
-            h = self._blocks(blocks, h, {"ctx": c, "img_ctx": ic, "temb6": temb6, "cos": a["cos"], "sin": a["sin"]})
-            return self._head(rest, h, temb)
-
-        y = self._smap(inner, (self.rest_specs, self.block_specs, self._act_specs(acts)), P("dp", "sp", None))(rest, blocks, acts)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))  # gather the tokens before unpatchify
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ offloaded
-    def _prologue(self, rest, x, t, ctx, img):
-        acts, _ = self._inputs(x, t, ctx, img)
-
-        def inner(rest, a):
-            h, temb, temb6, c, ic = self._embed(rest, a)
-            out = {"h": h, "temb": temb, "temb6": temb6, "ctx": c}
-            if ic is not None:
-                out["img_ctx"] = ic
-            return out
-
-        shapes = jax.eval_shape(lambda r, a: self._embed(r, a), rest, acts)
-        out_shapes = {"h": shapes[0], "temb": shapes[1], "temb6": shapes[2], "ctx": shapes[3]}
-        if shapes[4] is not None:
-            out_shapes["img_ctx"] = shapes[4]
-        specs = self._act_specs(out_shapes)
-        return self._smap(inner, (self.rest_specs, self._act_specs(acts)), specs)(rest, acts)
-
-    def _chunk(self, blocks, h, consts):
-        return self._smap(self._blocks, (self.block_specs, P("dp", "sp", None), self._act_specs(consts)),
-                          P("dp", "sp", None))(blocks, h, consts)
-
-    def _epilogue(self, rest, h, temb, grid):
-        specs = self._act_specs({"h": h, "temb": temb})
-        y = self._smap(self._head, (self.rest_specs, specs["h"], specs["temb"]), P("dp", "sp", None))(rest, h, temb)
-        y = vsh.with_constraint(y, self.mesh, P("dp", None, None))
-        return unpatchify(self.cfg, y, grid)
-
-    # ------------------------------------------------------------------ call
-    def __call__(self, x, t, ctx, img=None):
-        """Same contract as :func:`forward` (channels-last latents, ``t`` [B] or [B, L])."""
-        x = jnp.asarray(x)
-        t = jnp.asarray(t, jnp.float32)
-        self.check_inputs(x.shape, t.shape)
-        pt, ph, pw = self.cfg.patch_size
-        grid = (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)
-        cos, sin = self.rope(grid)
-        if self.offload is None:
-            return self._fwd(self.rest, self.blocks, x, t, ctx, img, cos, sin)
-        a = self._pre(self.rest, x, t, ctx, img)
-        consts = {k: v for k, v in a.items() if k not in ("h", "temb")}
-        consts.update(cos=cos, sin=sin)
-        h = self.offload.run("blocks", a["h"], consts)
-        return self._post(self.rest, h, a["temb"], grid)
-
-    def program(self) -> "WanDiTRunner":
-        """A copy of this runner without its weights: what :meth:`apply` needs (config, mesh,
-        specs), safe to keep in a cache of compiled steps after the weights are dropped."""
-        spec = copy.copy(self)
-        spec.rest = spec.blocks = spec.offload = None
-        spec._fwd = spec._pre = spec._post = None  # jitted methods bound to this runner (and its weights)
-        spec._rope = {}
-        return spec
-
-    @property
-    def signature(self) -> tuple:
-        """What :meth:`apply`'s program depends on besides its inputs: equal signatures, one program."""
-        return (self.cfg, self.dtype.name, self.parallelism, tuple(self.mesh.shape.items()),
-                tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl)
-
-    @property
-    def params(self):
-        """The placed state (resident runner), ``{"rest", "blocks"}``: pass it to :meth:`apply`."""
-        if self.offload is not None:
-            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
-        return {"rest": self.rest, "blocks": self.blocks}
-
-    def step_params(self, x_shape) -> dict:
-        """:attr:`params` plus the RoPE tables of latents of shape ``x_shape`` (placed token-sharded
-        over sp, cached per grid): what a jitted step passes to :meth:`apply`, so the tables are
-        arguments of the program, not constants compiled into it (~38 MB at 720p)."""
-        pt, ph, pw = self.cfg.patch_size
-        return {**self.params, "rope": self.rope((x_shape[1] // pt, x_shape[2] // ph, x_shape[3] // pw))}
-
-    def apply(self, params, x, t, ctx, img=None):
-        """Traceable ``model_fn(params, x, t, ctx)`` for :func:`vidax.core.sampling.make_step`
-        (params = :meth:`step_params`: weights and RoPE tables stay arguments, never baked-in
-        constants; without ``"rope"`` the tables are computed into the program). With dp > 1 the
-        2B classifier-free-guidance batch runs conditional / unconditional on separate devices."""
-        self.check_inputs(x.shape, jnp.shape(t))
-        pt, ph, pw = self.cfg.patch_size
-        grid = (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)
-        cos, sin = params["rope"] if "rope" in params else rope_tables(self.cfg, grid)
-        return self._resident(params["rest"], params["blocks"], x, t, ctx, img, cos, sin)
-
-    def lower(self, x, t, ctx, img=None):
-        """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
-        x, t = jnp.asarray(x), jnp.asarray(t, jnp.float32)
-        self.check_inputs(x.shape, t.shape)
-        pt, ph, pw = self.cfg.patch_size
-        cos, sin = self.rope((x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw))
-        return self._fwd.lower(self.rest, self.blocks, x, t, ctx, img, cos, sin)
+def runner(state, cfg: WanDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The Wan DiT on a ``(dp, tp, sp)`` mesh (``vidax.core.runner.DiTRunner``): weights placed by
+    their logical axes (TP splits heads and FFN width; SP the tokens, Ulysses), the batch split over
+    dp (CFG-parallel when it is the 2B conditional+unconditional batch), the blocks resident or
+    streamed with ``offload_chunk_size``. Called as ``runner(x, t, ctx, img)`` (:func:`forward`'s
+    contract)."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -706,7 +495,7 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
 
 # ----------------------------------------------------------------------------------- compat
 class _WanDiTCompat(compat.CompatModel):
-    def __init__(self, config, state, cfg, runner: WanDiTRunner | None = None):
+    def __init__(self, config, state, cfg, runner: DiTRunner | None = None):
         super().__init__("WanTransformer3DModel", config, state, cfg)
         self.runner = runner
         if runner is None:
@@ -739,6 +528,5 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
     state, cfg = load_dit(folder, cfg, dtype=dtype)  # host numpy; placed shard by shard below
-    runner = WanDiTRunner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
-                          attn_impl=attn_impl)
-    return _WanDiTCompat(config, None, cfg, runner)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    return _WanDiTCompat(config, None, cfg, r)

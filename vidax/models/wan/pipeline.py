@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo, denoise, expert_segments
 from vidax.models.wan import dit as wdit
 from vidax.models.wan import tiles as wtiles
@@ -214,13 +215,13 @@ class WanT2V(wtiles.TileStages, Pipeline):
 
     def load_dit(self, expert: int = 1):
         """DiT state (``nnx.State``) + config: on one device, or (``mesh`` / ``offload_chunk_size``
-        set) a :class:`~vidax.models.wan.dit.WanDiTRunner` that places or streams it itself.
+        set) a :class:`~vidax.core.runner.DiTRunner` that places or streams it itself.
         ``expert``: 2 loads ``transformer_2`` (Wan2.2 A14B's low-noise expert)."""
         params, cfg = self._load_dit_host(expert)
         if not self.scaled:
             return jax.device_put(params), cfg
-        runner = wdit.WanDiTRunner(params, cfg, self.mesh, self.parallelism,
-                                   offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch)
+        runner = wdit.runner(params, cfg, self.mesh, self.parallelism,
+                             offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch)
         return runner, cfg
 
     def _load_dit_host(self, expert: int = 1):
@@ -494,15 +495,15 @@ class WanT2V(wtiles.TileStages, Pipeline):
         # the compiled step is shared by every call with the same model shape, mesh and schedule
         # (later prompts, the other A14B expert, resumed segments): it holds no weights
         key = ("wan", cfg, aux is None)
-        if isinstance(params, wdit.WanDiTRunner):
+        if isinstance(params, DiTRunner):
             runner = params
             b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
-            runner.check_inputs((b, *x.shape[1:-1], cfg.in_channels))
+            runner.check_shapes({"x": (b, *x.shape[1:-1], cfg.in_channels)})
             dt = runner.dtype
             if runner.offload is None:
                 spec = runner.program()
                 model = spec.apply if aux is None else partial(_runner_apply_aux, spec)
-                params = runner.step_params(x.shape)  # weights and RoPE tables: arguments of the step
+                params = runner.step_params({"x": x.shape})  # weights and RoPE tables: arguments of the step
                 key = ("wan-runner", spec.signature, aux is None)
             else:
                 model, params = None, None
@@ -684,7 +685,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
         tp = 1 if self.preset else self.pool_devices(request, "encode")  # as load_text_encoder splits it
         units = [t5mod.plan_unit(self.text_config(), b, self.max_text_len, tp=tp, name="UMT5 text encoder")]
         cfg = self.dit_config(1)
-        runner = wdit.WanDiTRunner(wdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = wdit.runner(wdit.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance > 1.0 else b
         _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames, cfg)
         pt, ph, pw = cfg.patch_size
@@ -694,7 +695,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
         ctx = vplan.abstract((nb, self.max_text_len, cfg.text_dim), self.dtype)
         img = vplan.abstract((nb, 257, cfg.image_dim), self.dtype) if cfg.image_dim else None
         units.append(vplan.Unit("sample", "DiT step" + (" (per expert)" if self.has_transformer_2 else ""),
-                                jax.jit(runner.apply), (runner.step_params(x.shape), x, t, ctx, img),
+                                jax.jit(runner.apply), (runner.step_params({"x": x.shape}), x, t, ctx, img),
                                 weights=runner.params, note=f"batch {nb} x {tokens:,} tokens"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
         return units + [wvae.plan_decode_unit(self.vae_config(), b, h, w, tiled=tiled,
@@ -728,10 +729,10 @@ class WanT2V(wtiles.TileStages, Pipeline):
             tt = jnp.asarray(tt, jnp.float32)
             tt = tt.reshape(1) if tt.ndim == 0 else tt  # [1] or per-token [1, L]
             img = None if aux is None else aux.get("img")
-            dt = params.dtype if isinstance(params, wdit.WanDiTRunner) else wdit.state_dtype(params)
+            dt = params.dtype if isinstance(params, DiTRunner) else wdit.state_dtype(params)
             args = (xin.astype(dt), tt, ctx.astype(dt),
                     None if img is None else img.astype(dt))
-            v = params(*args) if isinstance(params, wdit.WanDiTRunner) else _probe_forward(params, cfg, *args)
+            v = params(*args) if isinstance(params, DiTRunner) else _probe_forward(params, cfg, *args)
             out.append(np.asarray(xi - s * np.asarray(v, np.float32)))
         experts.clear()
         return np.concatenate(out).transpose(0, 4, 1, 2, 3)

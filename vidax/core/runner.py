@@ -1,0 +1,339 @@
+"""The one DiT runner: ``embed`` -> stacked blocks (one or several stacks) -> ``head`` on a
+``(dp, tp, sp)`` mesh, with the block weights resident (``lax.scan``) or streamed from host
+memory chunk by chunk (:class:`vidax.core.offload.OffloadRunner`).
+
+A family writes only its hooks, on its top-level NNX module (``model``; an abstract one from
+``nnx.eval_shape`` will do):
+
+- ``embed(inputs: dict, par) -> (carry: dict, consts: dict)``: everything before the blocks;
+- one stacked block module per name in ``STACKS`` (default ``("blocks",)``), each run with
+  ``lax.scan`` by the static ``step(block, carry, consts, par) -> carry`` (``step_<name>`` for a
+  stack other than ``blocks``); ``link_<name>(carry, consts, par) -> carry`` (optional) reshapes
+  the carry before stack ``<name>`` runs (e.g. joining text and video tokens);
+- ``head(carry, consts, par) -> outputs: dict``;
+- ``act_spec(name, shape) -> tuple`` of *logical* axis names per activation (``("batch",
+  "tokens", None)``), mapped to mesh axes by :data:`vidax.core.sharding.LOGICAL_AXES` plus the
+  family's ``AXIS_DELTAS``; parameters are placed by their own logical axes through the same table.
+
+Optional hooks: ``pack(*args, **kw) -> inputs`` (the call signature; default: one dict),
+``chunk_sizes(offload_chunk_size) -> {stack: size}`` (a family's own chunk-size spec),
+``prepare(inputs, dtype) -> inputs`` and ``finish(outputs, shapes) -> result`` (traceable, run
+inside the compiled programs outside ``shard_map``: patchify / unpatchify), ``check(shapes, mesh)``
+(input errors before anything compiles), ``table_key(shapes)`` + ``tables(key) -> dict`` (host
+constants such as RoPE tables: placed once per key and passed to every program as arguments,
+never compiled in).
+
+jit the unit: one program for the resident forward; offloaded, one prologue, one chunk program per
+stack (every chunk has the same signature) and one epilogue, looped over in Python.
+"""
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from vidax.core import mesh as vmesh
+from vidax.core import offload as voff
+from vidax.core import sharding as vsh
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+_STATIC = (bool, int, float, str, tuple)
+
+
+def _shapes_key(inputs: dict) -> tuple:
+    return tuple(sorted((k, tuple(np.shape(v))) for k, v in inputs.items()))
+
+
+def run_local(model, inputs: dict, tables: dict, dtype, par=vsh.LOCAL):
+    """A (concrete) model's forward on one device, or compiler-partitioned, through the same hooks
+    the runner runs per shard: ``prepare`` -> ``embed`` -> every stack (``link_<name>`` first) ->
+    ``head`` -> ``finish``. ``inputs``: :meth:`pack`'s arrays (no None); ``tables``: its host tables."""
+    from vidax.core import nn
+
+    shapes = tuple(sorted((k, tuple(jnp.shape(v))) for k, v in inputs.items()))
+    a = {**inputs, **tables}
+    prepare = getattr(model, "prepare", None)
+    a = a if prepare is None else prepare(a, dtype)
+    carry, consts = model.embed(a, par)
+    for i, name in enumerate(getattr(model, "STACKS", ("blocks",))):
+        link = getattr(model, f"link_{name}", None)
+        if i and link is not None:
+            carry = link(carry, consts, par)
+        step = getattr(model, "step" if name == "blocks" else f"step_{name}")
+        carry = nn.scan(getattr(model, name), carry, lambda blk, c, step=step: step(blk, c, consts, par))
+    out = model.head(carry, consts, par)
+    finish = getattr(model, "finish", None)
+    return out if finish is None else finish(out, dict(shapes))
+
+
+class DiTRunner:
+    """``model``: the family's module (abstract or concrete) with the hooks above; ``state``: its
+    state (host numpy preferred, or the module). ``mesh``: a Mesh, a spec like ``"tp=2,sp=2"``, or
+    None (one device); ``parallelism``: "tp" | "sp" | "tp+sp" | "none" (None: what the mesh
+    implies). ``constraints``: model-level divisibility rules (checked before anything is placed).
+    ``offload_chunk_size``: None keeps the stacks resident; an int (dividing each stack's layers),
+    ``"all"``, or ``{stack: size}`` streams them."""
+
+    def __init__(self, model, state, mesh=None, parallelism: str | None = None, *, constraints=(),
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 track_memory: bool = False):
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state)
+        self.model, self.attn_impl = model, attn_impl
+        self.cfg = getattr(model, "cfg", None)
+        self.stack_names = tuple(getattr(model, "STACKS", ("blocks",)))
+        self.graphs = {k: nnx.graphdef(getattr(model, k)) for k in ("embed", "head", *self.stack_names)}
+        self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
+        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
+        vmesh.check_divisible(list(constraints), self.mesh)
+        self.mapping = vsh.axis_rules(self.parallelism, getattr(model, "AXIS_DELTAS", None))
+        self.par = vsh.ParallelContext.create(self.mapping, self.mesh, attn_impl=attn_impl)
+        self.specs = vsh.param_specs(state, self.mapping)
+        vsh.check_param_divisibility(state, self.specs, self.mesh)
+        self.dtype = np.dtype(jax.tree.leaves(state[self.stack_names[0]])[0].dtype)
+        self.rest_specs = self._rest(self.specs)
+        self.stack_specs = {n: self.specs[n] for n in self.stack_names}
+        self.rest = vsh.place(self._rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
+        shardings = {n: vsh.named_shardings(self.mesh, s) for n, s in self.stack_specs.items()}
+        self._tables: dict = {}
+        self.offload = None
+        self.stacks = None
+        if offload_chunk_size is None:
+            self.stacks = {n: vsh.place(state[n], shardings[n]) for n in self.stack_names}
+            self._fwd = jax.jit(self._forward)
+        else:
+            parse = getattr(model, "chunk_sizes", None)  # a family's own spec, e.g. "double=4,single=8"
+            sizes = parse(offload_chunk_size) if parse is not None else (
+                offload_chunk_size if isinstance(offload_chunk_size, dict) else {})
+            self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
+            for n in self.stack_names:
+                self.offload.add_stack(n, state[n], self._chunk_fn(n), sizes.get(n, offload_chunk_size), shardings[n])
+            self._pre = jax.jit(self._prologue)
+            self._links = {n: jax.jit(self._link_fn(n)) for n in self.stack_names[1:]
+                           if getattr(model, f"link_{n}", None) is not None}
+            self._post = jax.jit(self._epilogue, static_argnums=(3,))
+
+    def _rest(self, tree) -> nnx.State:
+        return nnx.State({k: v for k, v in tree.items() if k not in self.stack_names})
+
+    # ------------------------------------------------------------------ specs
+    @property
+    def block_specs(self):
+        """The parameter specs of the (first) block stack."""
+        return self.stack_specs[self.stack_names[0]]
+
+    def act_spec(self, name: str, shape) -> P:
+        """The mesh layout of activation ``name``: the model's logical names through the table."""
+        return vsh.logical_spec(self.model.act_spec(name, tuple(shape)), self.mapping, self.mesh)
+
+    def _specs(self, tree):
+        return {k: (self._specs(v) if isinstance(v, dict) else self.act_spec(k, v.shape)) for k, v in tree.items()}
+
+    def _gathered(self, tree):
+        """Specs with the token axis (sp) gathered: what leaves the runner."""
+        def one(s):
+            return P(*[None if a == "sp" else a for a in s])
+        return jax.tree.map(one, tree, is_leaf=_is_spec)
+
+    def _smap(self, fn, in_specs, out_specs):
+        return vsh.smap(fn, self.mesh, in_specs, out_specs)
+
+    # ------------------------------------------------------------------ inputs and host tables
+    def _pack(self, args, kw) -> tuple[dict, dict]:
+        """``(arrays, statics)`` of a call: Python scalars / strings (e.g. a frame rate) are static,
+        they select host tables and never enter a program."""
+        pack = getattr(self.model, "pack", None)
+        inputs = pack(*args, **kw) if pack is not None else (args[0] if args else kw)
+        statics = {k: v for k, v in inputs.items() if isinstance(v, _STATIC)} if pack is not None else {}
+        return {k: jnp.asarray(v) for k, v in inputs.items() if v is not None and k not in statics}, statics
+
+    def check_inputs(self, inputs: dict) -> None:
+        """Input errors before anything compiles: the model's own check, then every sharded input
+        dimension against its mesh axes (an error names the input, e.g. the batch against ``dp``)."""
+        self.check_shapes({k: tuple(np.shape(v)) for k, v in inputs.items()})
+
+    def check_shapes(self, shapes: dict) -> None:
+        """:meth:`check_inputs` from the inputs' shapes (name -> shape) alone."""
+        check = getattr(self.model, "check", None)
+        if check is not None:
+            check(shapes, self.mesh)
+        sizes = vmesh.axis_sizes(self.mesh)
+        for name, shape in shapes.items():
+            for d, ax in enumerate(self.act_spec(name, shape)):
+                for a in (ax,) if isinstance(ax, str) else (ax or ()):
+                    if shape[d] % sizes[a]:
+                        what = {"sp": "tokens (sequence parallel)", "dp": "batch", "tp": "width"}.get(a, a)
+                        raise vmesh.ShardingConfigError(
+                            f"input {name!r} dim {d} (size {shape[d]}, {what}) is not divisible by {a}={sizes[a]}")
+
+    def _host_tables(self, shapes: dict):
+        key_fn = getattr(self.model, "table_key", None)
+        return (None, None) if key_fn is None else (key_fn(shapes), self.model.tables)
+
+    def tables(self, shapes: dict) -> dict:
+        """The model's host tables (e.g. RoPE) for inputs of ``shapes`` (name -> shape), placed with
+        their activation specs and cached per key: arguments of the programs, not constants."""
+        key, fn = self._host_tables(shapes)
+        if fn is None:
+            return {}
+        if key not in self._tables:
+            t = {k: np.asarray(v) for k, v in fn(key).items()}
+            self._tables[key] = vsh.place(t, {k: NamedSharding(self.mesh, self.act_spec(k, v.shape)) for k, v in t.items()})
+        return self._tables[key]
+
+    # ------------------------------------------------------------------ units, merged inside shard_map
+    def _embed(self, rest, inputs, par):
+        return nnx.merge(self.graphs["embed"], rest["embed"])(inputs, par)
+
+    def _scan(self, name, blocks, carry, consts, par):
+        step = getattr(self.model, "step" if name == "blocks" else f"step_{name}")
+        graph = self.graphs[name]
+
+        def body(c, s):
+            return step(nnx.merge(graph, s), c, consts, par), None
+
+        out, _ = jax.lax.scan(body, carry, blocks)
+        return out
+
+    def _link(self, name, carry, consts, par):
+        fn = getattr(self.model, f"link_{name}", None)
+        return carry if fn is None else fn(carry, consts, par)
+
+    def _head(self, rest, carry, consts, par):
+        return nnx.merge(self.graphs["head"], rest["head"])(carry, consts, par)
+
+    def _prepared(self, inputs, tables):
+        a = {**inputs, **tables}
+        prepare = getattr(self.model, "prepare", None)
+        return a if prepare is None else prepare(a, self.dtype)
+
+    def _finish(self, out, shapes):
+        finish = getattr(self.model, "finish", None)
+        return out if finish is None else finish(out, dict(shapes))
+
+    def _gather(self, y, specs):
+        return jax.tree.map(lambda a, s: vsh.with_constraint(a, self.mesh, s), y, self._gathered(specs),
+                            is_leaf=_is_spec)
+
+    def _embed_shapes(self, rest, a):
+        return jax.eval_shape(lambda r, a: self._embed(r, a, vsh.LOCAL), rest, a)
+
+    # ------------------------------------------------------------------ resident
+    def _forward(self, rest, stacks, inputs, tables):
+        a = self._prepared(inputs, tables)
+        carry_s, consts_s = self._embed_shapes(rest, a)
+        for n in self.stack_names[1:]:
+            carry_s = jax.eval_shape(lambda c, k, n=n: self._link(n, c, k, vsh.LOCAL), carry_s, consts_s)
+        out_s = jax.eval_shape(lambda r, c, k: self._head(r, c, k, vsh.LOCAL), rest, carry_s, consts_s)
+
+        def inner(rest, stacks, a):
+            carry, consts = self._embed(rest, a, self.par)
+            for i, n in enumerate(self.stack_names):
+                if i:
+                    carry = self._link(n, carry, consts, self.par)
+                carry = self._scan(n, stacks[n], carry, consts, self.par)
+            return self._head(rest, carry, consts, self.par)
+
+        out_specs = self._specs(out_s)
+        y = self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a)), out_specs)(rest, stacks, a)
+        return self._finish(self._gather(y, out_specs), _shapes_key(inputs))
+
+    # ------------------------------------------------------------------ offloaded
+    def _prologue(self, rest, inputs, tables):
+        a = self._prepared(inputs, tables)
+        carry_s, consts_s = self._embed_shapes(rest, a)
+        return self._smap(lambda r, a: self._embed(r, a, self.par), (self.rest_specs, self._specs(a)),
+                          (self._specs(carry_s), self._specs(consts_s)))(rest, a)
+
+    def _chunk_fn(self, name):
+        def chunk(blocks, carry, consts):
+            return self._smap(lambda b, c, k: self._scan(name, b, c, k, self.par),
+                              (self.stack_specs[name], self._specs(carry), self._specs(consts)),
+                              self._specs(carry))(blocks, carry, consts)
+        return chunk
+
+    def _link_fn(self, name):
+        def link(carry, consts):
+            out_s = jax.eval_shape(lambda c, k: self._link(name, c, k, vsh.LOCAL), carry, consts)
+            return self._smap(lambda c, k: self._link(name, c, k, self.par), (self._specs(carry), self._specs(consts)),
+                              self._specs(out_s))(carry, consts)
+        return link
+
+    def _epilogue(self, rest, carry, consts, shapes):
+        out_s = jax.eval_shape(lambda r, c, k: self._head(r, c, k, vsh.LOCAL), rest, carry, consts)
+        out_specs = self._specs(out_s)
+        y = self._smap(lambda r, c, k: self._head(r, c, k, self.par),
+                       (self.rest_specs, self._specs(carry), self._specs(consts)), out_specs)(rest, carry, consts)
+        return self._finish(self._gather(y, out_specs), shapes)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, *args, **kw):
+        """The model's call (``pack``'s signature; default one inputs dict), weights resident or streamed."""
+        inputs, statics = self._pack(args, kw)
+        self.check_inputs(inputs)
+        tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
+        if self.offload is None:
+            return self._fwd(self.rest, self.stacks, inputs, tables)
+        carry, consts = self._pre(self.rest, inputs, tables)
+        for i, n in enumerate(self.stack_names):
+            if i and n in self._links:
+                carry = self._links[n](carry, consts)
+            carry = self.offload.run(n, carry, consts)
+        return self._post(self.rest, carry, consts, _shapes_key(inputs))
+
+    @property
+    def params(self):
+        """The placed state (resident runner), ``{"rest", <stack>...}``: pass it to :meth:`apply`."""
+        if self.offload is not None:
+            raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
+        return {"rest": self.rest, **self.stacks}
+
+    def step_params(self, shapes: dict) -> dict:
+        """:attr:`params` plus the host tables of inputs of ``shapes`` (name -> shape, and any static
+        such as ``fps``): what a jitted
+        sampling step passes to :meth:`apply`, so the tables are arguments of the program."""
+        return {**self.params, "tables": self.tables(shapes)}
+
+    def apply(self, params, *args, **kw):
+        """Traceable forward (params stay arguments) for a jitted sampling step; without
+        ``params["tables"]`` the host tables are computed into the program."""
+        inputs, statics = self._pack(args, kw)
+        self.check_inputs(inputs)
+        tables = params.get("tables")
+        if tables is None:
+            key, fn = self._host_tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
+            tables = {} if fn is None else {k: jnp.asarray(v) for k, v in fn(key).items()}
+        return self._forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs, tables)
+
+    def lower(self, *args, **kw):
+        """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
+        inputs, statics = self._pack(args, kw)
+        self.check_inputs(inputs)
+        return self._fwd.lower(self.rest, self.stacks, inputs,
+                               self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics}))
+
+    def program(self) -> "DiTRunner":
+        """A copy of this runner without its weights: what :meth:`apply` needs (model, mesh, specs),
+        safe to keep in a cache of compiled steps after the weights are dropped."""
+        spec = copy.copy(self)
+        spec.rest = spec.stacks = spec.offload = None
+        spec._fwd = spec._pre = spec._post = None  # jitted methods bound to this runner (and its weights)
+        spec._links, spec._tables = {}, {}
+        return spec
+
+    @property
+    def signature(self) -> tuple:
+        """What :meth:`apply`'s program depends on besides its inputs: equal signatures, one program."""
+        return (type(self.model).__name__, self.cfg, self.dtype.name, self.parallelism, tuple(self.mesh.shape.items()),
+                tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl)
+
+
+__all__ = ["DiTRunner", "run_local"]
