@@ -87,7 +87,6 @@ def test_dit_original_release_names(tmp_path):
     """The original LTX-2 release names (``model.diffusion_model.*``), checked against diffusers'
     own converter, load into the same model."""
     import jax
-    import jax.numpy as jnp
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 

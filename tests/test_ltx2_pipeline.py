@@ -184,7 +184,6 @@ def test_scale_equals_one_device(folder, mesh, chunk):
     from vidax import compat
 
     root, parts = folder
-    ref = parts["transformer"]
     rng = np.random.default_rng(0)
     b, s, la = 2, 2 * 2 * 4, 5
     kw = dict(hidden_states=rng.standard_normal((b, s, 8)).astype(np.float32),

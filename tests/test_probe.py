@@ -10,7 +10,7 @@ import PIL.Image
 import pytest
 
 from stages import cli
-from stages.probe import ProbeRow, pattern_image, probe, psnr
+from stages.probe import pattern_image, probe, psnr
 from vidax import registry
 
 SIGMAS = (0.05, 0.4, 0.9)

@@ -34,7 +34,6 @@ def compile_cache_dir() -> str | None:
 def setup() -> tuple[int, int]:
     """Idempotent. Returns ``(process_index, process_count)``."""
     global _done
-    import jax
 
     from vidax.core.mesh import init_distributed
 

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from vidax.models.cosmos3 import mot
 from vidax.models.cosmos3.prompt import ShortPromptWarning, short_prompt_warning
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
-from vidax.schedulers import from_diffusers_config, make_scheduler
+from vidax.schedulers import from_diffusers_config
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.models.wan.tiles import TileStages, tiling_option
@@ -495,7 +495,7 @@ class Cosmos3Omni(TileStages, Pipeline):
             if on_step is not None:
                 x.block_until_ready()
                 on_step(StepInfo(i, n_steps, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
-        del model, cache
+        model = cache = None  # (the step closures read cache: released, not deleted)
         gc.collect()
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 #: below this many words an unstructured prompt is "short" (upsampled captions run to hundreds)
 SHORT_PROMPT_WORDS = 60
