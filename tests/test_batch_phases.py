@@ -142,3 +142,36 @@ def test_prompt_files_take_the_cli_names(tmp_path, kind):
     assert a.run_id == "fox-1"
     if kind == "jsonl":
         assert lines[1].request is None and "num_frames: given twice" in lines[1].error
+
+
+def test_phase_weights_shares_loads_within_the_block_only():
+    from vidax.pipeline import Pipeline, phase_weights
+    from vidax.weights.io import HeadersChecked, headers_only
+
+    calls = []
+
+    class Toy(Pipeline):
+        def __init__(self, source, dtype="float32"):
+            self.source, self.dtype = source, dtype
+
+        def load_dit(self, expert=1):
+            calls.append((self.source, self.dtype, expert))
+            if expert == 3:
+                raise HeadersChecked()
+            return object()
+
+    a, b, c = Toy("ckpt"), Toy("ckpt"), Toy("ckpt", dtype="bfloat16")
+    assert a.load_dit() is not a.load_dit() and len(calls) == 2  # outside a phase: every call loads
+    calls.clear()
+    with phase_weights():
+        x = a.load_dit()
+        assert b.load_dit() is x and a.load_dit(expert=1) is not None  # same settings: one load
+        assert c.load_dit() is not x  # another dtype: its own load
+        assert calls == [("ckpt", "float32", 1), ("ckpt", "bfloat16", 1)]
+        a.load_dit(2)  # the other expert replaces the one held ...
+        assert a.load_dit() is not x and len(calls) == 4  # ... so the first is loaded again
+        with headers_only(), pytest.raises(HeadersChecked):
+            a.load_dit(3)  # header checks never use the cache
+    calls.clear()
+    a.load_dit()
+    assert calls == [("ckpt", "float32", 1)]  # the block's end dropped everything

@@ -288,7 +288,8 @@ class phase_weights:
     """Within this block, each component a pipeline's ``load_*`` methods return is loaded once per
     (pipeline class, source, dtype, mesh, offload, LoRAs, method, arguments) and handed to every
     later call, so the runs of one phase of a batch share one load; the cache is dropped (the
-    weights freed) when the block ends. Not nested: an inner block uses the outer one's cache.
+    weights freed) when the block ends. It holds one result per loader and pipeline settings: a
+    call with other arguments (another DiT expert) replaces the one held. Not nested: an inner block uses the outer one's cache.
     Loads made to check headers (:func:`vidax.weights.headers_only`) never use it."""
 
     def __enter__(self):
@@ -321,6 +322,9 @@ def _settings_key(pipe) -> tuple:
 
 def _shared_loader(name: str, load):
     import functools
+    import inspect
+
+    sig = inspect.signature(load)
 
     @functools.wraps(load)
     def wrapper(self, *args, **kwargs):
@@ -332,12 +336,18 @@ def _shared_loader(name: str, load):
         if reading_headers_only():
             return load(self, *args, **kwargs)
         try:
-            key = (_settings_key(self), name, repr(args), repr(sorted(kwargs.items())))
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()  # load_dit() and load_dit(expert=1) are one call
+            key, call = (_settings_key(self), name), repr(list(bound.arguments.items())[1:])
         except Exception:  # noqa: BLE001 - settings that cannot be keyed: load as usual
             return load(self, *args, **kwargs)
-        if key not in cache:
-            cache[key] = load(self, *args, **kwargs)
-        return cache[key]
+        held = cache.get(key)
+        if held is None or held[0] != call:
+            # one result per loader and pipeline: another call (Wan2.2 A14B's other expert) replaces
+            # it, so a phase never holds more of a model than one run of it does
+            cache.pop(key, None)
+            cache[key] = (call, load(self, *args, **kwargs))
+        return cache[key][1]
 
     wrapper._vidax_shared = True
     return wrapper
