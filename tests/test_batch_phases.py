@@ -175,3 +175,24 @@ def test_phase_weights_shares_loads_within_the_block_only():
     calls.clear()
     a.load_dit()
     assert calls == [("ckpt", "float32", 1)]  # the block's end dropped everything
+
+
+def test_mixed_models_are_grouped_by_model_and_match_solo_runs(tmp_path):
+    reqs = [validate(Request(model=m, prompt=f"a kite {i}", seed=i, steps=1))
+            for i, m in enumerate([MODEL, "ltx-video-0.9", MODEL])]
+    solo = []
+    for i, req in enumerate(reqs):
+        run = RunStore(f"file://{tmp_path / f'solo{i}'}").run("r")
+        R.generate(run, req, log=lambda m: None)
+        solo.append(_outputs(run, req))
+    logs = []
+    store = RunStore(f"file://{tmp_path / 'b'}")
+    items = R.generate_many([R.BatchItem(store.run(f"r{i}"), r, label=f"line {i + 1}") for i, r in enumerate(reqs)],
+                            log=logs.append)
+    assert all(it.ok for it in items), [it.error for it in items]
+    order = [m.split(":")[0].split("] ")[1] for m in logs if m.startswith("[sample ")]
+    assert order == ["line 1", "line 3", "line 2"]  # the two Wan lines share their phase's weights
+    for it, (lat, frames) in zip(items, solo):
+        lat_b, frames_b = _outputs(it.run, it.req)
+        np.testing.assert_array_equal(lat_b, lat)
+        np.testing.assert_array_equal(frames_b, frames)
