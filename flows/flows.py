@@ -384,8 +384,38 @@ def rerun_stage(store: str, run_id: str, stage: str) -> dict:
 
 
 @task(name="vidax-prompt", task_run_name="line {line}")
-def prompt_task(request: dict, store: str, line: int, mode: str) -> dict:
-    return generate(request=request, store=store, mode=mode)
+def prompt_task(request: dict, store: str, line: int, mode: str, run_id: str | None = None) -> dict:
+    return generate(request=request, store=store, mode=mode, run_id=run_id)
+
+
+def _batch_local(good: list, store: str, logger) -> list[dict]:
+    """A prompt file's lines in this process, phase by phase (:func:`stages.run.generate_many`):
+    every line's encode, then sampling, decoding and mux, each phase loading each component once
+    per model; each line its own run (its artifacts as a ``vidax-generate`` run's)."""
+    from vidax.core import runtime
+
+    runtime.setup()
+    rs = RunStore(store)
+    rs.check_writable()
+    items = [R.BatchItem(rs.run(b.run_id or b.request.default_run_id()), b.request, label=f"line {b.line}")
+             for b in good]
+    R.generate_many(items, log=logger.info)
+    rows = []
+    for b, it in zip(good, items):
+        if it.ok:
+            results = [{"stage": r.stage, "key": r.key, "status": r.status, "seconds": round(r.seconds, 3),
+                        "hardware": r.hardware} for r in it.results.values()]
+            _report(it.run, it.req, results)
+            rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "done", "run": it.run.run_id,
+                         "output / error": ", ".join(it.run.url(n) for n in R.video_names(len(it.req.prompts)))})
+        else:
+            err = R.describe_error(it.error)
+            logger.error("line %d failed: %s", b.line, err)
+            if isinstance(it.error, R.StageFailed):
+                _emit_stage_failed(rs.url, it.run.run_id, it.error.stage, str(it.error), 1)
+            rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "failed",
+                         "run": it.run.run_id, "output / error": err[:300]})
+    return rows
 
 
 @flow(name="vidax-generate-batch", log_prints=True)
@@ -408,9 +438,11 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     good = [b for b in lines if b.request is not None]
     logger.info("%d prompts to run, %d lines rejected, concurrency %d", len(good), len(bad), concurrency)
     rows = [{"line": b.line, "prompt": "", "status": "rejected", "run": "", "output / error": b.error} for b in bad]
-    for i in range(0, len(good), max(1, concurrency)):
+    if mode == "local":
+        rows += _batch_local(good, store, logger)
+    for i in (range(0, len(good), max(1, concurrency)) if mode != "local" else ()):
         wave = good[i:i + max(1, concurrency)]
-        futs = [(b, prompt_task.submit(b.request.to_json(), store, b.line, mode)) for b in wave]
+        futs = [(b, prompt_task.submit(b.request.to_json(), store, b.line, mode, b.run_id)) for b in wave]
         for b, f in futs:
             f.wait()
             st = f.state

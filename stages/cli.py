@@ -186,19 +186,28 @@ def cmd_batch(a) -> int:
     con.print(f"vidax batch {a.file}: {len(good)} prompt(s) to run, {len(bad)} line(s) rejected")
     rows = [[b.line, "", "rejected", "", b.error] for b in bad]
     failed = 0
-    for b in good:
-        req = b.request
-        rid = req.default_run_id()
-        try:
-            run_request(req, store, rid, con)
-            from stages import run as R
+    from stages import run as R
 
+    # phase by phase: every line's encode, then every line's sampling, then decoding, then mux;
+    # each phase loads each component once per model, checkpoint, dtype and mesh
+    items = [R.BatchItem(store.run(b.run_id or b.request.default_run_id()), b.request, label=f"line {b.line}")
+             for b in good]
+    for b, it in zip(good, items):
+        con.print(f"line {b.line}: run {it.run.run_id}\n  {_describe(b.request)}")
+    t0 = time.perf_counter()
+    with _Reporter(con) as rep:
+        R.generate_many(items, log=rep.log, progress=rep.update)
+    for b, it in zip(good, items):
+        req, rid = b.request, it.run.run_id
+        if it.ok:
             rows.append([b.line, req.prompts[0][:48], "done", rid,
-                         ", ".join(store.run(rid).url(n) for n in R.video_names(len(req.prompts)))])
-        except Exception as e:  # noqa: BLE001 - one failing prompt does not sink the others
+                         ", ".join(it.run.url(n) for n in R.video_names(len(req.prompts)))])
+        else:
             failed += 1
+            e = it.error
             _console(stderr=True).print(f"vidax: line {b.line} failed: {type(e).__name__}: {e}")
             rows.append([b.line, req.prompts[0][:48], "failed", rid, f"{type(e).__name__}: {e}"[:200]])
+    con.print(f"batch: {time.perf_counter() - t0:.1f}s")
     rows.sort(key=lambda r: r[0])
     con.print(_table(rows, ["line", "prompt", "status", "run", "output / error"], title=f"batch {a.file}"))
     con.print(f"{len(good) - failed} done, {failed} failed, {len(bad)} rejected")

@@ -29,11 +29,23 @@ class PromptFileError(ValueError):
     """The prompt file as a whole cannot be used (unreadable, empty, unknown type, bad header)."""
 
 
+#: prompt-file keys named as the CLI's flags are, beside the request's own field names
+ALIASES = {"frames": "num_frames"}
+
+
+def canonical(key: str) -> str:
+    """A prompt-file key as the request field it sets: a flag's name (``frames``,
+    ``negative-prompt``, ``--decode-stages``) or the field's own name (``num_frames``)."""
+    k = key.strip().lstrip("-").replace("-", "_") if isinstance(key, str) else key
+    return ALIASES.get(k, k)
+
+
 @dataclass
 class BatchLine:
     line: int
     request: Request | None = None
     error: str | None = None
+    run_id: str | None = None  # the line's ``run_id`` key (as ``--run-id``); None: derived from the request
 
 
 def read_text(url: str) -> str:
@@ -64,16 +76,35 @@ def _typed(name: str, value, model: str):
     return value
 
 
-def _request(base: dict, over: dict, from_text: bool) -> Request:
-    d = dict(base)
+def _keys(obj: dict) -> dict:
+    """``obj`` with every key under its request-field name; two keys for one field are an error."""
+    out, given = {}, {}
+    for k, v in obj.items():
+        c = canonical(k)
+        if c in out:
+            raise RequestError(c, f"given twice (as {given[c]!r} and {k!r})")
+        out[c], given[c] = v, k
+    return out
+
+
+def _request(base: dict, over: dict, from_text: bool) -> tuple[Request, str | None]:
+    d = _keys(base)
+    over = _keys(over)
     model = over.get("model") or d.get("model") or registry.default_model()
+    run_id = over.pop("run_id", None)
+    if from_text and run_id == "":
+        run_id = None
     for k, v in over.items():
         if from_text:
             if v is None or v == "":
                 continue
             v = _typed(k, v, model)
         d[k] = v
-    return validate(Request.from_json(d))
+    if run_id is not None:
+        from stages.request import validate_run_id
+
+        validate_run_id(run_id)
+    return validate(Request.from_json(d)), run_id
 
 
 def parse_prompt_file(url: str, defaults: dict | None = None) -> list[BatchLine]:
@@ -123,6 +154,7 @@ def parse_prompt_file(url: str, defaults: dict | None = None) -> list[BatchLine]
 
 def _line(url: str, i: int, make) -> BatchLine:
     try:
-        return BatchLine(i, request=make())
+        req, run_id = make()
+        return BatchLine(i, request=req, run_id=run_id)
     except (RequestError, TypeError, ValueError) as e:
         return BatchLine(i, error=f"{url} line {i}: {e}")

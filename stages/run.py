@@ -906,6 +906,129 @@ def generate(run: Run, req: Request, log: Log = print, pipe=None, progress: Prog
     return [results[s] for s in keys]
 
 
+# ------------------------------------------------------------------ many runs, phase by phase
+PHASES = ("encode", "sample", "decode", "mux")
+
+
+@dataclass
+class BatchItem:
+    """One run of :func:`generate_many`: its own run, request, stages, records and keys. After the
+    call: ``results`` (stage -> :class:`StageResult`) when it completed, else ``error`` (the
+    exception that stopped it; its later stages were not run)."""
+
+    run: Run
+    req: Request
+    label: str = ""
+    pipe: Pipeline | None = None
+    keys: dict | None = None
+    results: dict | None = None
+    error: BaseException | None = None
+    memory: dict | None = None
+    records: Records | None = None
+    damaged: bool = False  # an input found damaged when read: finished alone by generate()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.results is not None
+
+
+def weights_group(req: Request) -> tuple:
+    """The runs whose phases share loaded weights: same model, checkpoint (or preset), dtype, mesh,
+    offloading and LoRAs."""
+    lora = tuple(req.lora) if isinstance(req.lora, (list, tuple)) else req.lora
+    return (req.model, req.checkpoint or "", req.preset or "", req.dtype or "", req.mesh or "",
+            str(req.offload_chunk_size), lora, req.image is not None)
+
+
+def generate_many(items: list[BatchItem], log: Log = print, progress: Progress | None = None) -> list[BatchItem]:
+    """Run many runs phase by phase: every run's encode stage, then every run's sampling, then
+    their decode stages, then their mux. Within a phase the runs are grouped by
+    :func:`weights_group` and each group runs inside :class:`vidax.pipeline.phase_weights`, so each
+    component is loaded once per group and phase and freed before the next. Every run stays its own
+    run (stages, records and keys as :func:`generate` makes them, so its outputs are the same);
+    committed stages are skipped (a rerun resumes); a run that fails stops alone (``item.error``)."""
+    from vidax.pipeline import phase_weights
+
+    for it in items:
+        it.label = it.label or it.run.run_id
+        try:
+            it.pipe = it.pipe or make_pipeline(it.req)
+            it.keys = stage_keys(it.req, it.pipe)
+            it.memory = check_memory(it.req, it.pipe, log=log)
+            check_weights(it.req, it.pipe)
+            if is_leader():
+                it.run.write_json("request.json", it.req.to_json())
+            it.records, it.results = Records(it.run), {}
+        except Exception as e:  # noqa: BLE001 - this run fails alone
+            it.error = e
+            log(f"{it.label}: {describe_error(e)}")
+    groups: dict[tuple, list[BatchItem]] = {}
+    for it in items:
+        if it.error is None:
+            groups.setdefault(weights_group(it.req), []).append(it)
+    for phase in PHASES:
+        todo = [(it, s) for g in groups.values() for it in g for s in it.keys if s.split("/")[0] == phase]
+        done = 0
+        if todo:
+            log(f"[{phase}] {len(todo)} stage(s) of {len({id(it) for it, _ in todo})} run(s)")
+        for group in groups.values():
+            with phase_weights():  # each component once for the group's runs; freed at the end of the phase
+                for it in group:
+                    for stage in [s for s in it.keys if s.split("/")[0] == phase]:
+                        if it.error is not None or it.damaged:
+                            break
+                        log(f"[{phase} {done + 1}/{len(todo)}] {it.label}: {stage}")
+                        try:
+                            _batch_stage(it, stage, log, progress)
+                        except CorruptInput as e:
+                            log(f"{it.label} [{e.stage}] damaged ({e}); the run is finished alone")
+                            if is_leader():
+                                it.run.delete_record(e.stage)
+                            it.damaged = True
+                        except Exception as e:  # noqa: BLE001 - this run fails alone
+                            it.error = e
+                            log(f"{it.label} failed: {describe_error(e)}")
+                        else:
+                            done += 1
+        if todo:
+            log(f"[{phase}] {done}/{len(todo)} done")
+    for it in items:
+        if it.error is not None:
+            it.results = None
+            continue
+        if it.damaged:
+            try:
+                res = generate(it.run, it.req, log=lambda m, it=it: log(f"{it.label} {m}"), pipe=it.pipe,
+                               progress=progress)
+                it.results = {r.stage: r for r in res}
+            except Exception as e:  # noqa: BLE001
+                it.error, it.results = e, None
+            continue
+        if is_leader():
+            write_manifest(it.run, it.req, it.keys, it.records, it.memory or {
+                "checked": False, "why": "the devices' memory is not known (CPU); VIDAX_DEVICE_MEMORY=16GiB checks "
+                                         "against a size"})
+    return items
+
+
+def _batch_stage(it: BatchItem, stage: str, log: Log, progress: Progress | None) -> None:
+    """One stage of one run of a batch, as :func:`generate` runs it (skipped when committed)."""
+    run, req, pipe, keys, records = it.run, it.req, it.pipe, it.keys, it.records
+    t0 = time.perf_counter()
+    status = agree(f"{stage}:status", lambda: stage_status(run, stage, keys[stage], req=req, pipe=pipe, records=records))
+    if status == "done":
+        rec = records.get(stage)
+        it.results[stage] = StageResult(stage, keys[stage], "skipped", time.perf_counter() - t0,
+                                        rec.get("hardware", "") if isinstance(rec, dict) else "")
+        log(f"{it.label} [{stage}] up to date, skipped")
+        return
+    if status in ("stale", "corrupt"):
+        log(f"{it.label} [{stage}] {status}: recomputing")
+    prog = (lambda which, frac: progress(f"{it.label} {which}", frac)) if progress is not None else None
+    it.results[stage] = run_stage(run, req, pipe, stage, keys, lambda m: log(f"{it.label} {m}"), prog, records,
+                                  force=False)
+
+
 def load_request(run: Run) -> Request:
     try:
         d = run.read_json("request.json")

@@ -243,10 +243,14 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
     assert "failed lines [3]" in state.message
     videos = sorted(p.parent.name for p in (tmp_path / "store/runs").glob("*/video.mp4"))
     assert len(videos) == 2 and any(v.startswith("a-red-boat") for v in videos) and any(v.startswith("a-blue-boat") for v in videos)
-    arts = [a for a in _artifacts(state.state_details.flow_run_id) if a.type == "table"]
+    # the batch's summary table (in local mode each run's stage table belongs to the batch's flow run too)
+    arts = [a for a in _artifacts(state.state_details.flow_run_id)
+            if a.type == "table" and (a.key or "").startswith("vidax-batch")]
     rows = arts[0].data if isinstance(arts[0].data, list) else json.loads(arts[0].data)
     status = {r["line"]: r["status"] for r in rows}
     assert status == {1: "done", 3: "failed", 4: "done"}
+    stage_tables = [a.key for a in _artifacts(state.state_details.flow_run_id) if (a.key or "").endswith("-stages")]
+    assert len(stage_tables) == 2, stage_tables  # each done run's own stage table, as a vidax-generate run's
 
 
 def test_completed_batch_state_says_what_was_done_and_rejected(prefect_server, tmp_path):

@@ -279,6 +279,80 @@ def _folder_signature(folder) -> tuple:
     return (str(folder), tuple(sorted(out)))
 
 
+# ------------------------------------------------------------------ weights shared within a phase
+#: the cache of loaded components while a batch's phase runs (None: no phase open, every call loads)
+_PHASE_WEIGHTS: dict | None = None
+
+
+class phase_weights:
+    """Within this block, each component a pipeline's ``load_*`` methods return is loaded once per
+    (pipeline class, source, dtype, mesh, offload, LoRAs, method, arguments) and handed to every
+    later call, so the runs of one phase of a batch share one load; the cache is dropped (the
+    weights freed) when the block ends. It holds one result per loader and pipeline settings: a
+    call with other arguments (another DiT expert) replaces the one held. Not nested: an inner block uses the outer one's cache.
+    Loads made to check headers (:func:`vidax.weights.headers_only`) never use it."""
+
+    def __enter__(self):
+        global _PHASE_WEIGHTS
+        self._owner = _PHASE_WEIGHTS is None
+        if self._owner:
+            _PHASE_WEIGHTS = {}
+        return self
+
+    def __exit__(self, *exc):
+        global _PHASE_WEIGHTS
+        if self._owner:
+            _PHASE_WEIGHTS = None
+        return False
+
+
+def _settings_key(pipe) -> tuple:
+    """What a pipeline's loaders depend on: its class, its source and its plain settings (dtype,
+    mesh, offload, layout, LoRAs...); configs and cached state are left out."""
+    plain = (str, int, float, bool, type(None), np.dtype)
+    items = []
+    for k, v in sorted(vars(pipe).items()):
+        if k.startswith("_"):
+            continue
+        if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
+            items.append((k, repr(v)))
+    return (type(pipe).__module__, type(pipe).__qualname__, str(pipe.source), repr(pipe.mesh),
+            repr(pipe.offload_chunk_size), repr(tuple(pipe.loras)), tuple(items))
+
+
+def _shared_loader(name: str, load):
+    import functools
+    import inspect
+
+    sig = inspect.signature(load)
+
+    @functools.wraps(load)
+    def wrapper(self, *args, **kwargs):
+        cache = _PHASE_WEIGHTS
+        if cache is None:
+            return load(self, *args, **kwargs)
+        from vidax.weights.io import reading_headers_only
+
+        if reading_headers_only():
+            return load(self, *args, **kwargs)
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()  # load_dit() and load_dit(expert=1) are one call
+            key, call = (_settings_key(self), name), repr(list(bound.arguments.items())[1:])
+        except Exception:  # noqa: BLE001 - settings that cannot be keyed: load as usual
+            return load(self, *args, **kwargs)
+        held = cache.get(key)
+        if held is None or held[0] != call:
+            # one result per loader and pipeline: another call (Wan2.2 A14B's other expert) replaces
+            # it, so a phase never holds more of a model than one run of it does
+            cache.pop(key, None)
+            cache[key] = (call, load(self, *args, **kwargs))
+        return cache[key][1]
+
+    wrapper._vidax_shared = True
+    return wrapper
+
+
 class Pipeline:
     """Base class of a family's pipeline (see the module docstring). Subclasses set ``FAMILY``,
     ``OPTIONS``, ``GUIDANCE``, ``OUTPUTS`` and implement the phase methods."""
@@ -292,6 +366,14 @@ class Pipeline:
                                                            "decode": ("vae",)}
     #: other vidax packages this family's code runs (e.g. a VAE it reuses), for code-version keys
     CODE_DEPS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kw):
+        """A family's component loaders (its public ``load_*`` methods) share their result within
+        :class:`phase_weights`."""
+        super().__init_subclass__(**kw)
+        for name, fn in list(vars(cls).items()):
+            if name.startswith("load_") and callable(fn) and not getattr(fn, "_vidax_shared", False):
+                setattr(cls, name, _shared_loader(name, fn))
 
     # configuration
     mesh: Any = None
