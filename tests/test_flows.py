@@ -12,13 +12,40 @@ SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames"
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server):
+def pool_with_worker(prefect_server):
     srv = prefect_server
     # (--overwrite: a worker that ran this module's tests before, in another chunk, made it already)
     srv.cli("work-pool", "create", POOL, "--type", "process", "--overwrite")
-    for name in DEPLOYMENTS:  # every deployment from infra/prefect.yaml, its pool overridden for the test
-        srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", name, "--pool", POOL, "--no-prompt")
     srv.worker(POOL)
+    return srv
+
+
+def _pools_of_deployments() -> dict:
+    import asyncio
+
+    from prefect import get_client
+
+    async def go():
+        out = {}
+        async with get_client() as c:
+            for d in await c.read_deployments():
+                out[d.name] = d.work_pool_name
+        return out
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def deployed(pool_with_worker):
+    """Every deployment from infra/prefect.yaml on the test pool, its pool overridden for the test.
+    Checked before each test and deployed again where needed: the worker's one server is shared with
+    tests/test_infra.py, whose ``prefect deploy --all`` puts the same deployments (and their
+    triggers' targets) on the templated pools, where no worker runs."""
+    srv = pool_with_worker
+    pools = _pools_of_deployments()
+    for name in DEPLOYMENTS:
+        if pools.get(name) != POOL:
+            srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", name, "--pool", POOL, "--no-prompt")
     return srv
 
 
