@@ -140,6 +140,31 @@ def _reruns(run_id):
     return asyncio.run(go())
 
 
+def _automation_report(srv, run_id) -> str:
+    """What the server did about ``run_id``'s reruns, for a failing automation test: the
+    rerun-stage runs (state, pool, queue), the automations, the server's and workers' log tails."""
+    import asyncio
+
+    from prefect import get_client
+
+    async def go():
+        async with get_client() as c:
+            autos = await c.read_automations()
+            return [(a.name, a.enabled, type(a.trigger).__name__) for a in autos]
+
+    runs = [(r.name, r.state.type.value if r.state else None, r.work_pool_name, r.work_queue_name,
+             r.parameters.get("stage")) for r in _reruns(run_id)]
+    import re
+
+    logs = []
+    for f in sorted(srv.home.glob("*.log")):
+        lines = f.read_text(errors="replace").splitlines()
+        notable = [ln for ln in lines if re.search(r"automation|trigger|action|error|exception|warn|crash", ln, re.I)]
+        logs.append(f"--- {f.name} ({len(lines)} lines), notable lines (last 60):\n" + "\n".join(notable[-60:])
+                    + "\n--- last 30:\n" + "\n".join(lines[-30:]))
+    return f"reruns: {runs}\nautomations: {asyncio.run(go())}\n" + "\n".join(logs)
+
+
 def _finished_reruns(run_id, timeout=300):
     """The rerun-stage runs of ``run_id`` that reached a final state (waits for the first)."""
     deadline = time.time() + timeout
@@ -163,7 +188,7 @@ def test_failed_decode_stage_is_rerun_once_and_completes(deployed, tmp_path):
     run = RunStore(store).run("auto")
     assert run.record("decode/0") is not None
     done = _finished_reruns("auto")
-    assert done, "the vidax.stage.failed trigger did not start rerun-stage"
+    assert done, "the vidax.stage.failed trigger did not start rerun-stage\n" + _automation_report(deployed, "auto")
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     assert (tmp_path / "store/runs/auto/video.mp4").stat().st_size > 0
     clean = _run_deployment("vidax-generate/generate", {"request": req, "store": store, "run_id": "clean", "mode": "local"})
@@ -394,7 +419,7 @@ def test_crashed_decode_stage_run_is_rerun_once_by_the_automation(deployed, tmp_
                             job_variables={"env": {"VIDAX_FAULTS": "decode/1:kill"}})
     assert child.state.is_crashed(), child.state
     done = _finished_reruns("crash")
-    assert done, "the Crashed-state trigger did not start rerun-stage"
+    assert done, "the Crashed-state trigger did not start rerun-stage\n" + _automation_report(deployed, "crash")
     assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
     np.testing.assert_array_equal(_frames(store, "crash"), before)
     time.sleep(5)
