@@ -7,7 +7,8 @@ import pytest
 
 
 POOL = "vidax-test-pool"
-DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux"]
+DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux",
+               "batch-encode", "batch-sample", "batch-decode", "batch-mux"]
 SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames": 9, "steps": 2, "seed": 11}
 
 
@@ -290,7 +291,7 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
 
     monkeypatch.setattr(R, "run_sample", flaky)
     state = generate_batch(str(f), store=store, defaults={"height": 32, "width": 32, "num_frames": 5, "steps": 1},
-                           concurrency=2, return_state=True)
+                           return_state=True)
     assert state.is_failed()
     assert "failed lines [3]" in state.message
     videos = sorted(p.parent.name for p in (tmp_path / "store/runs").glob("*/video.mp4"))
@@ -319,6 +320,61 @@ def test_completed_batch_state_says_what_was_done_and_rejected(prefect_server, t
     assert state.message.startswith("1 of 1 prompt(s) done; failed lines []; rejected lines [2, 3]"), state.message
     summary = state.result()
     assert summary["done"] == 1 and summary["rejected"] == [2, 3] and summary["failed"] == []
+
+
+def _children(parent_id) -> list:
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async def go():
+        async with get_client() as c:
+            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            return [(r.created, (await c.read_deployment(r.deployment_id)).name, r.state.type.value, r.parameters)
+                    for r in runs]
+
+    return [c[1:] for c in sorted(asyncio.run(go()), key=lambda c: c[0])]
+
+
+def test_distributed_batch_runs_one_child_per_phase(deployed, tmp_path):
+    """A 3-line batch in distributed mode: one child run per phase on its pool (each loading the
+    weights once for the three runs); a sampling child SIGKILLed after line 1's first step
+    checkpoint is launched once more and line 1 resumes from that checkpoint, bitwise equal to a
+    solo run; line 2's decode stage made to fail is rerun alone by the automation; every video is
+    written."""
+    store = str(tmp_path / "store")
+    f = tmp_path / "prompts.jsonl"
+    base = {"height": 32, "width": 32, "num_frames": 9, "steps": 2, "checkpoint_every": 1}
+    f.write_text("".join(json.dumps({**base, "prompt": p, "seed": i, "run_id": f"b{i}"}) + "\n"
+                         for i, p in enumerate(["a red kite", "a green kite", "a blue kite"], 1)))
+    faults = {"sample": {"env": {"VIDAX_FAULTS": "b1@sample:kill_after_step=1"}},
+              "decode": {"env": {"VIDAX_FAULTS": "b2@decode/1:fail"}}}
+    fr = _run_deployment("vidax-generate-batch/generate-batch",
+                         {"prompt_file": str(f), "store": store, "mode": "distributed", "job_variables": faults})
+    assert fr.state.is_failed() and "failed lines [2]" in fr.state.message, fr.state
+    children = _children(fr.id)
+    assert [(d, st) for d, st, _ in children] == [
+        ("batch-encode", "COMPLETED"), ("batch-sample", "CRASHED"), ("batch-sample", "COMPLETED"),
+        ("batch-decode", "FAILED"), ("batch-mux", "COMPLETED")], children
+    # (the killed child had not reached lines 2 and 3: they run in the second one)
+    assert [p["run_ids"] for _, _, p in children] == [["b1", "b2", "b3"]] * 4 + [["b1", "b3"]]
+    from stages.store import RunStore
+
+    runs = RunStore(store)
+    assert runs.run("b1").record("sample")["details"]["resumed_from_step"] == 1
+    done = _finished_reruns("b2")
+    assert done, "the vidax.stage.failed trigger did not start rerun-stage\n" + _automation_report(deployed, "b2")
+    assert done[0].parameters["stage"] == "decode/1" and done[0].state.is_completed(), done[0].state
+    for rid in ("b1", "b2", "b3"):
+        assert (tmp_path / f"store/runs/{rid}/video.mp4").stat().st_size > 0, rid
+    # line 1, killed and resumed inside the batch, equals the same request run alone
+    from stages import run as R
+    from stages.request import Request, validate
+
+    solo = RunStore(str(tmp_path / "solo")).run("b1")
+    R.generate(solo, validate(Request.from_json({**base, "prompt": "a red kite", "seed": 1})), log=lambda m: None)
+    np.testing.assert_array_equal(_frames(str(tmp_path / "solo"), "b1"), _frames(store, "b1"))
 
 
 def test_batch_message_counts():
