@@ -1,10 +1,12 @@
 """Complete tiny diffusers checkpoint folders (tokenizers, text encoders, DiT, VAE, scheduler, all
 saved by ``save_pretrained``) that ``vidax generate`` runs end to end, one per family with a
-diffusers LoRA loader, and the request each runs (a few steps, the smallest size). Built from the
-parity tests' tiny configs; used by ``tests/test_lora_generate.py``."""
+diffusers LoRA loader (and HunyuanVideo-I2V's, whose text encoder is a LLaVA), and the request each
+runs (a few steps, the smallest size). Built from the parity tests' tiny configs; used by
+``tests/test_lora_generate.py`` and ``tests/test_bad_inputs_checkpoints.py``."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -117,7 +119,46 @@ def hunyuanvideo(folder: Path) -> list[str]:
                                 vae=perturb(AutoencoderKLHunyuanVideo(**VAE), seed=2),
                                 scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
     pipe.save_pretrained(folder)
+    shutil.rmtree(folder / "t1")
+    shutil.rmtree(folder / "t2")
     return ["--prompt", PROMPTS[0], "--model", "hunyuanvideo-t2v", "--height", "32", "--width", "32", "--frames", "5",
+            "--guidance", "6"]
+
+
+def hunyuanvideo_i2v(folder: Path) -> list[str]:
+    """HunyuanVideo-I2V (token replace): the text encoder a LLaVA (CLIP vision tower, projector, Llama)."""
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideoImageToVideoPipeline, HunyuanVideoTransformer3DModel)
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlamaModel, LlavaConfig,
+                              LlavaForConditionalGeneration)
+
+    from tests.test_hunyuanvideo_pipeline import DIT, PROMPTS, VAE, _clip, _tokenizer
+    from vidax.models.hunyuanvideo import text as htext
+
+    torch.manual_seed(0)
+    llama = perturb(LlamaModel(LlamaConfig(vocab_size=440, hidden_size=DIT["text_embed_dim"], intermediate_size=40,
+                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=6)), seed=4)
+    corpus = [htext.T2V_TEMPLATE, htext.I2V_TEMPLATE] + PROMPTS * 3
+    tok = _tokenizer(folder / "t1", corpus)
+    tok2 = _tokenizer(folder / "t2", corpus, end_token="<|endoftext|>")
+    vc = CLIPVisionConfig(image_size=336, patch_size=14, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=2)
+    cfg = LlavaConfig(vision_config=vc, text_config=llama.config, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                      pad_token_id=tok.pad_token_id, vision_feature_layer=-2, projector_hidden_act="gelu")
+    llava = LlavaForConditionalGeneration(cfg)
+    llava.model.language_model.load_state_dict(llama.state_dict())
+    perturb(llava.model.vision_tower, seed=6)
+    perturb(llava.model.multi_modal_projector, seed=7)
+    proc = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    pipe = HunyuanVideoImageToVideoPipeline(
+        text_encoder=llava.eval(), tokenizer=tok, text_encoder_2=_clip(tok2), tokenizer_2=tok2, image_processor=proc,
+        transformer=perturb(HunyuanVideoTransformer3DModel(**DIT, image_condition_type="token_replace"), seed=1),
+        vae=perturb(AutoencoderKLHunyuanVideo(**VAE), seed=2), scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
+    pipe.save_pretrained(folder)
+    shutil.rmtree(folder / "t1")
+    shutil.rmtree(folder / "t2")
+    return ["--prompt", PROMPTS[0], "--model", "hunyuanvideo-i2v", "--height", "32", "--width", "32", "--frames", "5",
             "--guidance", "6"]
 
 
@@ -130,3 +171,7 @@ def cosmos(folder: Path) -> list[str]:
 
 
 BUILDERS.update(hunyuanvideo=hunyuanvideo, cosmos=cosmos)
+
+#: the model id each folder is run as
+MODELS = {"cogvideox": "cogvideox-2b", "ltx": "ltx-video-0.9", "ltx2": "ltx2-t2v", "hunyuanvideo": "hunyuanvideo-t2v",
+          "cosmos": "cosmos2.5-2b"}
