@@ -378,3 +378,42 @@ def test_remote_checkpoint_checked_after_its_fetch_before_any_write(wan, store, 
     assert last.startswith("vidax: error: checkpoint: DiT: ") and "diffusion_pytorch_model.safetensors" in last, last
     assert "not a readable safetensors file" in last
     assert tree_digest(store) == before, "the store changed"
+
+
+def test_remote_checkpoint_in_distributed_mode_checked_by_the_stage_before_it_writes(wan, store, capsys, gcs_emulator,
+                                                                                   monkeypatch, tmp_path):
+    """Distributed mode: the parent validates the request from a ``gs://`` checkpoint's configs
+    alone and writes ``request.json`` (it never fetches weights: the stages' machines do); the
+    stage fetches the checkpoint and checks its headers before it takes its lease or touches its
+    record: ``vidax stage`` (what a stage's machine runs; the Prefect stage task runs the same
+    ``run_stage``) exits 2 in one line naming the file, and the store is byte-identical."""
+    import time
+
+    from stages import cli
+    from stages.store import RunStore
+    from tests.test_bad_inputs import tree_digest
+    from vidax.weights import source as S
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    monkeypatch.setenv("VIDAX_CACHE", str(tmp_path / "parent-cache"))
+    f = _one(wan, "transformer")
+    f.write_bytes(f.read_bytes()[:-1000])
+    url = f"gs://vidax-test/models/damaged-dist-{time.time_ns()}"
+    fs, root = S.filesystem(url)
+    for p in sorted(x for x in wan.rglob("*") if x.is_file()):
+        fs.put_file(str(p), f"{root}/{p.relative_to(wan).as_posix()}")
+    req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=url, prompt=PROMPT, height=32, width=32, num_frames=5,
+                           steps=1))  # the parent: configs only
+    assert not list((tmp_path / "parent-cache").rglob("*.safetensors")), "the parent fetched weights"
+    RunStore(str(store)).run("dist").write_json("request.json", req.to_json())
+    capsys.readouterr()
+    monkeypatch.setenv("VIDAX_CACHE", str(tmp_path / "stage-cache"))  # the stage's own machine
+    for stage in ("encode", "sample"):
+        before = tree_digest(store)
+        rc = cli.main(["stage", "dist", stage, "--store", str(store)])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in err + out, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("vidax: error: checkpoint: DiT: ") and "diffusion_pytorch_model.safetensors" in last, last
+        assert "not a readable safetensors file" in last
+        assert tree_digest(store) == before, "the store changed"
