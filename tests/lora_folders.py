@@ -40,7 +40,8 @@ def cogvideox(folder: Path) -> list[str]:
 
     _ref_pipeline("2b-ddim", folder)
     _t5(folder, 20, seed=3)
-    return ["--prompt", "a fox", "--model", "cogvideox-2b", "--height", "32", "--width", "48", "--frames", "9", "--guidance", "6"]
+    return ["--prompt", "a fox", "--model", "cogvideox-2b", "--height", "32", "--width", "48", "--frames", "9", "--guidance", "6",
+            "--vae-tiling", "false"]
 
 
 def ltx(folder: Path) -> list[str]:

@@ -211,34 +211,51 @@ def test_layout_merges_as_diffusers_fuses(folders, tmp_path, family, layout):
 
 
 # ------------------------------------------------------------------ end to end through vidax generate
-def _generate(store, folder, args, lora=None):
-    from stages import cli
-    from stages.store import RunStore
-
+def _argv(store, folder, args, lora=None):
     argv = ["generate", "--checkpoint", str(folder), "--steps", "2", "--decode-stages", "1", "--seed", "3",
             "--run-id", "r", "--store", str(store), *args]
-    if lora:
-        argv += ["--lora", lora]
-    assert cli.main(argv) == 0
-    group = RunStore(str(store)).run("r").group("sample.zarr")
-    from stages.store import read_array
+    return argv + (["--lora", lora] if lora else [])
 
+
+def _latents(store, run_id="r"):
+    from stages.store import RunStore, read_array
+
+    group = RunStore(str(store)).run(run_id).group("sample.zarr")
     return {name: read_array(group, name) for name in sorted(group.array_keys())}
 
 
-def _sample_keys(folder, args, lora):
-    from stages import run as R
-    from stages.request import Request, validate
+def _generate(store, folder, args, lora=None):
+    from stages import cli
 
-    opts = dict(zip(args[::2], args[1::2]))
-    req = validate(Request(model=opts["--model"], checkpoint=str(folder), prompt=opts["--prompt"],
-                           height=int(opts["--height"]), width=int(opts["--width"]), num_frames=int(opts["--frames"]),
-                           steps=2, lora=lora))
-    return R.stage_keys(req, R.make_pipeline(req))
+    assert cli.main(_argv(store, folder, args, lora)) == 0
+    return _latents(store)
+
+
+def _request(folder, args, lora=None):
+    """The validated request ``vidax generate`` builds from these arguments."""
+    from stages import cli
+    from stages.request import validate
+
+    argv = _argv("unused", folder, args, lora)
+    model = argv[argv.index("--model") + 1]
+    return validate(cli._request_from_args(cli.build_parser(model).parse_args(argv)))
+
+
+def _sampled(store, folder, args):
+    """The same request's encode and sample stages alone (``vidax stage``: no decode, cheaper)."""
+    from stages import cli
+    from stages.store import RunStore
+
+    RunStore(str(store)).run("r").write_json("request.json", _request(folder, args).to_json())
+    for stage in ("encode", "sample"):
+        assert cli.main(["stage", "r", stage, "--store", str(store)]) == 0
+    return _latents(store)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_lora_equals_the_diffusers_fused_folder(folders, tmp_path, family):
+    from stages import run as R
+
     folder, args = folders(family)
     layout = E2E_LAYOUT[family]
     assert (family, layout) in DIFFUSERS_READS
@@ -252,9 +269,51 @@ def test_generate_with_lora_equals_the_diffusers_fused_folder(folders, tmp_path,
         err = _rel(ours[name], ref[name])
         print(f"{family}: {name} rel err {err:.2e}")
         assert err <= 1e-5, f"{family}: sampled {name} differ from the fused folder's: {err:.2e} relative"
+    plain = _sampled(tmp_path / "s3", folder, args)["latents"]
+    assert _rel(plain, ref["latents"]) > 1e-3, "the LoRA does not change the result: a weak test"
     # the sample stage's key follows the LoRA's content and scale; the encode stage's does not move
-    plain, k8, k5 = (_sample_keys(folder, args, s) for s in (None, f"{lora}:0.8", f"{lora}:0.5"))
-    assert len({plain["sample"], k8["sample"], k5["sample"]}) == 3
-    assert plain["encode"] == k8["encode"] == k5["encode"]
-    plain_latents = _generate(tmp_path / "s3", folder, args)["latents"]
-    assert _rel(plain_latents, ref["latents"]) > 1e-3, "the LoRA does not change the result: a weak test"
+    keys = [R.stage_keys(req, R.make_pipeline(req)) for req in
+            (_request(folder, args, s) for s in (None, f"{lora}:0.8", f"{lora}:0.5"))]
+    assert len({k["sample"] for k in keys}) == 3
+    assert len({k["encode"] for k in keys}) == 1
+
+
+# ------------------------------------------------------------------ bad LoRAs on every family
+def _bad_loras(family, folder, d):
+    """(file, texts its refusal names): a module this DiT does not have, a shape that does not fit,
+    and a Wan LoRA (another family's names)."""
+    sd, _, _ = make_lora(family, folder, "kohya", seed=7)
+    down = next(k for k in sorted(sd) if k.endswith(".lora_down.weight"))
+    mod = down.removesuffix(".lora_down.weight")
+    unknown = dict(sd)
+    for role in ("lora_down.weight", "lora_up.weight", "alpha"):
+        unknown[f"diffusion_model.blocks_of_another_model.9.{role}"] = sd[f"{mod}.{role}"]
+    shape = dict(sd)
+    shape[f"{mod}.lora_up.weight"] = np.ones((sd[f"{mod}.lora_up.weight"].shape[0] + 3, RANK), np.float32)
+    from tests.test_lora import make_lora as wan_lora
+
+    return [(_save(unknown, d / "unknown.safetensors"), ["match no module", "blocks_of_another_model.9"]),
+            (_save(shape, d / "shape.safetensors"), ["shape mismatch", mod.removeprefix("diffusion_model.")]),
+            (_save(wan_lora("kohya"), d / "wan.safetensors"), ["match no module", "diffusion_model.blocks.0"])]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bad_loras_refused_at_validation(folders, tmp_path, capsys, family):
+    """Each family: exit 2 before anything is written, one line naming the file and the keys."""
+    from stages import cli
+    from tests.test_bad_inputs import tree_digest
+
+    folder, args = folders(family)
+    store = tmp_path / "store"
+    (store / "runs" / "earlier").mkdir(parents=True)
+    (store / "runs" / "earlier" / "request.json").write_text('{"prompt": "an earlier run"}')
+    for path, texts in _bad_loras(family, folder, tmp_path):
+        before = tree_digest(store)
+        rc = cli.main(_argv(store, folder, args, f"{path}:0.5"))
+        out, err = capsys.readouterr()
+        err = err.strip()
+        assert rc == 2, (out, err)
+        assert err.count("\n") == 0 and err.startswith("vidax: error: lora:") and "Traceback" not in err, err
+        for t in [str(path), *texts]:
+            assert t in err, err
+        assert tree_digest(store) == before, "the store changed"
