@@ -307,7 +307,9 @@ def test_bad_loras_refused_at_validation(folders, tmp_path, capsys, family):
     store = tmp_path / "store"
     (store / "runs" / "earlier").mkdir(parents=True)
     (store / "runs" / "earlier" / "request.json").write_text('{"prompt": "an earlier run"}')
-    for path, texts in _bad_loras(family, folder, tmp_path):
+    cases = _bad_loras(family, folder, tmp_path)
+    capsys.readouterr()  # (the folder's build)
+    for path, texts in cases:
         before = tree_digest(store)
         rc = cli.main(_argv(store, folder, args, f"{path}:0.5"))
         out, err = capsys.readouterr()
