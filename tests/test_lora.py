@@ -2,8 +2,9 @@
 
 One tiny complete Wan diffusers folder (UMT5 text encoder, word-level tokenizer, DiT, VAE) is
 built once per module; each LoRA layout is checked against the folder whose transformer diffusers
-fused, end to end through ``vidax generate`` for the PEFT layout and on the loaded DiT tensors for
-the others."""
+fused, end to end through ``vidax generate`` (PEFT on Wan2.1 T2V; kohya, PEFT and musubi on both
+Wan2.2 A14B experts; kohya with the image keys on Wan2.1 I2V) and on the loaded DiT tensors for
+every layout. The other families: ``tests/test_lora_generate.py``."""
 import json
 import shutil
 
