@@ -658,6 +658,10 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
     kind = stage.split("/")[0]
     if kind in ("encode", "sample", "decode"):
         check_memory(req, pipe, (kind,), log)  # before the lease: a stage that cannot fit takes nothing
+        # the checkpoint's headers, before the lease too: in distributed mode the parent never fetched
+        # a remote checkpoint (the stage's machine does, here), so a damaged one is refused before this
+        # stage writes anything (once per process and folder: after generate()'s own check, free)
+        check_weights(req, pipe)
     try:
         return _run_stage(run, req, pipe, stage, keys, log, progress, records, force)
     except (CorruptInput, StageFailed):

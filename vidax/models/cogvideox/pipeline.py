@@ -80,7 +80,7 @@ class TinyPreset:
 def _tiny_presets() -> dict:
     base = cdit.CogVideoXConfig(num_heads=4, head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
                                 text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8, sample_frames=5,
-                                max_text_seq_length=64)
+                                max_text_seq_length=226)  # the release's: a 20-word prompt fits (byte tokens)
     rot = replace(base, use_rotary_positional_embeddings=True)
     v15 = replace(rot, patch_size_t=2, patch_bias=False, sample_width=16, sample_height=16, sample_frames=9)
     sched2b = {"_class_name": "CogVideoXDDIMScheduler", **RELEASED_SCHEDULER, "snr_shift_scale": 3.0}

@@ -198,10 +198,13 @@ class HunyuanVideoT2V(Pipeline):
         if self.image_to_video:
             from vidax.models.hunyuanvideo import llava
 
-            text = ("text encoder (LLaVA)", lambda: llava.load_llava(self.folder / "text_encoder"))
+            te = self.folder / "text_encoder"  # the LLaVA tower's three parts, each checked on its own
+            text = [("text encoder (LLaVA language model)", lambda: lm.load_lm(te, dtype=np.float32)),
+                    ("text encoder (LLaVA vision tower)", lambda: llava.load_vision_tower(te)),
+                    ("text encoder (LLaVA projector)", lambda: llava.load_projector(te))]
         else:
-            text = ("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))
-        return [text, ("CLIP text encoder (text_encoder_2)",
+            text = [("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))]
+        return [*text, ("CLIP text encoder (text_encoder_2)",
                        lambda: clip_text.load_clip_text(self.folder / "text_encoder_2", dtype=np.float32)),
                 ("DiT", lambda: hdit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
                 ("VAE", self.load_vae)]

@@ -52,7 +52,7 @@ class LTX2Preset:
     vocoder: laudio.VocoderConfig = field(default_factory=lambda: laudio.VocoderConfig(
         in_channels=32, hidden_channels=16, upsample_kernel_sizes=(7, 4, 4), upsample_factors=(5, 4, 4),
         resnet_kernel_sizes=(3,), resnet_dilations=((1, 3),), output_sampling_rate=8000))
-    max_text_len: int = 64
+    max_text_len: int = 256  # byte tokens: a 20-word prompt fits
     seed: int = 0
 
 
