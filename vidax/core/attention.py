@@ -191,3 +191,59 @@ def attention(q, k, v, *, bias=None, mask=None, scale=None, impl: str | None = N
         sm_scale=d**-0.5 if scale is None else scale,
     )
     return out.transpose(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------- blocks with their log-sum-exp
+def _attend_lse(q, k, v, kmask, scale):
+    """[B, H, Lq, D] x [B, H, Lk, D] (``kmask``: [B or 1, Lk] bool or None) -> (out [B, H, Lq, D]
+    float32, normalised; lse [B, H, Lq] float32). A row whose keys are all masked gets an lse near
+    float32's lowest value, so its weight in a merge is zero."""
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32) * scale
+    if kmask is not None:
+        logits = jnp.where(kmask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(jnp.float32) / den, (m + jnp.log(den))[..., 0]
+
+
+def dense_attention_lse(q, k, v, kmask=None, scale=None, q_block: int = _Q_BLOCK):
+    """Dense attention of one key/value block with the log-sum-exp of its rows (the unit ring
+    attention merges). ``q`` [B, Lq, H, D], ``k``/``v`` [B, Lk, H, D], ``kmask`` a key mask
+    [B or 1, Lk] (True = attend) or None. Returns ``(out [B, Lq, H, D] float32, lse [B, H, Lq])``;
+    long query sequences go ``q_block`` at a time, as in :func:`dense_attention`."""
+    b, lq, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if lq <= 2 * q_block:
+        o, lse = _attend_lse(qh, kh, vh, kmask, scale)
+        return o.transpose(0, 2, 1, 3), lse
+    nb = -(-lq // q_block)
+    pad = nb * q_block - lq
+    qp = jnp.pad(qh, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else qh
+    blocks = qp.reshape(b, h, nb, q_block, d).transpose(2, 0, 1, 3, 4)
+    _, (o, lse) = jax.lax.scan(lambda _, qb: (None, _attend_lse(qb, kh, vh, kmask, scale)), None, blocks)
+    o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * q_block, h, d)[:, :lq]
+    lse = lse.transpose(1, 2, 0, 3).reshape(b, h, nb * q_block)[:, :, :lq]
+    return o, lse
+
+
+def attention_lse(q, k, v, *, kmask=None, scale=None, impl: str | None = None):
+    """One ring step's attention: ``(out float32, lse)`` of queries over one key/value block with
+    a key mask. The seam for the backends' fused kernels (splash with ``save_residuals``, cuDNN
+    with its softmax statistics): today every backend runs the dense path here, so a ring step is
+    exact float32 attention everywhere; the whole-sequence (Ulysses-only) path keeps the fused
+    kernels of :func:`attention`."""
+    del impl  # one implementation so far (see the docstring)
+    return dense_attention_lse(q, k, v, kmask=kmask, scale=scale)
+
+
+def merge_lse(acc, part):
+    """Online-softmax merge of two partial attentions ``(out [B, L, H, D] f32, lse [B, H, L])``
+    over disjoint key sets: the attention over their union."""
+    (o1, l1), (o2, l2) = acc, part
+    lse = jnp.logaddexp(l1, l2)
+    w1 = jnp.exp(l1 - lse).transpose(0, 2, 1)[..., None]
+    w2 = jnp.exp(l2 - lse).transpose(0, 2, 1)[..., None]
+    return o1 * w1 + o2 * w2, lse
