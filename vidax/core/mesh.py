@@ -358,6 +358,16 @@ class UlyssesHeads:
     value: int
 
 
+@dataclass(frozen=True)
+class SpTokens:
+    """Rule: ``sp`` at most ``value`` tokens (named ``what``): each sequence-parallel device holds at
+    least one real token. Any count runs otherwise (padded to a multiple of ``sp``, masked)."""
+
+    what: str
+    value: int
+    why: str = "sequence parallel splits them, padded to a multiple of sp"
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -394,7 +404,11 @@ def check_divisible(rules: Sequence, mesh: Mesh | Mapping[str, int] | str | None
         max_devices = len(mesh.devices.flat) if isinstance(mesh, Mesh) else None
         max_devices = max(max_devices or 0, len(jax.devices()))
     heads_rules = [r for r in rules if isinstance(r, UlyssesHeads)]
-    rules = [r for r in rules if not isinstance(r, UlyssesHeads)]
+    for r in rules:
+        if isinstance(r, SpTokens) and sizes["sp"] > r.value:
+            raise ShardingConfigError(f"sp={sizes['sp']} exceeds the {r.value} {r.what} ({r.why}): every sp device needs at "
+                                      f"least one; valid sp: 1 to {r.value} [mesh {format_mesh_spec(sizes)}]")
+    rules = [r for r in rules if not isinstance(r, (UlyssesHeads, SpTokens))]
     rules += [Divisible(r.what, r.value, ("tp",), "attention heads are split over tp") for r in heads_rules]
     for r in rules:
         prod = int(np.prod([sizes[a] for a in r.axes]))
@@ -420,4 +434,4 @@ def check_divisible(rules: Sequence, mesh: Mesh | Mapping[str, int] | str | None
 __all__ = ["AXES", "Divisible", "ShardingConfigError", "axis_sizes", "check_divisible", "ensure_axes",
            "agree", "barrier", "distributed_timeout", "format_mesh_spec", "init_distributed", "is_leader",
            "make_mesh", "parse_mesh_spec", "process_count", "process_index", "replicate", "ring_degree",
-           "single_device_mesh", "UlyssesHeads", "usp_split", "valid_sizes", "RemoteError"]
+           "single_device_mesh", "SpTokens", "UlyssesHeads", "usp_split", "valid_sizes", "RemoteError"]
