@@ -408,8 +408,8 @@ def check_divisible(rules: Sequence, mesh: Mesh | Mapping[str, int] | str | None
         if isinstance(r, SpTokens) and sizes["sp"] > r.value:
             raise ShardingConfigError(f"sp={sizes['sp']} exceeds the {r.value} {r.what} ({r.why}): every sp device needs at "
                                       f"least one; valid sp: 1 to {r.value} [mesh {format_mesh_spec(sizes)}]")
-    rules = [r for r in rules if not isinstance(r, (UlyssesHeads, SpTokens))]
-    rules += [Divisible(r.what, r.value, ("tp",), "attention heads are split over tp") for r in heads_rules]
+    rules = [Divisible(r.what, r.value, ("tp",), "attention heads are split over tp") if isinstance(r, UlyssesHeads)
+             else r for r in rules if not isinstance(r, SpTokens)]
     for r in rules:
         prod = int(np.prod([sizes[a] for a in r.axes]))
         if r.value % prod == 0:
