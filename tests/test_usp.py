@@ -249,3 +249,22 @@ def test_generate_with_a_ring_mesh_matches_one_device(tmp_path, capsys):
     ref = read_array(store.run("one").group("sample.zarr"), "latents")
     out = read_array(store.run("usp").group("sample.zarr"), "latents")
     assert_parity(out, ref, tol=1e-4, what="generate sp=8,ring=4 latents")
+
+
+# ----------------------------------------------------------------------------------- vidax plan
+def test_plan_accounts_for_usp():
+    """``vidax plan`` compiles the USP step (2 heads on sp=8: Ulysses 2 x ring 4, 18 tokens padded
+    to 24) and reports what sequence parallelism sends per device per step, from the traced
+    program's local shapes times the layers."""
+    from stages.plan import plan
+
+    p = plan("wan2.1-t2v-1.3b", preset="tiny", mesh="sp=8", height=48, width=48, num_frames=5)
+    sample = next(s for s in p.stages if s.kind == "sample")
+    unit = sample.units[0]
+    b = int(unit.note.split()[1])  # "batch 2 x 18 tokens"
+    layers, heads, hd, f32 = 2, 2, 12, 4
+    local = b * (24 // 8) * heads * hd * f32  # one of q / k / v on one device before the all_to_all
+    assert unit.comm == {"all_to_all": layers * 4 * local // 2,  # q, k, v and the output, half of each leaves
+                         "ring": layers * 3 * 2 * (b * (24 // 4) * (heads // 2) * hd * f32)}  # k, v: 3 hops
+    assert "sequence parallel sends" in p.table() and "ring K/V" in p.table()
+    assert sample.to_json()["units"][0]["sp_comm"] == unit.comm

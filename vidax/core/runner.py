@@ -276,7 +276,8 @@ class DiTRunner:
         def body(c, s):
             return step(nnx.merge(graph, s), c, consts, par), None
 
-        out, _ = jax.lax.scan(body, carry, blocks)
+        with vsh.comm_repeat(jax.tree.leaves(blocks)[0].shape[0]):  # traced once, runs once per layer
+            out, _ = jax.lax.scan(body, carry, blocks)
         return out
 
     def _link(self, name, carry, consts, par):

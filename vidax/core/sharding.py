@@ -27,6 +27,8 @@ materialises a full array on one device.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -229,6 +231,49 @@ def row_parallel_linear(layer: nnx.Linear, x, axis: str):
     return y if bias is None else y + bias
 
 
+_COMM = contextvars.ContextVar("vidax_sp_comm", default=None)
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Bytes one device sends for sequence-parallel attention in the programs traced inside this
+    block (``{"all_to_all": ..., "ring": ..., "gather": ...}``, per call of the traced program):
+    recorded by :func:`usp_attention` from its local shapes at trace time, times the layers of the
+    stack a scan runs it over (:func:`comm_repeat`). What ``vidax plan`` reports as the sampling
+    step's communication; an estimate of what the interconnect carries, not a measurement."""
+    rec = {"all_to_all": 0, "ring": 0, "gather": 0, "_scale": 1}
+    token = _COMM.set(rec)
+    try:
+        yield rec
+    finally:
+        _COMM.reset(token)
+        rec.pop("_scale", None)
+
+
+@contextlib.contextmanager
+def comm_repeat(n: int):
+    """What is traced inside runs ``n`` times per call (a ``lax.scan`` over ``n`` layers)."""
+    rec = _COMM.get()
+    if rec is None:
+        yield
+        return
+    rec["_scale"] *= int(n)
+    try:
+        yield
+    finally:
+        rec["_scale"] //= int(n)
+
+
+def _record(kind: str, nbytes: float) -> None:
+    rec = _COMM.get()
+    if rec is not None:
+        rec[kind] += int(nbytes) * rec["_scale"]
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
 def ulysses_attention(q, k, v, *, axis: str = "sp", axis_size: int, impl: str | None = None):
     """DeepSpeed-Ulysses self-attention inside ``shard_map`` (``sp`` must divide the heads).
 
@@ -275,7 +320,10 @@ def usp_attention(q, k, v, *, axis: str = "sp", axis_size: int, ring: int | None
                                   axis_index_groups=groups)
 
     if u > 1:
+        _record("all_to_all", (_nbytes(q, k, v) + _nbytes(q)) * (u - 1) / u)  # q, k, v there, the output (~ q) back
         q, k, v = a2a(q, 2, 1), a2a(k, 2, 1), a2a(v, 2, 1)
+    if r > 1:
+        _record("ring", (r - 1) * _nbytes(k, v))  # this device's chunk of k and v (its heads), r - 1 hops
     idx = jax.lax.axis_index(axis) if sp > 1 else 0
     ui, ri = idx % u, idx // u
     hu = h // u
@@ -325,6 +373,7 @@ def usp_attention(q, k, v, *, axis: str = "sp", axis_size: int, ring: int | None
     if u > 1:
         o_seq = a2a(o_seq, 1, 2)
     if o_extra is not None and sp > 1:
+        _record("gather", 2 * _nbytes(o_extra) * u * (sp - 1) / sp)  # an all-reduce of the whole joint output
         # this device's heads of the joint queries' output, placed among zeros (ring member 0's
         # only) and summed over the axis: whole and identical on every device
         full = jnp.zeros((*o_extra.shape[:2], h, o_extra.shape[3]), o_extra.dtype)
@@ -444,4 +493,4 @@ def with_constraint(x, mesh: Mesh, spec: P):
 __all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "usp_attention",
-           "with_constraint"]
+           "with_constraint", "count_comm", "comm_repeat"]
