@@ -283,7 +283,7 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
         sizes = parse_mesh_spec(sp.mesh) if sp.mesh else {}
         tp, spd, dp = (int(sizes.get(a, 1)) for a in ("tp", "sp", "dp"))
         for k in (2, 4, 8):
-            if geo.num_heads % (tp * k * spd) == 0:
+            if geo.num_heads % (tp * k) == 0:  # sp is free of the heads (Ulysses x ring)
                 out.append(f"--mesh dp={dp},tp={tp * k}" + (f",sp={spd}" if spd > 1 else "") +
                            f" on {dp * tp * k * spd} chips: weights ~{fmt_bytes(w // k)} per device")
                 break

@@ -25,10 +25,14 @@ from vidax.core.attention import dense_attention
 
 
 # ----------------------------------------------------------------------------------- the core unit
-@pytest.mark.parametrize("spec", ["sp=8", "sp=8,ring=8", "sp=8,ring=4", "dp=2,sp=4,ring=2", "tp=2,sp=4"])
-def test_usp_attention_matches_dense(spec):
+@pytest.mark.parametrize("spec,impl", sweep.sample([("sp=8", None), ("sp=8,ring=8", None), ("sp=8,ring=4", None),
+                                                    ("dp=2,sp=4,ring=2", None), ("tp=2,sp=4", None),
+                                                    ("sp=4,ring=2", "splash")], 2, "usp-unit"))
+def test_usp_attention_matches_dense(spec, impl):
     """Joint [sequence; prompt] attention, 21 sequence tokens (padded to the sp multiple, masked),
-    5 prompt tokens with a key mask, prompt queries too: the same as one dense attention."""
+    5 prompt tokens with a key mask, prompt queries too: the same as one dense attention. With
+    ``impl="splash"`` every ring step is the Pallas splash kernel (its log-sum-exp residual merged;
+    interpret mode off TPU)."""
     rng = np.random.default_rng(0)
     b, h, d, n, ne = 2, 2, 8, 21, 5
     q, k, v = (jnp.asarray(rng.normal(size=(b, n, h, d)), jnp.float32) for _ in range(3))
@@ -49,13 +53,31 @@ def test_usp_attention_matches_dense(spec):
 
     def f(q, k, v, eq, ek, ev, em):
         return vsh.usp_attention(q, k, v, axis_size=sp, ring=ring, valid=n, extra_q=eq, extra_k=ek, extra_v=ev,
-                                 extra_mask=em)
+                                 extra_mask=em, impl=impl)
 
     bs, hs = ("dp" if dp > 1 else None), ("tp" if tp > 1 else None)
     s, e = P(bs, "sp", hs, None), P(bs, None, hs, None)
     o, oe = vsh.smap(f, mesh, (s, s, s, e, e, e, P(bs, None)), (s, e))(pad(q), pad(k), pad(v), eq, ek, ev, em)
     assert_parity(o[:, :n], ref[:, :n], tol=1e-5, what=f"{spec} (ulysses {u} x ring {r}) sequence")
     assert_parity(oe, ref[:, n:], tol=1e-5, what=f"{spec} prompt queries")
+
+
+def test_splash_ring_step_matches_dense():
+    """The ring step's unit: splash's saved log-sum-exp equals the dense path's, fully masked rows
+    included (a finite, hugely negative lse: zero weight in the merge)."""
+    from vidax.core import attention as A
+
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 40, 2, 12)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 12)), jnp.float32) for _ in range(2))
+    for km in (jnp.asarray(np.arange(24)[None] < np.array([[24], [10]])), jnp.zeros((1, 24), bool)):
+        (o1, l1), (o2, l2) = (A.attention_lse(q, k, v, kmask=km, impl=i) for i in ("splash", "xla"))
+        assert l1.shape == (2, 2, 40) and np.isfinite(np.asarray(o1)).all()
+        if bool(km.any()):
+            assert_parity(o1, o2, tol=1e-5, what="splash ring step")
+            assert_parity(l1, l2, tol=1e-5, what="splash log-sum-exp")
+        else:
+            assert float(l1.max()) < -1e37 and float(l2.max()) < -1e37
 
 
 def test_usp_split_and_ring_specs():

@@ -83,20 +83,23 @@ def splash_blocks(lq: int, lk: int, device_kind: str | None = None) -> tuple[int
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(lq: int, lk: int, heads: int, blocks: tuple[int, int, int], interpret: bool):
+def _splash_kernel(lq: int, lk: int, heads: int, blocks: tuple[int, int, int], interpret: bool,
+                   save_residuals: bool = False):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     bq, bkv, bc = blocks
     mask = sm.MultiHeadMask([sm.FullMask((lq, lk))] * heads)
-    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret, save_residuals=save_residuals,
                               block_sizes=sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc))
 
 
-def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None = None, device_kind: str | None = None):
+def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None = None, device_kind: str | None = None,
+                     return_lse: bool = False):
     """Pallas splash attention for any lengths (see the module docstring). ``mask``: a key mask
     broadcastable to [B, 1, 1, Lk] (True = attend) or None. ``interpret``: None runs the kernel
-    natively on TPU and in Pallas interpret mode elsewhere."""
+    natively on TPU and in Pallas interpret mode elsewhere. ``return_lse``: also the rows'
+    log-sum-exp [B, H, Lq] (the kernel's saved residual), for a ring step's merge."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, lq, h, d = q.shape
@@ -118,12 +121,15 @@ def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None =
     kv_seg = jnp.broadcast_to(valid, (b, lkp))
     if km is not None:
         kv_seg = kv_seg & jnp.pad(jnp.broadcast_to(km, (b, lk)), ((0, 0), (0, lkp - lk)))
-    kernel = _splash_kernel(lqp, lkp, h, (bq, bkv, bc), bool(interpret))
+    kernel = _splash_kernel(lqp, lkp, h, (bq, bkv, bc), bool(interpret), bool(return_lse))
     q_seg = jnp.ones((lqp,), jnp.int32)  # every query in segment 1: padded and masked keys are segment 0
 
     def one(qb, kb, vb, seg):
         return kernel(qb, kb, vb, segment_ids=sk.SegmentIds(q=q_seg, kv=seg.astype(jnp.int32)))
 
+    if return_lse:
+        out, (lse,) = jax.vmap(one)(qh, kh, vh, kv_seg)
+        return out[:, :, :lq, :d].transpose(0, 2, 1, 3).astype(jnp.float32), lse[:, :, :lq].astype(jnp.float32)
     out = jax.vmap(one)(qh, kh, vh, kv_seg)
     return out[:, :, :lq, :d].transpose(0, 2, 1, 3).astype(v.dtype)
 
@@ -230,12 +236,15 @@ def dense_attention_lse(q, k, v, kmask=None, scale=None, q_block: int = _Q_BLOCK
 
 
 def attention_lse(q, k, v, *, kmask=None, scale=None, impl: str | None = None):
-    """One ring step's attention: ``(out float32, lse)`` of queries over one key/value block with
-    a key mask. The seam for the backends' fused kernels (splash with ``save_residuals``, cuDNN
-    with its softmax statistics): today every backend runs the dense path here, so a ring step is
-    exact float32 attention everywhere; the whole-sequence (Ulysses-only) path keeps the fused
-    kernels of :func:`attention`."""
-    del impl  # one implementation so far (see the docstring)
+    """One ring step's attention: ``(out float32, lse [B, H, Lq])`` of queries over one key/value
+    block with a key mask ``kmask`` [B or 1, Lk]. ``impl`` resolves as in :func:`attention`: on TPU
+    Pallas splash (its saved log-sum-exp residual), elsewhere the dense path; cuDNN returns no
+    softmax statistics through ``jax.nn.dot_product_attention``, so a GPU ring step runs dense (the
+    whole-sequence Ulysses path keeps cuDNN)."""
+    which = _resolve(impl, q, None, None if kmask is None else kmask[:, None, None, :])
+    if which == "splash":
+        return splash_attention(q, k, v, mask=None if kmask is None else kmask[:, None, None, :], scale=scale,
+                                return_lse=True)
     return dense_attention_lse(q, k, v, kmask=kmask, scale=scale)
 
 

@@ -340,7 +340,8 @@ class Cosmos3Omni(TileStages, Pipeline):
         known = int(np.prod([max(1, int(v)) for v in sizes.values()]))
         sizes = {a: (n // known if int(v) == -1 else int(v)) for a, v in sizes.items()}
         try:
-            vmesh.check_divisible(mot.parallel_constraints(self.model_config()), sizes, max_devices=n)
+            vmesh.check_divisible(mot.parallel_constraints(self.model_config()), sizes, max_devices=n,
+                                  ring=vmesh.ring_degree(mesh))
         except vmesh.ShardingConfigError as e:
             raise OptionError("mesh", f"{mesh!r}: {e}") from None
 
