@@ -721,7 +721,10 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
     r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
                ring=vmesh.ring_degree(mesh))
     return _CogCompat(config, None, cfg, r)

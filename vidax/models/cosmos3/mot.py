@@ -770,7 +770,10 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
-    state, cfg = load_model(folder, cfg, dtype=dtype)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_model(folder, cfg, dtype=dtype)
     r = Cosmos3Runner(state, cfg, m, parallelism, ring=vmesh.ring_degree(mesh), offload_chunk_size=offload_chunk_size,
                       prefetch=prefetch,
                       attn_impl=attn_impl)
