@@ -97,7 +97,7 @@ class MappedTensor:
             for j, a in enumerate(perm):
                 src[a] = box[j]
             src = tuple(src)
-        part = t.read(index=src) if isinstance(t, LazyTensor) else np.asarray(t)[src]
+        part = t.read(index=src) if callable(getattr(t, "read", None)) else np.asarray(t)[src]
         return _TRANSFORMS[self.kind](part).astype(self.dtype)
 
     def read(self, index=None) -> np.ndarray:
