@@ -350,14 +350,20 @@ LazyTensor.read = spy
 from vidax import compat
 m = compat.load_pretrained(sys.argv[1], mesh="tp=2", parallelism="tp")
 k = m.runner.stacks["blocks"]["attn1"]["q"]["kernel"].get_value()
-print(json.dumps({"reads": reads, "local": [list(s.data.shape) for s in k.addressable_shards], "global": list(k.shape)}))
+first = list(reads)  # the tp=2 load's reads
+import numpy as np
+kw = dict(np.load(sys.argv[2]))
+ring = compat.load_pretrained(sys.argv[1], mesh="sp=2,ring=2", parallelism="sp").forward(**kw)  # a ring across hosts
+np.save(sys.argv[3], np.asarray(ring))
+print(json.dumps({"reads": first, "local": [list(s.data.shape) for s in k.addressable_shards], "global": list(k.shape)}))
 """
 
 
 def test_two_processes_each_read_only_their_rows(family, tmp_path):
     """Two processes (one fake device each, ``jax.distributed`` on loopback) load the Wan DiT with
     ``mesh="tp=2"``: each reads only its own half of the rows of every query projection and holds
-    only its half of the stacked kernel; neither reads any tensor whole."""
+    only its half of the stacked kernel; neither reads any tensor whole. Then the same DiT on
+    ``sp=2,ring=2`` (the ring's K/V hops cross the two processes) computes what one device does."""
     import json
     import os
     import socket
@@ -367,7 +373,8 @@ def test_two_processes_each_read_only_their_rows(family, tmp_path):
 
     from tests.sweep import xla_flags
 
-    path, _, _ = family("wan")
+    path, kw, one = family("wan")
+    np.savez(tmp_path / "kw.npz", **kw)
     root = Path(__file__).resolve().parent.parent
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -375,7 +382,8 @@ def test_two_processes_each_read_only_their_rows(family, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIDAX_") or k == "VIDAX_FAMILIES"}
     env.update(XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu", VIDAX_COMPILE_CACHE="off", PYTHONPATH=str(root),
                VIDAX_COORDINATOR=f"127.0.0.1:{port}", VIDAX_NUM_PROCESSES="2", VIDAX_DISTRIBUTED_TIMEOUT="30")
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SCRIPT, str(path)], cwd=root, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SCRIPT, str(path), str(tmp_path / "kw.npz"),
+                               str(tmp_path / f"ring{i}.npy")], cwd=root, text=True,
                               env={**env, "VIDAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
     outs = []
@@ -396,3 +404,5 @@ def test_two_processes_each_read_only_their_rows(family, tmp_path):
         n = o["global"]
         assert o["local"] == [[n[0], n[1], n[2] // 2]]  # this process's devices hold half the columns
     assert sorted(halves) == [(0, n[2] // 2), (n[2] // 2, n[2])]
+    for i in range(2):
+        assert_parity(np.load(tmp_path / f"ring{i}.npy"), one[0], tol=1e-4, what=f"process {i}: sp=2,ring=2 across hosts")
