@@ -1,6 +1,7 @@
 """Sharding as metadata: logical axis names on every parameter and activation, ONE table mapping
-them to mesh axes; Megatron tensor parallelism and DeepSpeed-Ulysses sequence parallelism as a
-small context object the model's layers call into inside ``shard_map``.
+them to mesh axes; Megatron tensor parallelism and USP sequence parallelism (DeepSpeed-Ulysses x
+ring attention, :func:`usp_attention`) as a small context object the model's layers call into
+inside ``shard_map``.
 
 Every parameter of an NNX model carries its logical axes (``vidax.core.nn.logical`` /
 ``nn.Linear(axes=...)``; stacked blocks get a leading ``"layers"``)::
