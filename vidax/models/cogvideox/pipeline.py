@@ -52,6 +52,7 @@ from vidax.schedulers import from_diffusers_config
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 _CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json")
 _EMB_DIMS = ("batch", "token", "channel")
@@ -260,7 +261,8 @@ class CogVideoX(Pipeline):
 
     def load_dit(self):
         """``(state on one device, cfg)``, or with a mesh / offloading ``(DiTRunner, cfg)``."""
-        state, cfg = self._load_dit_host()
+        with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
+            state, cfg = self._load_dit_host()
         if not self.scaled:
             return jax.device_put(state), cfg
         return cdit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,

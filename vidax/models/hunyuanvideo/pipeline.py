@@ -38,6 +38,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
                             to_unit_range, unpack_state)
 from vidax.schedulers import make_scheduler
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,7 @@ class HunyuanVideoT2V(Pipeline):
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            with self.lora_merging("dit"), lazy_params(self.scaled and self.offload_chunk_size is None):
                 state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if not self.scaled:
             return jax.device_put(state), cfg

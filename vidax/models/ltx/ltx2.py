@@ -19,6 +19,7 @@ from vidax.models.ltx.common import (EMB, LATENT, NOISE_AUDIO, NOISE_DECODE, NOI
 from vidax.models.ltx.sampling import sample_av
 from vidax.pipeline import DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, to_uint8, to_unit_range
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.weights.keymap import lazy_params
 
 
 def _tiny_gemma():
@@ -247,7 +248,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         if self.preset:
             state = ldit2.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            with self.lora_merging("dit"), lazy_params(self.mesh is not None and self.offload_chunk_size is None):
                 state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg
