@@ -293,6 +293,12 @@ def cmd_status(a) -> int:
     if a.io:
         header += ["requests", "read MiB", "written MiB", "frames MiB", "carry MiB", "compiled / cached"]
     con.print(_table(rows, header))
+    ev = ((records.get("sample") or {}).get("details") or {}).get("dit_evaluations") if isinstance(
+        records.get("sample"), dict) else None
+    if ev:
+        cs = (records.get("sample").get("details") or {}).get("cache") or {}
+        con.print(f"DiT evaluations (sample, cache {cs.get('method')} threshold {cs.get('threshold')}): "
+                  f"{ev['computed']} computed, {ev['skipped']} skipped")
     for n in R.video_names(len(req.prompts)):
         con.print(f"video: {run.url(n)}")
     return 0

@@ -392,6 +392,8 @@ class DiTRunner:
 
         cache, u = self.cache, self._cache_unit
         n_first = 1 if cache.method == "fbcache" else 0
+        # the inputs laid out as the programs take them (whichever program made them): one compile each
+        inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
         c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first)
         key = self._metric_key(c1)
         batch = c1[key].shape[0]
@@ -404,10 +406,10 @@ class DiTRunner:
             final, tail, prev = u("shortcut")(c1, consts, cache.tail), None, None
         else:  # mixed: the whole batch runs, the skipped branches take the cached residual
             full, tail_new = u("rest")(self.stacks, c1, consts, n_first)
-            rows_d = jnp.asarray(rows)
-            final = u("merge")(full, u("shortcut")(c1, consts, cache.tail), rows_d)
-            tail = u("merge")(tail_new, cache.tail, rows_d)
-            prev = u("merge")({"r": r}, {"r": cache.prev}, rows_d)["r"] if cache.prev is not None else r
+            old = {"final": u("shortcut")(c1, consts, cache.tail), "tail": cache.tail,
+                   "prev": r if cache.prev is None else cache.prev}
+            m = u("merge")({"final": full, "tail": tail_new, "prev": r}, old, jnp.asarray(rows))
+            final, tail, prev = m["final"], m["tail"], m["prev"]
         cache.record(compute, prev=prev if n_first else None, tail=tail,
                      residual=None if tail is None else tail[key])
         return u("head")(self.rest, final, consts, _shapes_key(inputs))

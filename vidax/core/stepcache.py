@@ -166,6 +166,8 @@ class StepCache:
         self.computed = self.skipped = 0
         self.expert = None
         self.branches = 1
+        self.changes: list = []  # fbcache: per DiT call with a cache, the relative change per branch
+        self.decisions: list = []  # per DiT call: which branches were computed (this process's calls)
         self._mag = interp_ratios(cfg.ratios, self.steps) if self.method == "magcache" and not calibrate else None
         self._reset()
 
@@ -241,6 +243,7 @@ class StepCache:
         if self.prev is None:
             return np.ones(self.branches, bool)
         diff = np.asarray(_rel_change(r, self.prev, self.branches), np.float64)
+        self.changes.append(diff)
         return ~self.has | (diff > self.cfg.threshold)
 
     def decide_magnitude(self) -> np.ndarray:
@@ -269,6 +272,7 @@ class StepCache:
         """After a forward: count it, keep the new residuals of the computed branches (``prev``,
         ``tail``: already merged per row by the runner), advance the per-branch step counters."""
         compute = np.asarray(compute, bool)
+        self.decisions.append(compute.copy())
         self.computed += int(compute.sum())
         self.skipped += int((~compute).sum())
         if self.calibrate and residual is not None:  # MagCache's calibration formula, per branch
