@@ -233,3 +233,43 @@ def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
     if threshold >= 0.1:
         assert 2 < sum(ours) < 2 * steps  # the threshold takes decisions both ways
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
+
+
+@pytest.mark.parametrize("threshold,max_skips,retention", [(0.06, 3, 0.2), (0.2, 2, 0.1), (0.0, 3, 0.2)])
+def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, retention):
+    from diffusers import MagCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps = 10
+    ref, ref_computed = _ref_run(pipe, MagCacheConfig(threshold=threshold, max_skip_steps=max_skips,
+                                                      retention_ratio=retention, num_inference_steps=steps,
+                                                      mag_ratios=MAG_RATIOS), cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("magcache", threshold, max_skips, retention, tuple(MAG_RATIOS)), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed
+    if threshold > 0:
+        assert 2 < sum(ours) < 2 * steps
+    else:
+        assert all(ours)
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+def test_magcache_through_the_stages(tmp_path):
+    url = f"file://{tmp_path}"
+    plain, _, _ = _gen(url, "plain")
+    mag, req, _ = _gen(url, "mag", cache="magcache", cache_threshold=0.5, cache_ratios=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
+                       cache_retention=0.2)
+    ev = mag.record("sample")["details"]["dit_evaluations"]
+    assert ev["skipped"] > 0 and ev["computed"] + ev["skipped"] == 12
+    assert mag.record("sample")["details"]["cache"]["ratios"] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    assert not np.allclose(_latents(mag), _latents(plain), atol=1e-3)
