@@ -373,7 +373,16 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     from stages import plan  # per-stage memory plans (stages/plan.py)
 
     plan.add_parser(sub, model)
+    from stages import calibrate  # MagCache ratios of a checkpoint (stages/calibrate.py)
+
+    calibrate.add_parser(sub, model)
     return ap
+
+
+def cmd_calibrate(a) -> int:
+    from stages.calibrate import cmd_calibrate as run
+
+    return run(a)
 
 
 def cmd_probe(a) -> int:
@@ -390,7 +399,7 @@ def cmd_plan(a) -> int:
 
 COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "batch": cmd_batch, "stage": cmd_stage,
                                  "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models,
-                                 "probe": cmd_probe, "plan": cmd_plan}
+                                 "probe": cmd_probe, "plan": cmd_plan, "calibrate": cmd_calibrate}
 
 
 def _model_arg(argv: list[str]) -> str | None:
@@ -450,7 +459,7 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
     from stages.run import StageError
     from vidax.core import runtime
 
-    if a.cmd in ("generate", "batch", "stage", "rerun"):
+    if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate"):
         runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     from vidax.core.mesh import RemoteError, process_count
 

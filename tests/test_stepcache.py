@@ -273,3 +273,36 @@ def test_magcache_through_the_stages(tmp_path):
     assert ev["skipped"] > 0 and ev["computed"] + ev["skipped"] == 12
     assert mag.record("sample")["details"]["cache"]["ratios"] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
     assert not np.allclose(_latents(mag), _latents(plain), atol=1e-3)
+
+
+def test_calibrate_measures_ratios_as_diffusers(wan_ref, tmp_path, capsys):
+    """``vidax calibrate`` on a tiny checkpoint folder: the ratios diffusers' ``calibrate=True`` prints."""
+    import ast
+    import json
+
+    from diffusers import MagCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    capsys.readouterr()
+    _ref_run(pipe, MagCacheConfig(calibrate=True, num_inference_steps=6), cond, uncond, lat, 6)
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[") and not ln.startswith("[MagCache")]
+    ref = [ast.literal_eval(ln) for ln in printed]  # one list per context: cond, then uncond
+    assert len(ref) == 2 and len(ref[0]) == 6
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("magcache", 0.0, ratios=(1.0, 1.0)), 6, calibrate=True)
+    vx.sample_latents(cond, uncond, latents=lat, steps=6, guidance=5.0)
+    assert vx.step_cache.evaluations == {"computed": 12, "skipped": 0}
+    np.testing.assert_allclose(vx.step_cache.calib, ref, rtol=1e-4)
+    # the command on the tiny preset writes a file that --cache-ratios takes
+    out = tmp_path / "ratios.json"
+    assert cli.main(["calibrate", "--model", "wan2.1-t2v-1.3b", "--steps", "5", "--height", "32", "--width", "48",
+                     "--frames", "5", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["ratios"]) == 5 and doc["ratios"][0] == 1.0 and len(doc["per_branch"]) == 2
+    r = validate(Request(**{**REQ, "cache": "magcache", "cache_ratios": str(out)}))
+    assert r.cache_ratios == doc["ratios"]
