@@ -42,7 +42,7 @@ def calibrate(req: Request, image=None) -> dict:
     if not getattr(pipe, "STEP_CACHE", False):
         raise RequestError("model", f"{req.model} does not run a step cache yet")
     cond = {k: v.array for k, v in pipe.encode(req, image).items()}
-    cache = StepCache(CacheSettings("magcache", 0.0, ratios=(1.0, 1.0)), req.steps, calibrate=True)
+    cache = StepCache(CacheSettings("magcache", 0.0, ratios=((1.0, 1.0),)), req.steps, calibrate=True)
     pipe.step_cache = cache
     try:
         pipe.sample(cond, req)

@@ -99,10 +99,10 @@ class Request:
         from vidax.core import stepcache
 
         recipe = registry.MODELS.get(self.model)
-        published = getattr(recipe, "mag_ratios", None) if recipe is not None else None
+        published = getattr(recipe.pipeline_class(), "MAG_RATIOS", {}).get(self.model) if recipe is not None else None
         return stepcache.settings(self.cache, self.cache_threshold, max_skips=self.cache_max_skips,
                                   retention=self.cache_retention, ratios=self.cache_ratios, model=self.model,
-                                  published=published(self.checkpoint, self.preset) if callable(published) else published)
+                                  published=published)
 
     @classmethod
     def from_json(cls, d: dict) -> "Request":
@@ -296,7 +296,7 @@ def _check_cache(r: Request) -> Request:
     return dataclasses.replace(r, cache=cs.method, cache_threshold=cs.threshold,
                                cache_max_skips=cs.max_skips if cs.method == "magcache" else None,
                                cache_retention=cs.retention if cs.method == "magcache" else None,
-                               cache_ratios=list(cs.ratios) if cs.method == "magcache" else None)
+                               cache_ratios=[list(r) for r in cs.ratios] if cs.method == "magcache" else None)
 
 
 def _check_loras(r: Request, pipe, plan: bool) -> Request:

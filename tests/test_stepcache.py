@@ -36,7 +36,8 @@ def _latents(run):
     (dict(cache="fbcache", cache_threshold=float("nan")), "cache_threshold", "finite number"),
     (dict(cache_threshold=0.1), "cache_threshold", "needs a cache method"),
     (dict(cache="fbcache", cache_max_skips=2), "cache_max_skips", "is a magcache setting"),
-    (dict(cache="magcache"), "cache_ratios", "wan2.1-t2v-1.3b has no published MagCache ratios"),
+    (dict(model="cogvideox-2b", height=None, width=None, cache="magcache"), "cache_ratios",
+     "cogvideox-2b has no published MagCache ratios"),
     (dict(cache="magcache", cache_ratios=[1.0, -2.0]), "cache_ratios", "positive numbers"),
     (dict(cache="magcache", cache_ratios=[1.0, 1.0], cache_retention=1.5), "cache_retention", "between 0.0 and 1.0"),
     (dict(cache="teacache"), "cache", "not implemented yet"),
@@ -84,7 +85,7 @@ def test_prompt_file_takes_the_cache_keys(tmp_path):
     j = tmp_path / "p.jsonl"
     j.write_text('{"prompt": "a", "cache": "magcache", "cache_ratios": [1.0, 0.95, 0.9]}\n{"prompt": "b", "cache": 3}\n')
     lines = parse_prompt_file(str(j))
-    assert lines[0].request.cache_ratios == [1.0, 0.95, 0.9] and lines[0].request.cache_max_skips == 3
+    assert lines[0].request.cache_ratios == [[1.0, 0.95, 0.9]] and lines[0].request.cache_max_skips == 3
     assert lines[1].error and "cache" in lines[1].error
 
 
@@ -253,7 +254,7 @@ def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, ret
                                                       retention_ratio=retention, num_inference_steps=steps,
                                                       mag_ratios=MAG_RATIOS), cond, uncond, lat, steps)
     vx = WanT2V(folder)
-    vx.step_cache = StepCache(CacheSettings("magcache", threshold, max_skips, retention, tuple(MAG_RATIOS)), steps)
+    vx.step_cache = StepCache(CacheSettings("magcache", threshold, max_skips, retention, (tuple(MAG_RATIOS),)), steps)
     z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
     ours = [bool(b) for d in vx.step_cache.decisions for b in d]
     assert ours == ref_computed
@@ -271,7 +272,7 @@ def test_magcache_through_the_stages(tmp_path):
                        cache_retention=0.2)
     ev = mag.record("sample")["details"]["dit_evaluations"]
     assert ev["skipped"] > 0 and ev["computed"] + ev["skipped"] == 12
-    assert mag.record("sample")["details"]["cache"]["ratios"] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    assert mag.record("sample")["details"]["cache"]["ratios"] == [[1.0, 0.9, 0.8, 0.7, 0.6, 0.5]]
     assert not np.allclose(_latents(mag), _latents(plain), atol=1e-3)
 
 
@@ -294,7 +295,7 @@ def test_calibrate_measures_ratios_as_diffusers(wan_ref, tmp_path, capsys):
     ref = [ast.literal_eval(ln) for ln in printed]  # one list per context: cond, then uncond
     assert len(ref) == 2 and len(ref[0]) == 6
     vx = WanT2V(folder)
-    vx.step_cache = StepCache(CacheSettings("magcache", 0.0, ratios=(1.0, 1.0)), 6, calibrate=True)
+    vx.step_cache = StepCache(CacheSettings("magcache", 0.0, ratios=((1.0, 1.0),)), 6, calibrate=True)
     vx.sample_latents(cond, uncond, latents=lat, steps=6, guidance=5.0)
     assert vx.step_cache.evaluations == {"computed": 12, "skipped": 0}
     np.testing.assert_allclose(vx.step_cache.calib, ref, rtol=1e-4)
@@ -305,4 +306,24 @@ def test_calibrate_measures_ratios_as_diffusers(wan_ref, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert len(doc["ratios"]) == 5 and doc["ratios"][0] == 1.0 and len(doc["per_branch"]) == 2
     r = validate(Request(**{**REQ, "cache": "magcache", "cache_ratios": str(out)}))
-    assert r.cache_ratios == doc["ratios"]
+    assert r.cache_ratios == doc["per_branch"]
+
+
+@pytest.mark.parametrize("model", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1-i2v-480p", "wan2.1-i2v-720p"])
+def test_published_magcache_ratios_of_the_releases(model, cond_image):
+    from vidax.models.wan.magcache import MAG_RATIOS
+
+    over = dict(model=model, cache="magcache", height=None, width=None)
+    if "i2v" in model:
+        over["image"] = cond_image
+    r = validate(Request(**{**REQ, **over}))
+    assert r.cache_ratios == MAG_RATIOS[model] and len(r.cache_ratios) == 2  # conditional, unconditional
+    assert r.cache_threshold == 0.06 and r.cache_max_skips == 3 and r.cache_retention == 0.2
+    n = 50 if "t2v" in model else 40
+    assert [len(b) for b in r.cache_ratios] == [n, n] and r.cache_ratios[0][0] == r.cache_ratios[1][0] == 1.0
+
+
+def test_magcache_with_published_ratios_runs(tmp_path):
+    run, req, _ = _gen(f"file://{tmp_path}", "pub", cache="magcache", steps=10, cache_threshold=0.06)
+    ev = run.record("sample")["details"]["dit_evaluations"]
+    assert ev["computed"] + ev["skipped"] == 20 and ev["skipped"] > 0  # the ratios resampled to 10 steps

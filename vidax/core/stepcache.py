@@ -52,13 +52,13 @@ class CacheSettings:
     threshold: float
     max_skips: int = 3            # magcache: at most this many skipped steps in a row (K)
     retention: float = 0.2        # magcache: this fraction of the first steps is always computed
-    ratios: tuple = field(default=())  # magcache: per-step magnitude ratios (interpolated to the steps)
+    ratios: tuple = field(default=())  # magcache: per-step magnitude ratios, a tuple per CFG branch (or one for all)
 
     def key(self) -> dict:
         """What enters the sample stage's key."""
         d = {"method": self.method, "threshold": self.threshold}
         if self.method == "magcache":
-            d.update(max_skips=self.max_skips, retention=self.retention, ratios=list(self.ratios))
+            d.update(max_skips=self.max_skips, retention=self.retention, ratios=[list(r) for r in self.ratios])
         return d
 
 
@@ -73,8 +73,9 @@ def _number(name, v, lo=None, hi=None, integer=False):
 
 
 def read_ratios(value) -> tuple:
-    """MagCache ratios: a list of numbers, or the path / URL of a JSON file holding one (or an
-    object with ``"ratios"``, as ``vidax calibrate`` writes)."""
+    """MagCache ratios as a tuple per CFG branch: a list of numbers (every branch), a list of lists
+    (one per branch: conditional, unconditional), or the path / URL of a JSON file holding either
+    (or an object with ``"per_branch"`` / ``"ratios"``, as ``vidax calibrate`` writes)."""
     if isinstance(value, str):
         import fsspec
 
@@ -86,12 +87,18 @@ def read_ratios(value) -> tuple:
         except (OSError, ValueError) as e:
             raise CacheError("cache_ratios", f"{value}: not a JSON list of ratios ({type(e).__name__}: {e})") from None
         if isinstance(value, dict):
-            value = value.get("ratios")
-    if (not isinstance(value, (list, tuple)) or len(value) < 2
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-                       for x in value)):
-        raise CacheError("cache_ratios", "must be a list of at least 2 positive numbers (or a JSON file of one)")
-    return tuple(float(x) for x in value)
+            value = value.get("per_branch") or value.get("ratios")
+    lists = value if isinstance(value, (list, tuple)) and value and all(
+        isinstance(v, (list, tuple)) for v in value) else [value]
+
+    def ok(v):
+        return (isinstance(v, (list, tuple)) and len(v) >= 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v))
+
+    if not all(ok(v) for v in lists) or len(lists) > 2:
+        raise CacheError("cache_ratios", "must be a list of at least 2 positive numbers, or one such list per CFG "
+                                         "branch (or a JSON file of either)")
+    return tuple(tuple(float(x) for x in v) for v in lists)
 
 
 def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=None, model: str = "",
@@ -120,7 +127,7 @@ def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=N
         if not published:
             raise CacheError("cache_ratios", f"{model or 'this model'} has no published MagCache ratios: give "
                                              f"--cache-ratios FILE (measure them with vidax calibrate)")
-        r = tuple(float(x) for x in published)
+        r = read_ratios(list(published))
     else:
         r = read_ratios(ratios)
     return CacheSettings(method, thr, k, ret, r)
@@ -168,7 +175,8 @@ class StepCache:
         self.branches = 1
         self.changes: list = []  # fbcache: per DiT call with a cache, the relative change per branch
         self.decisions: list = []  # per DiT call: which branches were computed (this process's calls)
-        self._mag = interp_ratios(cfg.ratios, self.steps) if self.method == "magcache" and not calibrate else None
+        self._mag = ([interp_ratios(r, self.steps) for r in cfg.ratios]
+                     if self.method == "magcache" and not calibrate else None)
         self._reset()
 
     # ---------------------------------------------------------------- state
@@ -258,7 +266,8 @@ class StepCache:
             i = int(self.calls[j])
             if i < keep:
                 continue
-            scale = float(self._mag[i]) if i < len(self._mag) else 1.0
+            mag = self._mag[min(j, len(self._mag) - 1)]  # this branch's ratios (or the shared ones)
+            scale = float(mag[i]) if i < len(mag) else 1.0
             self.acc_ratio[j] *= scale
             self.acc_steps[j] += 1
             self.acc_err[j] += abs(1.0 - self.acc_ratio[j])

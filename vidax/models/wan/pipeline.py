@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vidax.core.runner import DiTRunner
+from vidax.models.wan import magcache as wmag
 from vidax.core.sampling import StepInfo, denoise, expert_segments
 from vidax.models.wan import dit as wdit
 from vidax.models.wan import tiles as wtiles
@@ -112,6 +113,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
 
     FAMILY = "wan"
     STEP_CACHE = True
+    MAG_RATIOS = wmag.MAG_RATIOS  # published MagCache calibrations (vidax/models/wan/magcache.py)
     OPTIONS = (
         Option("shift", float, 5.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
