@@ -153,19 +153,33 @@ def test_cached_units_compile_once():
     from vidax.core.stepcache import CacheSettings, StepCache
     from vidax.models.wan.pipeline import WanT2V
 
+    from vidax.core import runner as vrunner
+
+    vrunner._CACHE_UNITS.clear()  # units other tests of this process built (other shapes) do not count
     vx = WanT2V("tiny")
     cond = np.random.default_rng(0).standard_normal((1, 16, vx.dit_config().text_dim)).astype(np.float32)
     vx.step_cache = StepCache(CacheSettings("fbcache", 0.0), 8)
     runner, cfg = vx.load_dit()
     kw = dict(height=32, width=32, num_frames=5, steps=8, guidance=4.0, dit=(runner, cfg))
+
+    def sizes():  # programs per unit, whatever other tests of this process compiled before
+        return {n: f._cache_size() for n, f in runner._cunits.items()}
+
     vx.sample_latents(cond, cond * 0.5, **kw)
-    # again with a threshold in the middle of the changes seen: some steps skipped, nothing new compiled
+    first = sizes()
+    # again with a threshold in the middle of the changes seen: some steps skipped, nothing new
+    # compiled for the units the first run built (8 steps: a per-step compile would show)
     vx.step_cache = StepCache(CacheSettings("fbcache", float(np.median(vx.step_cache.changes))), 8)
     vx.sample_latents(cond, cond * 0.5, **kw)
     ev = vx.step_cache.evaluations
     assert ev["computed"] > 2 and ev["skipped"] > 0
-    sizes = {n: f._cache_size() for n, f in runner._cunits.items() if f._cache_size()}
-    assert sizes and set(sizes.values()) == {1}, sizes
+    second = sizes()
+    assert {n: second[n] for n in first if first[n]} == {n: v for n, v in first.items() if v}
+    assert set(second.values()) == {1}
+    # a second runner of the same model (the next prompt of a batch) builds nothing new
+    vx.step_cache = StepCache(CacheSettings("fbcache", vx.step_cache.cfg.threshold), 8)
+    vx.sample_latents(cond, cond * 0.25, **{**kw, "dit": vx.load_dit()})
+    assert sizes() == second
 
 
 # ------------------------------------------------------------------ parity: diffusers' hooks

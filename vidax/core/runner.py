@@ -48,6 +48,10 @@ def _is_spec(x) -> bool:
 _STATIC = (bool, int, float, str, tuple)
 
 
+#: the step cache's jitted units per runner signature (vidax.core.stepcache; weights are arguments)
+_CACHE_UNITS: dict = {}
+
+
 def _shapes_key(inputs: dict) -> tuple:
     return tuple(sorted((k, tuple(np.shape(v))) for k, v in inputs.items()))
 
@@ -333,9 +337,20 @@ class DiTRunner:
         return carry
 
     def _cache_unit(self, name):
-        """The cached forward's jitted units (built once per runner; one program per shape)."""
+        """The cached forward's jitted units: built once per :attr:`signature` (on a weightless
+        :meth:`program` copy; the weights are arguments) and shared by later runners of the same
+        model, mesh and dtype (a batch's next prompt, a resumed run): one program per shape."""
         if name in self._cunits:
             return self._cunits[name]
+        key = self.signature
+        if key not in _CACHE_UNITS:
+            while len(_CACHE_UNITS) >= 8:
+                _CACHE_UNITS.pop(next(iter(_CACHE_UNITS)))
+            _CACHE_UNITS[key] = self.program()._build_cache_units()
+        self._cunits.update(_CACHE_UNITS[key])
+        return self._cunits[name]
+
+    def _build_cache_units(self) -> dict:
         first_stack = self.stack_names[0]
 
         def embed_first(rest, stacks, inputs, tables, n_first):
@@ -383,11 +398,13 @@ class DiTRunner:
                 return jnp.where(rows.reshape((-1,) + (1,) * (n.ndim - 1)), n, o.astype(n.dtype))
             return jax.tree.map(one, new, old)
 
-        fns = {"embed_first": jax.jit(embed_first, static_argnums=4), "rest": jax.jit(blocks_rest, static_argnums=3),
-               "shortcut": jax.jit(shortcut), "merge": jax.jit(merge),
-               "head": jax.jit(self._epilogue, static_argnums=(3,))}
-        self._cunits.update(fns)
-        return fns[name]
+        return {"embed_first": jax.jit(embed_first, static_argnums=4), "rest": jax.jit(blocks_rest, static_argnums=3),
+                "shortcut": jax.jit(shortcut), "merge": jax.jit(merge),
+                "head": jax.jit(self._epilogue, static_argnums=(3,))}
+
+    def _place_like(self, tree: dict) -> dict:
+        """Carry-like arrays placed with their activation layout (a no-op when they already are)."""
+        return {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, np.shape(v)))) for k, v in tree.items()}
 
     def _cached_call(self, inputs, tables):
         """One cached forward (``self.cache`` decides per CFG branch; see vidax.core.stepcache)."""
@@ -400,6 +417,10 @@ class DiTRunner:
         c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first)
         key = self._metric_key(c1)
         batch = c1[key].shape[0]
+        if cache.tail is not None:  # e.g. restored from a step checkpoint (host arrays)
+            cache.tail = self._place_like(cache.tail)
+        if cache.prev is not None:
+            cache.prev = self._place_like({key: cache.prev})[key]
         compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
         rows = rows_mask(compute, batch)
         if compute.all() or (not compute.any() and cache.tail is None):
@@ -413,6 +434,9 @@ class DiTRunner:
                    "prev": r if cache.prev is None else cache.prev}
             m = u("merge")({"final": full, "tail": tail_new, "prev": r}, old, jnp.asarray(rows))
             final, tail, prev = m["final"], m["tail"], m["prev"]
+        # the cache's arrays laid out alike whichever unit made them (or a checkpoint): one compile per unit
+        tail = None if tail is None else self._place_like(tail)
+        prev = None if prev is None else self._place_like({key: prev})[key]
         cache.record(compute, prev=prev if n_first else None, tail=tail,
                      residual=None if tail is None else tail[key])
         return u("head")(self.rest, final, consts, _shapes_key(inputs))
