@@ -341,3 +341,31 @@ def test_magcache_with_published_ratios_runs(tmp_path):
     run, req, _ = _gen(f"file://{tmp_path}", "pub", cache="magcache", steps=10, cache_threshold=0.06)
     ev = run.record("sample")["details"]["dit_evaluations"]
     assert ev["computed"] + ev["skipped"] == 20 and ev["skipped"] > 0  # the ratios resampled to 10 steps
+
+
+@pytest.mark.parametrize("model", ["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v", "cosmos2.5-2b",
+                                   "ltx-video-0.9"])
+def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
+    """threshold 0: every step computed, the uncached latents (bitwise; Cosmos within rounding); a
+    huge threshold: only the first call computes (per branch)."""
+    from vidax import registry
+
+    geo = registry.get(model).build("tiny", None, False).geometry()
+    url = f"file://{tmp_path}"
+    base = ["generate", "--model", model, "--prompt", "a fox in snow", "--frames", str(geo.frames_multiple + 1),
+            "--steps", "4", "--store", url]
+    out = {}
+    for rid, extra in (("plain", []), ("zero", ["--cache", "fbcache", "--cache-threshold", "0"]),
+                       ("huge", ["--cache", "fbcache", "--cache-threshold", "1e9"])):
+        assert cli.main(base + extra + ["--run-id", rid]) == 0
+        run = RunStore(url).run(rid)
+        out[rid] = (_latents(run), run.record("sample")["details"].get("dit_evaluations"))
+    (plain, none), (zero, ev0), (huge, ev1) = out["plain"], out["zero"], out["huge"]
+    branches = ev0["computed"] // 4
+    assert none is None and ev0 == {"computed": 4 * branches, "skipped": 0} and branches in (1, 2)
+    assert ev1 == {"computed": branches, "skipped": 3 * branches}
+    if model.startswith("cosmos"):
+        np.testing.assert_allclose(zero, plain, atol=1e-4, rtol=0)
+    else:
+        assert zero.tobytes() == plain.tobytes()
+    assert not np.allclose(huge, plain, atol=1e-3)
