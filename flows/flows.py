@@ -280,9 +280,13 @@ def _report(run, req: Request, results: list[dict], rerun_of: str | None = None)
     previews = "\n".join(f"- preview: `{run.url(n.replace('video', 'preview').replace('.mp4', '.png'))}`"
                          for n in R.video_names(len(req.prompts)))
     origin = f"\n\nThis rerun finished the run started by flow run {rerun_of}.\n" if rerun_of else ""
+    details = (run.record("sample") or {}).get("details") or {}
+    ev = details.get("dit_evaluations")
+    evals = (f", step cache {(details.get('cache') or {}).get('method')}: DiT evaluations {ev['computed']} computed, "
+             f"{ev['skipped']} skipped" if isinstance(ev, dict) else "")
     create_markdown_artifact(
         f"# vidax run `{run.run_id}`\n\n{req.model}, {req.width}x{req.height}, {req.num_frames} frames, "
-        f"{req.steps} steps, seed {req.seed}\n\n> {req.prompts[0]}\n\n{videos}\n{previews}\n{origin}",
+        f"{req.steps} steps, seed {req.seed}{evals}\n\n> {req.prompts[0]}\n\n{videos}\n{previews}\n{origin}",
         key=_artifact_key("vidax", run.run_id, "output"), description=f"Output of run {run.run_id}")
 
 

@@ -7,6 +7,7 @@ options (declared by its family) appear as flags of ``generate`` once ``--model`
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Callable
@@ -111,6 +112,16 @@ def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
                    help="a LoRA merged into the DiT at load (safetensors: diffusers/PEFT, ComfyUI/kohya, musubi, "
                         "AI-Toolkit, LyCORIS diff); repeatable; Wan2.2 A14B: high= / low= for one expert")
     g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
+    c = g.add_argument_group("step caching (fewer DiT evaluations; part of the sample stage's key)")
+    c.add_argument("--cache", help="none (default), fbcache (First Block Cache) or magcache (MagCache)")
+    c.add_argument("--cache-threshold", type=float, help="fbcache: relative change of the first block's residual "
+                   "at or below which the other blocks are skipped (default 0.05); magcache: accumulated error "
+                   "(default 0.06)")
+    c.add_argument("--cache-max-skips", type=int, help="magcache: most steps skipped in a row (default 3)")
+    c.add_argument("--cache-retention", type=float, help="magcache: fraction of the first steps always computed "
+                   "(default 0.2)")
+    c.add_argument("--cache-ratios", help="magcache: calibrated ratios, a JSON file (vidax calibrate) or a "
+                   "comma-separated list (default: the release's published ones)")
     recipe = registry.MODELS.get(model or registry.default_model())
     if recipe is not None and recipe.options:
         grp = g.add_argument_group(f"options of {recipe.model_id}")
@@ -135,7 +146,19 @@ def _request_from_args(a) -> Request:
                    checkpoint=a.checkpoint, seed=a.seed, height=a.height, width=a.width, num_frames=a.frames,
                    steps=a.steps, guidance=a.guidance, fps=a.fps, decode_stages=a.decode_stages,
                    checkpoint_every=a.checkpoint_every, dtype=a.dtype, mesh=a.mesh,
-                   offload_chunk_size=a.offload_chunk_size, image=a.image, lora=a.lora, options=options)
+                   offload_chunk_size=a.offload_chunk_size, image=a.image, lora=a.lora, options=options,
+                   cache=a.cache, cache_threshold=a.cache_threshold, cache_max_skips=a.cache_max_skips,
+                   cache_retention=a.cache_retention, cache_ratios=_ratios_arg(a.cache_ratios))
+
+
+def _ratios_arg(text):
+    """``--cache-ratios``: a file (path / URL) or ``1.0,0.98,...``."""
+    if text is None or not re.fullmatch(r"\s*[-+0-9.eE]+(\s*,\s*[-+0-9.eE]+)+\s*", text):
+        return text
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        return text
 
 
 def _describe(req: Request) -> str:
@@ -270,6 +293,12 @@ def cmd_status(a) -> int:
     if a.io:
         header += ["requests", "read MiB", "written MiB", "frames MiB", "carry MiB", "compiled / cached"]
     con.print(_table(rows, header))
+    ev = ((records.get("sample") or {}).get("details") or {}).get("dit_evaluations") if isinstance(
+        records.get("sample"), dict) else None
+    if ev:
+        cs = (records.get("sample").get("details") or {}).get("cache") or {}
+        con.print(f"DiT evaluations (sample, cache {cs.get('method')} threshold {cs.get('threshold')}): "
+                  f"{ev['computed']} computed, {ev['skipped']} skipped")
     for n in R.video_names(len(req.prompts)):
         con.print(f"video: {run.url(n)}")
     return 0
@@ -344,7 +373,16 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     from stages import plan  # per-stage memory plans (stages/plan.py)
 
     plan.add_parser(sub, model)
+    from stages import calibrate  # MagCache ratios of a checkpoint (stages/calibrate.py)
+
+    calibrate.add_parser(sub, model)
     return ap
+
+
+def cmd_calibrate(a) -> int:
+    from stages.calibrate import cmd_calibrate as run
+
+    return run(a)
 
 
 def cmd_probe(a) -> int:
@@ -361,7 +399,7 @@ def cmd_plan(a) -> int:
 
 COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "batch": cmd_batch, "stage": cmd_stage,
                                  "rerun": cmd_rerun, "status": cmd_status, "ls": cmd_ls, "models": cmd_models,
-                                 "probe": cmd_probe, "plan": cmd_plan}
+                                 "probe": cmd_probe, "plan": cmd_plan, "calibrate": cmd_calibrate}
 
 
 def _model_arg(argv: list[str]) -> str | None:
@@ -421,7 +459,7 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
     from stages.run import StageError
     from vidax.core import runtime
 
-    if a.cmd in ("generate", "batch", "stage", "rerun"):
+    if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate"):
         runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     from vidax.core.mesh import RemoteError, process_count
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from vidax import registry
 from vidax.pipeline import OptionError
 
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_max_skips", "cache_retention", "cache_ratios")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_SEED = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds without x64: larger ones would alias
 MAX_GUIDANCE = 100.0
@@ -57,6 +58,12 @@ class Request:
     offload_chunk_size: str | int | None = None  # stream the DiT blocks in chunks of N blocks ("all": one chunk)
     lora: str | list[str] | None = None  # LoRA adapters: "[high=|low=]FILE[:SCALE]", one or a list
     options: dict = field(default_factory=dict)  # the model family's declared options (see the recipe)
+    # step caching (vidax.core.stepcache): fewer DiT evaluations; None / "none": every step computed
+    cache: str | None = None  # fbcache | magcache (| taylorseer | teacache: not implemented yet)
+    cache_threshold: float | None = None  # None: the method's default
+    cache_max_skips: int | None = None  # magcache: most steps skipped in a row (default 3)
+    cache_retention: float | None = None  # magcache: fraction of the first steps always computed (default 0.2)
+    cache_ratios: str | list | None = None  # magcache: calibrated ratios (a list, or a JSON file from vidax calibrate)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -79,7 +86,23 @@ class Request:
         )
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The request's fields; cache fields only when set (a request without a cache keeps the
+        JSON, run id and stage keys it had before caching existed)."""
+        d = dataclasses.asdict(self)
+        for k in CACHE_FIELDS:
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
+
+    def cache_settings(self):
+        """The validated :class:`vidax.core.stepcache.CacheSettings` (None: no cache)."""
+        from vidax.core import stepcache
+
+        recipe = registry.MODELS.get(self.model)
+        published = getattr(recipe.pipeline_class(), "MAG_RATIOS", {}).get(self.model) if recipe is not None else None
+        return stepcache.settings(self.cache, self.cache_threshold, max_skips=self.cache_max_skips,
+                                  retention=self.cache_retention, ratios=self.cache_ratios, model=self.model,
+                                  published=published)
 
     @classmethod
     def from_json(cls, d: dict) -> "Request":
@@ -241,6 +264,7 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
             pipe.check_weights(r)  # headers only: every file the run loads, against the key maps
     except OptionError as e:
         raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    r = _check_cache(r)
     if r.offload_chunk_size is not None:
         v = r.offload_chunk_size
         # per block stack (models with several stacks of different shapes): "double=4,single=all"
@@ -251,6 +275,28 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
         if v != "all" and not per_stack:
             r = dataclasses.replace(r, offload_chunk_size=int(v))
     return r
+
+
+def _check_cache(r: Request) -> Request:
+    """The step-cache settings (one line naming the field); ``cache none`` is no cache at all."""
+    from vidax.core.stepcache import CacheError
+
+    if r.cache is not None and not isinstance(r.cache, str):
+        raise RequestError("cache", f"{r.cache!r}: a method name (none, fbcache, magcache)")
+    try:
+        cs = r.cache_settings()
+    except CacheError as e:
+        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    if cs is None:
+        return dataclasses.replace(r, **{k: None for k in CACHE_FIELDS})
+    if not getattr(registry.get(r.model).pipeline_class(), "STEP_CACHE", False):
+        raise RequestError("cache", f"{r.model} does not run a step cache yet")
+    if r.offload_chunk_size is not None:
+        raise RequestError("cache", "step caching does not run with --offload-chunk-size yet")
+    return dataclasses.replace(r, cache=cs.method, cache_threshold=cs.threshold,
+                               cache_max_skips=cs.max_skips if cs.method == "magcache" else None,
+                               cache_retention=cs.retention if cs.method == "magcache" else None,
+                               cache_ratios=[list(r) for r in cs.ratios] if cs.method == "magcache" else None)
 
 
 def _check_loras(r: Request, pipe, plan: bool) -> Request:

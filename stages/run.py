@@ -191,6 +191,12 @@ def _fingerprints(pipe: Pipeline, kind: str, req: Request) -> dict:
     return out
 
 
+def _cache_key(req: Request) -> dict:
+    """The step-cache settings in the sample key (absent without a cache: the keys stay as they were)."""
+    cs = req.cache_settings()
+    return {} if cs is None else {"cache": cs.key()}
+
+
 def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:
     keys = {}
     image = None
@@ -204,7 +210,7 @@ def stage_keys(req: Request, pipe: Pipeline) -> dict[str, str]:
     keys["sample"] = _key(stage="sample", inputs=[keys["encode"]], seed=req.seed, height=req.height, width=req.width,
                           frames=req.num_frames, steps=req.steps, guidance=req.guidance,
                           params=pipe.stage_params("sample", req), weights=_fingerprints(pipe, "sample", req),
-                          code=code_version("sample", pipe))
+                          code=code_version("sample", pipe), **_cache_key(req))
     dweights, dcode = _fingerprints(pipe, "decode", req), code_version("decode", pipe)
     for span in decode_plan(req, pipe):
         keys[span.name] = _key(stage=span.name, inputs=[keys["sample"], keys[span.carry_from] if span.carry_from else None],
@@ -497,9 +503,18 @@ def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, input
         log(f"  resuming from the step checkpoint at step {resume['step']}/{req.steps}")
     kill_after = _fault("sample", "kill_after_step", run.run_id)
     every = req.checkpoint_every
+    cache = _step_cache(req, pipe)
+    if cache is not None and resume is not None:  # the cache's state is part of the checkpoint
+        resume = {**resume, "arrays": cache.load(resume["arrays"])}
 
     def on_step(info, snapshot):
-        log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.3f}s")
+        if cache is not None:
+            ev = cache.evaluations
+            log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.3f}s  "
+                f"DiT {ev['computed']} computed, {ev['skipped']} skipped")
+            snapshot = (lambda snap=snapshot: {**snap(), **cache.arrays()})
+        else:
+            log(f"  step {info.index + 1}/{info.total}  t={info.timestep:.1f}  {info.seconds:.3f}s")
         done = info.index + 1
         if progress is not None:
             progress("sample", done / info.total)
@@ -517,13 +532,34 @@ def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, input
             if kill_after is not None and done >= int(kill_after):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    outputs = pipe.sample(cond, req, resume=resume, on_step=on_step)
+    try:
+        outputs = pipe.sample(cond, req, resume=resume, on_step=on_step)
+    finally:
+        pipe.step_cache = None
     w = run.writer("sample.zarr")
     out: dict = {}
     _write_named(w, outputs, "sample.zarr", out)
     w.flush()
     details = {f"_{k}": v for k, v in pipe.describe().items()}
+    if cache is not None:
+        details["_dit_evaluations"] = cache.evaluations
+        details["_cache"] = cache.cfg.key()
+        log(f"  step cache {cache.cfg.method}: {cache.evaluations['computed']} DiT evaluations computed, "
+            f"{cache.evaluations['skipped']} skipped")
     return {**out, "_resumed_from_step": resume["step"] if resume else 0, **details}
+
+
+def _step_cache(req: Request, pipe: Pipeline):
+    """The request's step cache, handed to the pipeline for its sample phase (None: no cache)."""
+    cs = req.cache_settings()
+    if cs is None:
+        return None
+    from vidax.core.stepcache import StepCache
+
+    if not getattr(pipe, "STEP_CACHE", False):
+        raise StageError(f"sample: {req.model} does not run a step cache yet (--cache {cs.method})")
+    pipe.step_cache = StepCache(cs, req.steps)
+    return pipe.step_cache
 
 
 def _cleanup_checkpoints(run: Run) -> None:

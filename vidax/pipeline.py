@@ -366,6 +366,10 @@ class Pipeline:
                                                            "decode": ("vae",)}
     #: other vidax packages this family's code runs (e.g. a VAE it reuses), for code-version keys
     CODE_DEPS: ClassVar[tuple[str, ...]] = ()
+    #: whether ``sample`` runs a step cache (``step_cache``, a :class:`vidax.core.stepcache.StepCache`
+    #: the sample stage sets: its DiT calls go through ``DiTRunner.use_cache``)
+    STEP_CACHE: ClassVar[bool] = False
+    step_cache = None
 
     def __init_subclass__(cls, **kw):
         """A family's component loaders (its public ``load_*`` methods) share their result within

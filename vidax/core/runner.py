@@ -55,6 +55,10 @@ _STATIC = (bool, int, float, str, tuple)
 _VALID = "__valid__"  # an offloaded pass's real token count, among its constants (padded tokens)
 
 
+#: the step cache's jitted units per runner signature (vidax.core.stepcache; weights are arguments)
+_CACHE_UNITS: dict = {}
+
+
 def _shapes_key(inputs: dict) -> tuple:
     return tuple(sorted((k, tuple(np.shape(v))) for k, v in inputs.items()))
 
@@ -112,6 +116,8 @@ class DiTRunner:
         self.rest = vsh.place(self._rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
         shardings = {n: vsh.named_shardings(self.mesh, s) for n, s in self.stack_specs.items()}
         self._tables: dict = {}
+        self.cache = None  # a vidax.core.stepcache.StepCache: __call__ runs the cached units (use_cache)
+        self._cunits: dict = {}
         self.offload = None
         self.stacks = None
         if offload_chunk_size is None:
@@ -375,6 +381,8 @@ class DiTRunner:
         inputs, statics = self._pack(args, kw)
         self.check_inputs(inputs)
         tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
+        if self.cache is not None:
+            return self._cached_call(inputs, tables)
         if self.offload is None:
             return self._fwd(self.rest, self.stacks, inputs, tables)
         valid = self.token_count(jax.eval_shape(self._prepared, inputs, tables))
@@ -384,6 +392,150 @@ class DiTRunner:
                 carry = self._links[n](carry, consts)
             carry = self.offload.run(n, carry, consts)
         return self._post(self.rest, carry, consts, _shapes_key(inputs), valid)
+
+    # ------------------------------------------------------------------ step caching (vidax.core.stepcache)
+    def use_cache(self, cache) -> "DiTRunner":
+        """Run every later call through the step cache ``cache`` (a :class:`~vidax.core.stepcache.StepCache`;
+        None: plain calls again). The decisions are taken on the host between jitted units: embed
+        (+ the first block), the remaining blocks, the cached-residual shortcut, the head."""
+        if cache is not None and self.offload is not None:
+            raise ValueError("step caching does not run with weight offloading (--offload-chunk-size) yet")
+        self.cache = cache
+        return self
+
+    def _metric_key(self, carry) -> str:
+        """The carry entry whose residual the cache measures: the video tokens (``CACHE_KEY``)."""
+        key = getattr(self.model, "CACHE_KEY", None)
+        if key is None:
+            key = next((k for k in ("h", "vid", "x") if k in carry), None)
+        if key is None:
+            key = next(k for k in sorted(carry) if jnp.ndim(carry[k]) >= 2)
+        return key
+
+    def _scan_range(self, name, blocks, carry, consts, par, lo: int, hi: int):
+        """Blocks ``lo..hi-1`` of stack ``name`` (the stacked weights indexed in the loop: no copy)."""
+        step = getattr(self.model, "step" if name == "blocks" else f"step_{name}")
+        graph = self.graphs[name]
+
+        if (lo, hi) == (0, jax.tree.leaves(blocks)[0].shape[0]):  # the whole stack: as the plain forward runs it
+            return self._scan(name, blocks, carry, consts, par)
+
+        def body(c, i):
+            blk = jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False), blocks)
+            return step(nnx.merge(graph, blk), c, consts, par), None
+
+        out, _ = jax.lax.scan(body, carry, jnp.arange(lo, hi))
+        return out
+
+    def _links_all(self, carry, consts, par):
+        for n in self.stack_names[1:]:
+            carry = self._link(n, carry, consts, par)
+        return carry
+
+    def _cache_unit(self, name):
+        """The cached forward's jitted units: built once per :attr:`signature` (on a weightless
+        :meth:`program` copy; the weights are arguments) and shared by later runners of the same
+        model, mesh and dtype (a batch's next prompt, a resumed run): one program per shape."""
+        if name in self._cunits:
+            return self._cunits[name]
+        key = self.signature
+        if key not in _CACHE_UNITS:
+            while len(_CACHE_UNITS) >= 8:
+                _CACHE_UNITS.pop(next(iter(_CACHE_UNITS)))
+            _CACHE_UNITS[key] = self.program()._build_cache_units()
+        self._cunits.update(_CACHE_UNITS[key])
+        return self._cunits[name]
+
+    def _build_cache_units(self) -> dict:
+        first_stack = self.stack_names[0]
+
+        def embed_first(rest, stacks, inputs, tables, n_first):
+            a = self._prepared(inputs, tables)
+            carry_s, consts_s = self._embed_shapes(rest, a)
+            key = self._metric_key(carry_s)
+
+            def inner(rest, stacks, a):
+                carry, consts = self._embed(rest, a, self.par)
+                c1 = carry if not n_first else self._scan_range(first_stack, stacks[first_stack], carry, consts,
+                                                                self.par, 0, n_first)
+                return c1, consts, c1[key] - carry[key]
+
+            specs = (self._specs(carry_s), self._specs(consts_s), self.act_spec(key, carry_s[key].shape))
+            return self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a)), specs)(rest, stacks, a)
+
+        def blocks_rest(stacks, c1, consts, n_first):
+            """The remaining blocks, and the carry they start from carried through the links (``base``)."""
+            n_layers = jax.tree.leaves(stacks[first_stack])[0].shape[0]
+            base_s = jax.eval_shape(lambda c, k: self._links_all(c, k, vsh.LOCAL), c1, consts)
+
+            def inner(stacks, c1, consts):
+                c = self._scan_range(first_stack, stacks[first_stack], c1, consts, self.par, n_first, n_layers)
+                for n in self.stack_names[1:]:
+                    c = self._link(n, c, consts, self.par)
+                    c = self._scan(n, stacks[n], c, consts, self.par)
+                return c, self._links_all(c1, consts, self.par)
+
+            spec = self._specs(base_s)
+            final, base = self._smap(inner, (self.stack_specs, self._specs(c1), self._specs(consts)),
+                                     (spec, spec))(stacks, c1, consts)
+            return final, jax.tree.map(lambda f, b: f - b, final, base)
+
+        def shortcut(c1, consts, tail):
+            base_s = jax.eval_shape(lambda c, k: self._links_all(c, k, vsh.LOCAL), c1, consts)
+            base = self._smap(lambda c, k: self._links_all(c, k, self.par), (self._specs(c1), self._specs(consts)),
+                              self._specs(base_s))(c1, consts)
+            return jax.tree.map(lambda b, t: b + t.astype(b.dtype), base, tail)
+
+        def merge(new, old, rows):
+            """Per batch row: ``new`` where computed, ``old`` elsewhere (leaves without the batch axis: new)."""
+            def one(n, o):
+                if n.ndim == 0 or n.shape[0] != rows.shape[0]:
+                    return n
+                return jnp.where(rows.reshape((-1,) + (1,) * (n.ndim - 1)), n, o.astype(n.dtype))
+            return jax.tree.map(one, new, old)
+
+        return {"embed_first": jax.jit(embed_first, static_argnums=4), "rest": jax.jit(blocks_rest, static_argnums=3),
+                "shortcut": jax.jit(shortcut), "merge": jax.jit(merge),
+                "head": jax.jit(self._epilogue, static_argnums=(3,))}
+
+    def _place_like(self, tree: dict) -> dict:
+        """Carry-like arrays placed with their activation layout (a no-op when they already are)."""
+        return {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, np.shape(v)))) for k, v in tree.items()}
+
+    def _cached_call(self, inputs, tables):
+        """One cached forward (``self.cache`` decides per CFG branch; see vidax.core.stepcache)."""
+        from vidax.core.stepcache import rows_mask
+
+        cache, u = self.cache, self._cache_unit
+        n_first = 1 if cache.method == "fbcache" else 0
+        # the inputs laid out as the programs take them (whichever program made them): one compile each
+        inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
+        c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first)
+        key = self._metric_key(c1)
+        batch = c1[key].shape[0]
+        if cache.tail is not None:  # e.g. restored from a step checkpoint (host arrays)
+            cache.tail = self._place_like(cache.tail)
+        if cache.prev is not None:
+            cache.prev = self._place_like({key: cache.prev})[key]
+        compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
+        rows = rows_mask(compute, batch)
+        if compute.all() or (not compute.any() and cache.tail is None):
+            final, tail = u("rest")(self.stacks, c1, consts, n_first)
+            prev = r
+        elif not compute.any():
+            final, tail, prev = u("shortcut")(c1, consts, cache.tail), None, None
+        else:  # mixed: the whole batch runs, the skipped branches take the cached residual
+            full, tail_new = u("rest")(self.stacks, c1, consts, n_first)
+            old = {"final": u("shortcut")(c1, consts, cache.tail), "tail": cache.tail,
+                   "prev": r if cache.prev is None else cache.prev}
+            m = u("merge")({"final": full, "tail": tail_new, "prev": r}, old, jnp.asarray(rows))
+            final, tail, prev = m["final"], m["tail"], m["prev"]
+        # the cache's arrays laid out alike whichever unit made them (or a checkpoint): one compile per unit
+        tail = None if tail is None else self._place_like(tail)
+        prev = None if prev is None else self._place_like({key: prev})[key]
+        cache.record(compute, prev=prev if n_first else None, tail=tail,
+                     residual=None if tail is None else tail[key])
+        return u("head")(self.rest, final, consts, _shapes_key(inputs))
 
     @property
     def params(self):
@@ -422,7 +574,7 @@ class DiTRunner:
         spec = copy.copy(self)
         spec.rest = spec.stacks = spec.offload = None
         spec._fwd = spec._pre = spec._post = None  # jitted methods bound to this runner (and its weights)
-        spec._links, spec._tables = {}, {}
+        spec._links, spec._tables, spec._cunits, spec.cache = {}, {}, {}, None
         return spec
 
     @property

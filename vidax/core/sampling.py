@@ -111,11 +111,24 @@ def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, pr
     return jax.jit(step, donate_argnums=(1, 2) if donate else ())
 
 
+_UPDATES: OrderedDict = OrderedDict()
+
+
 def make_update(sched, use_cfg: bool, donate: bool = False):
     """The jitted step *without* the model: ``(x, state, v, i, guidance, key) -> (x, state)``, for
-    models that are themselves several programs (e.g. weight offloading streams chunks); ``donate``:
-    ``x`` and ``state`` are updated in place."""
+    models that are themselves several programs (e.g. weight offloading streams chunks, a step
+    cache decides between units); ``donate``: ``x`` and ``state`` are updated in place. Built once
+    per scheduler contents (:func:`schedule_key`), so later runs compile nothing new."""
+    k = (schedule_key(sched), use_cfg, donate)
+    if k not in _UPDATES:
+        while len(_UPDATES) >= _STEPS_KEPT:
+            _UPDATES.popitem(last=False)
+        _UPDATES[k] = _make_update(sched, use_cfg, donate)
+    _UPDATES.move_to_end(k)
+    return _UPDATES[k]
 
+
+def _make_update(sched, use_cfg: bool, donate: bool = False):
     def update(x, state, v, i, guidance, key):
         b = x.shape[0]
         if use_cfg:

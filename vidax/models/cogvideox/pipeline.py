@@ -164,6 +164,7 @@ class CogVideoX(Pipeline):
     ``sample_latents`` / ``decode_frames``."""
 
     FAMILY = "cogvideox"
+    STEP_CACHE = True
     OPTIONS = (
         Option("scheduler", str, None, "sampler (default: the checkpoint's scheduler config)", choices=("ddim", "dpm")),
         Option("dynamic_cfg", bool, False, "use_dynamic_cfg: the guidance scale follows a cosine ramp over the steps"),
@@ -245,7 +246,8 @@ class CogVideoX(Pipeline):
 
     @property
     def scaled(self) -> bool:
-        return self.mesh is not None or self.offload_chunk_size is not None
+        """A runner (not the one-device forward): a mesh, offloading or a step cache."""
+        return self.mesh is not None or self.offload_chunk_size is not None or self.step_cache is not None
 
     def _load_dit_host(self):
         cfg = self.dit_config()
@@ -432,7 +434,10 @@ class CogVideoX(Pipeline):
                                                  x.shape[3] // cfg.patch_size))
         skey = (type(sched).__name__, repr(sorted(sched.config.items())), len(sched.timesteps), use_cfg,
                 prepare is not None)
-        if runner is not None and runner.offload is not None:
+        if runner is not None and (runner.offload is not None or self.step_cache is not None):
+            if self.step_cache is not None:  # one cache state for the [cond; uncond] batch (diffusers' "cond_uncond")
+                self.step_cache.begin(1, 1, start)
+                runner.use_cache(self.step_cache)
             step = _cached_step(("stream", id(runner), *skey), lambda: _streamed_step(runner, sched, use_cfg, prepare))
             params = None
         elif runner is not None:

@@ -200,6 +200,7 @@ class CosmosPredict(TileStages, Pipeline):
     :meth:`decode_frames`."""
 
     FAMILY = "cosmos"
+    STEP_CACHE = True
     OPTIONS = (
         Option("video", str, None, "Video2World: a conditioning clip (path or URL); its last 4(cond_frames-1)+1 "
                                    "frames start the generated clip", stages=("encode",)),
@@ -261,7 +262,8 @@ class CosmosPredict(TileStages, Pipeline):
 
     @property
     def scaled(self) -> bool:
-        return self.mesh is not None or self.offload_chunk_size is not None
+        """A runner (not the one-device forward): a mesh, offloading or a step cache."""
+        return self.mesh is not None or self.offload_chunk_size is not None or self.step_cache is not None
 
     def _load_dit_host(self):
         cfg = self.dit_config()
@@ -427,6 +429,9 @@ class CosmosPredict(TileStages, Pipeline):
             ctx = jnp.concatenate([ctx, jnp.asarray(uncond, dt)], axis=0)
         if runner is not None:
             runner.check_shapes({"x": (ctx.shape[0], *x.shape[1:-1], cfg.in_channels - 1)})
+        if self.step_cache is not None:  # per CFG branch
+            self.step_cache.begin(1, 2 if use_cfg else 1, start)
+            runner.use_cache(self.step_cache)
         inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
         update = partial(_step_update, sched, use_cfg)
 
@@ -436,7 +441,7 @@ class CosmosPredict(TileStages, Pipeline):
             pt, ph, pw = cfg.patch_size
             p = (params, cdit.rope_tables(cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)))
             call = lambda x, state, i: step(p, x, state, i, ctx, g, aux)  # noqa: E731
-        elif runner.offload is None:
+        elif runner.offload is None and runner.cache is None:
             def model(p, xin, t, ctx, cm):
                 return runner.apply(p, xin, t, ctx, cond_mask=cm)
 

@@ -124,6 +124,7 @@ class HunyuanVideoT2V(Pipeline):
     :class:`HunyuanVideoI2V`). ``source``: a preset name or a checkpoint folder / URL."""
 
     FAMILY = "hunyuanvideo"
+    STEP_CACHE = True
     GUIDANCE = "embedded"
     OPTIONS = (
         Option("shift", float, 7.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
@@ -290,7 +291,8 @@ class HunyuanVideoT2V(Pipeline):
 
     @property
     def scaled(self) -> bool:
-        return self.mesh is not None or self.offload_chunk_size is not None
+        """A runner (not the one-device forward): a mesh, offloading or a step cache."""
+        return self.mesh is not None or self.offload_chunk_size is not None or self.step_cache is not None
 
     def lora_targets(self) -> dict:
         from vidax.models.hunyuanvideo import lora as hlora
@@ -447,6 +449,9 @@ class HunyuanVideoT2V(Pipeline):
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         params, cfg = dit if dit is not None else self.load_dit()
         use_cfg = uncond is not None and true_cfg > 1.0
+        if self.step_cache is not None:  # per CFG branch (diffusers' "cond" / "uncond" contexts)
+            self.step_cache.begin(1, 2 if use_cfg else 1, start)
+            params.use_cache(self.step_cache)
         dt = _dtype(params, params if isinstance(params, DiTRunner) else None)
         c = text_inputs(cond, cfg, dt, guidance)
         u = text_inputs(uncond, cfg, dt, guidance) if use_cfg else None
@@ -754,7 +759,7 @@ def _cached_step(params, cfg, sched, schedule, ct, prep, use_cfg):
     a batch of runs with equal settings compiles it once."""
     runner = params if isinstance(params, DiTRunner) else None
     cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv_steps", {})
-    key = (cfg, schedule, ct, use_cfg)
+    key = (cfg, schedule, ct, use_cfg, runner is not None and runner.cache is not None)
     if key not in cache:
         while len(cache) >= 8:  # a long-lived worker keeps the last few settings' programs
             cache.pop(next(iter(cache)))
@@ -793,7 +798,7 @@ def _make_step(params, cfg: hdit.HunyuanVideoConfig, sched, prep, use_cfg: bool,
             x = x.at[:, :1].set(jnp.broadcast_to(img, (x.shape[0],) + img.shape[1:]))
         return x, state
 
-    if runner is None or runner.offload is None:
+    if runner is None or (runner.offload is None and runner.cache is None):
         if runner is None:  # p: (the DiT state, the grid's RoPE tables)
             model = lambda p, xin, t, cc: hdit.forward(p[0], cfg, xin, t, cc["ctx"], cc["mask"], cc["pooled"],  # noqa: E731
                                                       cc.get("guidance"), rope=p[1])

@@ -153,6 +153,7 @@ class HunyuanVideo15T2V(Pipeline):
     :class:`HunyuanVideo15I2V`). ``source``: a preset name or a checkpoint folder / URL."""
 
     FAMILY = "hunyuanvideo15"
+    STEP_CACHE = True
     GUIDANCE = "cfg"
     OPTIONS = (
         Option("shift", float, 5.0, "flow-matching timestep shift (the releases: 480p 5, 720p T2V 9, 720p I2V 7)",
@@ -288,7 +289,7 @@ class HunyuanVideo15T2V(Pipeline):
         else:
             with lazy_params(self.mesh is not None and self.offload_chunk_size is None):  # a host reads its shards
                 state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
-        if self.mesh is None and self.offload_chunk_size is None:
+        if self.mesh is None and self.offload_chunk_size is None and self.step_cache is None:
             return jax.device_put(state), cfg
         return hdit.runner(state, cfg, self.mesh, self.parallelism,
                            offload_chunk_size=self.offload_chunk_size, prefetch=self.prefetch), cfg
@@ -411,6 +412,9 @@ class HunyuanVideo15T2V(Pipeline):
         runner = params if isinstance(params, DiTRunner) else None
         dt = runner.dtype if runner is not None else hdit.state_dtype(params)
         use_cfg = uncond is not None and float(guidance) != 1.0
+        if self.step_cache is not None:  # per CFG branch (diffusers' cond / uncond contexts)
+            self.step_cache.begin(1, 2 if use_cfg else 1, start)
+            runner.use_cache(self.step_cache)
         # the DiT's extra input channels: [condition latents, mask] (zeros for text-to-video)
         cond_lat = jnp.zeros(x.shape, jnp.float32)
         mask = jnp.zeros(x.shape[:-1] + (1,), jnp.float32)
@@ -434,7 +438,7 @@ class HunyuanVideo15T2V(Pipeline):
         # the step's arguments: the weights and the RoPE tables of this grid (never compiled-in constants)
         if runner is None:
             params = (params, h10.rope_tables(cfg, h10.grid_of(cfg, x.shape)))
-        elif runner.offload is None:
+        elif runner.offload is None and runner.cache is None:
             params = runner.step_params({"x": x.shape})
         for i in range(start, n):
             t0 = time.perf_counter()
@@ -747,7 +751,7 @@ def _cached_step(cfg, sched, use_cfg, runner=None):
     from vidax.core.sampling import schedule_key
 
     cache = _STEPS if runner is None else runner.__dict__.setdefault("_hv15_steps", {})
-    key = (cfg, schedule_key(sched), use_cfg)
+    key = (cfg, schedule_key(sched), use_cfg, runner is not None and runner.cache is not None)
     if key not in cache:
         while len(cache) >= 8:
             cache.pop(next(iter(cache)))
@@ -781,7 +785,7 @@ def _make_step(cfg: hdit.HunyuanVideo15Config, sched, use_cfg: bool, runner=None
             v = v[b:] + guidance * (v[:b] - v[b:])
         return sched.step(state, v, i, x)
 
-    if runner is None or runner.offload is None:
+    if runner is None or (runner.offload is None and runner.cache is None):
         # p: (the DiT state, its RoPE tables) on one device; a runner's step_params otherwise
         model = (lambda p, *a: hdit.forward(p[0], cfg, *a, rope=p[1])) if runner is None else runner.apply  # noqa: E731
         dtype = (lambda p: hdit.state_dtype(p[0])) if runner is None else (lambda p: runner.dtype)  # noqa: E731

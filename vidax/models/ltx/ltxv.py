@@ -51,6 +51,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
     latent, kept through sampling with per-token timestep 0."""
 
     FAMILY = "ltx"
+    STEP_CACHE = True
     OPTIONS = (
         Option("guidance_rescale", float, 0.0, "rescale the guided velocity toward the conditional one's std",
                minimum=0.0, maximum=1.0),
@@ -132,7 +133,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         else:
             with self.lora_merging("dit"), lazy_params(self.mesh is not None and self.offload_chunk_size is None):
                 state, cfg = ldit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
-        if self.mesh is None and self.offload_chunk_size is None:
+        if self.mesh is None and self.offload_chunk_size is None and self.step_cache is None:
             return jax.device_put(state), cfg
         return ldit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
                            prefetch=self.prefetch), cfg
@@ -244,6 +245,9 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
                 x = init * keep + x * (1.0 - keep)
         else:
             x = jnp.asarray(latents, jnp.float32)
+        if self.step_cache is not None:  # one state for the [cond; uncond] batch (diffusers' "cond_uncond")
+            self.step_cache.begin(1, 1, start)
+            params.use_cache(self.step_cache)
         model, prm, jit_model, put = self.video_model(params, cfg, grid, fps)
         x = put(x)
         c = {"ctx": put(jnp.asarray(cond, jnp.float32)), "mask": put(jnp.asarray(cmask, jnp.float32))}
@@ -275,7 +279,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
                                                                     else runner(inp))
             return unpack(out["y"], (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)
 
-        jit_model = runner is None or runner.offload is None
+        jit_model = runner is None or (runner.offload is None and runner.cache is None)
         put = replicated(runner)
         prm = ((params if runner is None else runner.params), (put(cos), put(sin))) if jit_model else None
         return model, prm, jit_model, put

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vidax.core.runner import DiTRunner
+from vidax.models.wan import magcache as wmag
 from vidax.core.sampling import StepInfo, denoise, expert_segments
 from vidax.models.wan import dit as wdit
 from vidax.models.wan import tiles as wtiles
@@ -112,6 +113,8 @@ class WanT2V(wtiles.TileStages, Pipeline):
     ``encode_image``, ``sample_latents``, ``decode_frames``)."""
 
     FAMILY = "wan"
+    STEP_CACHE = True
+    MAG_RATIOS = wmag.MAG_RATIOS  # published MagCache calibrations (vidax/models/wan/magcache.py)
     OPTIONS = (
         Option("shift", float, 5.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
@@ -212,7 +215,8 @@ class WanT2V(wtiles.TileStages, Pipeline):
 
     @property
     def scaled(self) -> bool:
-        return self.mesh is not None or self.offload_chunk_size is not None
+        """A runner (not the one-device forward): a mesh, offloading or a step cache."""
+        return self.mesh is not None or self.offload_chunk_size is not None or self.step_cache is not None
 
     def load_dit(self, expert: int = 1):
         """DiT state (``nnx.State``) + config: on one device, or (``mesh`` / ``offload_chunk_size``
@@ -436,6 +440,9 @@ class WanT2V(wtiles.TileStages, Pipeline):
         for expert, s0, s1 in segments:
             given = dit if expert == 1 else dit_2
             loaded = given if given is not None else self.load_dit(expert)
+            if self.step_cache is not None:  # per expert, per CFG branch (empty at an expert's first step)
+                cfg_on = uncond is not None and (guidance if expert == 1 else g2) != 1.0
+                self.step_cache.begin(expert, 2 if cfg_on else 1, s0)
             x, state = self._denoise(loaded, x, cond, uncond, sched, guidance if expert == 1 else g2, seed, s0, s1,
                                      state, on_step, aux, prepare)
             del loaded  # drop this expert's weights before the next one is loaded
@@ -502,13 +509,14 @@ class WanT2V(wtiles.TileStages, Pipeline):
             b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
             runner.check_shapes({"x": (b, *x.shape[1:-1], cfg.in_channels)})
             dt = runner.dtype
-            if runner.offload is None:
+            if runner.offload is None and self.step_cache is None:
                 spec = runner.program()
                 model = spec.apply if aux is None else partial(_runner_apply_aux, spec)
                 params = runner.step_params({"x": x.shape})  # weights and RoPE tables: arguments of the step
                 key = ("wan-runner", spec.signature, aux is None)
-            else:
+            else:  # called from Python: streamed blocks, or the step cache's units
                 model, params = None, None
+                runner.use_cache(self.step_cache)
                 call = runner if aux is None else partial(_runner_call_aux, runner)
         else:  # one device: the state and the RoPE tables are the step's arguments
             model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)

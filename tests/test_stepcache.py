@@ -1,0 +1,371 @@
+"""Step caching (issue #29): request options, fbcache / magcache in the shared block loop, against
+diffusers' FirstBlockCache / MagCache hooks, staged (keys, checkpoints, SIGKILL resume) and compiled once."""
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from stages import cli
+from stages import run as R
+from stages.request import Request, RequestError, validate
+from stages.store import RunStore, read_array
+from tests.children import ENV
+
+REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
+           num_frames=9, steps=6, guidance=4.0, seed=7, checkpoint_every=2)
+
+
+def _gen(url, run_id, **over):
+    req = validate(Request(**{**REQ, **over}))
+    run = RunStore(url).run(run_id)
+    logs = []
+    R.generate(run, req, log=logs.append)
+    return run, req, logs
+
+
+def _latents(run):
+    return read_array(run.group("sample.zarr"), "latents")
+
+
+# ------------------------------------------------------------------ options
+@pytest.mark.parametrize("over,field,msg", [
+    (dict(cache="fastcache"), "cache", "choose one of none, fbcache"),
+    (dict(cache="fbcache", cache_threshold=-0.1), "cache_threshold", "must be >= 0"),
+    (dict(cache="fbcache", cache_threshold=float("nan")), "cache_threshold", "finite number"),
+    (dict(cache_threshold=0.1), "cache_threshold", "needs a cache method"),
+    (dict(cache="fbcache", cache_max_skips=2), "cache_max_skips", "is a magcache setting"),
+    (dict(model="cogvideox-2b", height=None, width=None, cache="magcache"), "cache_ratios",
+     "cogvideox-2b has no published MagCache ratios"),
+    (dict(cache="magcache", cache_ratios=[1.0, -2.0]), "cache_ratios", "positive numbers"),
+    (dict(cache="magcache", cache_ratios=[1.0, 1.0], cache_retention=1.5), "cache_retention", "between 0.0 and 1.0"),
+    (dict(cache="teacache"), "cache", "not implemented yet"),
+    (dict(cache="fbcache", offload_chunk_size=1), "cache", "offload-chunk-size"),
+])
+def test_bad_cache_options_are_one_line_errors(over, field, msg):
+    with pytest.raises(RequestError) as e:
+        validate(Request(**{**REQ, **over}))
+    assert e.value.field == field and msg in str(e.value)
+
+
+def test_cli_refuses_a_bad_cache_before_writing(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    rc = cli.main(["generate", "--prompt", "x", "--cache", "fbcache", "--cache-threshold", "-1", "--store", url])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cache_threshold" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cache_none_keeps_json_run_id_and_keys_and_settings_enter_the_sample_key():
+    plain = validate(Request(**REQ))
+    none = validate(Request(**REQ, cache="none"))
+    assert "cache" not in plain.to_json() and none.to_json() == plain.to_json()
+    assert none.default_run_id() == plain.default_run_id()
+    pipe = R.make_pipeline(plain)
+    k0 = R.stage_keys(plain, pipe)
+    assert R.stage_keys(none, pipe) == k0
+    ka = R.stage_keys(validate(Request(**REQ, cache="fbcache", cache_threshold=0.1)), pipe)
+    kb = R.stage_keys(validate(Request(**REQ, cache="fbcache", cache_threshold=0.2)), pipe)
+    kc = R.stage_keys(validate(Request(**REQ, cache="magcache", cache_threshold=0.1, cache_ratios=[1.0, 0.9])), pipe)
+    assert ka["encode"] == kb["encode"] == k0["encode"]
+    assert len({k0["sample"], ka["sample"], kb["sample"], kc["sample"]}) == 4
+    assert ka["mux"] != k0["mux"]  # downstream stages follow the sample key
+
+
+def test_prompt_file_takes_the_cache_keys(tmp_path):
+    from stages.prompts import parse_prompt_file
+
+    p = tmp_path / "p.csv"
+    p.write_text("prompt,cache,cache_threshold\na cat,fbcache,0.2\na dog,,\na cow,fbcache,x\n")
+    lines = parse_prompt_file(str(p), {"preset": "tiny"})
+    assert lines[0].request.cache == "fbcache" and lines[0].request.cache_threshold == 0.2
+    assert lines[1].request.cache is None
+    assert lines[2].error and "cache_threshold" in lines[2].error
+    j = tmp_path / "p.jsonl"
+    j.write_text('{"prompt": "a", "cache": "magcache", "cache_ratios": [1.0, 0.95, 0.9]}\n{"prompt": "b", "cache": 3}\n')
+    lines = parse_prompt_file(str(j))
+    assert lines[0].request.cache_ratios == [[1.0, 0.95, 0.9]] and lines[0].request.cache_max_skips == 3
+    assert lines[1].error and "cache" in lines[1].error
+
+
+# ------------------------------------------------------------------ staged runs
+def test_threshold_zero_is_bitwise_uncached_and_a_huge_one_skips(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    plain, _, _ = _gen(url, "plain")
+    zero, _, _ = _gen(url, "zero", cache="fbcache", cache_threshold=0.0)
+    huge, _, logs = _gen(url, "huge", cache="fbcache", cache_threshold=1e9)
+    assert _latents(zero).tobytes() == _latents(plain).tobytes()
+    assert zero.record("sample")["details"]["dit_evaluations"] == {"computed": 12, "skipped": 0}  # 6 steps x 2 branches
+    # only the first step computes (both CFG branches); the rest reuse the cached residual
+    assert huge.record("sample")["details"]["dit_evaluations"] == {"computed": 2, "skipped": 10}
+    assert not np.allclose(_latents(huge), _latents(plain), atol=1e-3)
+    assert "step 6/6" in next(m for m in logs if "step 6/6" in m) and "DiT 2 computed, 10 skipped" in " ".join(logs)
+    assert "dit_evaluations" not in plain.record("sample")["details"]
+    assert cli.main(["status", "huge", "--store", url]) == 0
+    assert "DiT evaluations (sample, cache fbcache threshold 1000000000.0): 2 computed, 10 skipped" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_sigkill_during_cached_sampling_resumes_bitwise(tmp_path):
+    url = f"file://{tmp_path / 'killed'}"
+    args = [sys.executable, "-m", "stages.cli", "generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48",
+            "--frames", "9", "--steps", "8", "--guidance", "4", "--seed", "7", "--checkpoint-every", "2",
+            "--scheduler", "flow_euler_sde", "--cache", "fbcache", "--cache-threshold", "1.2", "--run-id", "k1",
+            "--store", url]
+    p = subprocess.run(args, env={**ENV, "VIDAX_FAULTS": "sample:kill_after_step=4"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    run = RunStore(url).run("k1")
+    assert run.record("sample") is None and R._checkpoint_markers(run) == [4]
+    p = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resuming from the step checkpoint at step 4/8" in p.stdout
+    clean = f"file://{tmp_path / 'clean'}"
+    p = subprocess.run([a if a != url else clean for a in args], env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ref = RunStore(clean).run("k1")
+    ev = ref.record("sample")["details"]["dit_evaluations"]
+    assert ev["skipped"] > 0 and ev["computed"] > 2  # the threshold takes decisions both ways
+    assert run.record("sample")["details"]["dit_evaluations"] == ev
+    assert _latents(run).tobytes() == _latents(ref).tobytes()
+
+
+def test_two_experts_each_start_their_own_cache():
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    vx = WanT2V("tiny-a14b")
+    sched = vx.scheduler(6)
+    segs = vx.expert_segments(sched)
+    assert [s[0] for s in segs] == [1, 2]
+    cond = np.random.default_rng(0).standard_normal((1, 16, vx.dit_config().text_dim)).astype(np.float32)
+    vx.step_cache = StepCache(CacheSettings("fbcache", 1e9), 6)
+    vx.sample_latents(cond, cond[:, ::-1].copy(), height=32, width=32, num_frames=5, steps=6, guidance=4.0,
+                      scheduler=sched)
+    # both branches computed at each expert's first step, every other call skipped
+    assert vx.step_cache.evaluations == {"computed": 4, "skipped": 8}
+    first2 = segs[1][1]
+    assert [bool(d.all()) for d in vx.step_cache.decisions] == [i in (0, first2) for i in range(6)]
+
+
+def test_cached_units_compile_once():
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    from vidax.core import runner as vrunner
+
+    vrunner._CACHE_UNITS.clear()  # units other tests of this process built (other shapes) do not count
+    vx = WanT2V("tiny")
+    cond = np.random.default_rng(0).standard_normal((1, 16, vx.dit_config().text_dim)).astype(np.float32)
+    vx.step_cache = StepCache(CacheSettings("fbcache", 0.0), 8)
+    runner, cfg = vx.load_dit()
+    kw = dict(height=32, width=32, num_frames=5, steps=8, guidance=4.0, dit=(runner, cfg))
+
+    def sizes():  # programs per unit, whatever other tests of this process compiled before
+        return {n: f._cache_size() for n, f in runner._cunits.items()}
+
+    vx.sample_latents(cond, cond * 0.5, **kw)
+    first = sizes()
+    # again with a threshold in the middle of the changes seen: some steps skipped, nothing new
+    # compiled for the units the first run built (8 steps: a per-step compile would show)
+    vx.step_cache = StepCache(CacheSettings("fbcache", float(np.median(vx.step_cache.changes))), 8)
+    vx.sample_latents(cond, cond * 0.5, **kw)
+    ev = vx.step_cache.evaluations
+    assert ev["computed"] > 2 and ev["skipped"] > 0
+    second = sizes()
+    assert {n: second[n] for n in first if first[n]} == {n: v for n, v in first.items() if v}
+    assert set(second.values()) == {1}
+    # a second runner of the same model (the next prompt of a batch) builds nothing new
+    vx.step_cache = StepCache(CacheSettings("fbcache", vx.step_cache.cfg.threshold), 8)
+    vx.sample_latents(cond, cond * 0.25, **{**kw, "dit": vx.load_dit()})
+    assert sizes() == second
+
+
+# ------------------------------------------------------------------ parity: diffusers' hooks
+@pytest.fixture(scope="module")
+def wan_ref(tmp_path_factory):
+    """diffusers' WanPipeline (tiny, perturbed weights) saved as a folder vidax loads."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    from tests.refutil import perturb
+    from tests.test_wan_pipeline import DIT, VAE
+
+    torch.manual_seed(0)
+    transformer = perturb(WanTransformer3DModel(**DIT), seed=1)
+    vae = perturb(AutoencoderKLWan(**VAE), seed=2)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                    num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=sched)
+    folder = tmp_path_factory.mktemp("wan_cache_ref")
+    pipe.save_pretrained(folder)
+    return pipe, folder
+
+
+def _ref_run(pipe, config, cond, uncond, lat, steps):
+    """diffusers' pipeline with ``config`` enabled: final latents and, per transformer call, whether
+    its blocks after the first ran (the last block's feed-forward was called)."""
+    import torch
+
+    tr = pipe.transformer
+    calls, tail = [], []
+    h0 = tr.blocks[0].register_forward_pre_hook(lambda m, a, k=None: calls.append(len(tail)))
+    h1 = tr.blocks[-1].ffn.register_forward_pre_hook(lambda m, a: tail.append(1))
+    tr.enable_cache(config)
+    try:
+        with torch.no_grad():
+            z = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                     latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
+                     height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+    finally:
+        tr.disable_cache()
+        h0.remove()
+        h1.remove()
+    computed = [calls[i + 1] > calls[i] if i + 1 < len(calls) else len(tail) > calls[i] for i in range(len(calls))]
+    return z, computed
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.1, 0.12, 0.15])
+def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
+    from diffusers import FirstBlockCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps = 10
+    ref, ref_computed = _ref_run(pipe, FirstBlockCacheConfig(threshold=threshold), cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("fbcache", threshold), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    # diffusers calls the transformer for cond then uncond each step; vidax runs both as one batch
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed
+    assert sum(ours) == vx.step_cache.evaluations["computed"]
+    if threshold >= 0.1:
+        assert 2 < sum(ours) < 2 * steps  # the threshold takes decisions both ways
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
+
+
+@pytest.mark.parametrize("threshold,max_skips,retention", [(0.06, 3, 0.2), (0.2, 2, 0.1), (0.0, 3, 0.2)])
+def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, retention):
+    from diffusers import MagCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps = 10
+    ref, ref_computed = _ref_run(pipe, MagCacheConfig(threshold=threshold, max_skip_steps=max_skips,
+                                                      retention_ratio=retention, num_inference_steps=steps,
+                                                      mag_ratios=MAG_RATIOS), cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("magcache", threshold, max_skips, retention, (tuple(MAG_RATIOS),)), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed
+    if threshold > 0:
+        assert 2 < sum(ours) < 2 * steps
+    else:
+        assert all(ours)
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+def test_magcache_through_the_stages(tmp_path):
+    url = f"file://{tmp_path}"
+    plain, _, _ = _gen(url, "plain")
+    mag, req, _ = _gen(url, "mag", cache="magcache", cache_threshold=0.5, cache_ratios=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
+                       cache_retention=0.2)
+    ev = mag.record("sample")["details"]["dit_evaluations"]
+    assert ev["skipped"] > 0 and ev["computed"] + ev["skipped"] == 12
+    assert mag.record("sample")["details"]["cache"]["ratios"] == [[1.0, 0.9, 0.8, 0.7, 0.6, 0.5]]
+    assert not np.allclose(_latents(mag), _latents(plain), atol=1e-3)
+
+
+def test_calibrate_measures_ratios_as_diffusers(wan_ref, tmp_path, capsys):
+    """``vidax calibrate`` on a tiny checkpoint folder: the ratios diffusers' ``calibrate=True`` prints."""
+    import ast
+    import json
+
+    from diffusers import MagCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    capsys.readouterr()
+    _ref_run(pipe, MagCacheConfig(calibrate=True, num_inference_steps=6), cond, uncond, lat, 6)
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[") and not ln.startswith("[MagCache")]
+    ref = [ast.literal_eval(ln) for ln in printed]  # one list per context: cond, then uncond
+    assert len(ref) == 2 and len(ref[0]) == 6
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("magcache", 0.0, ratios=((1.0, 1.0),)), 6, calibrate=True)
+    vx.sample_latents(cond, uncond, latents=lat, steps=6, guidance=5.0)
+    assert vx.step_cache.evaluations == {"computed": 12, "skipped": 0}
+    np.testing.assert_allclose(vx.step_cache.calib, ref, rtol=1e-4)
+    # the command on the tiny preset writes a file that --cache-ratios takes
+    out = tmp_path / "ratios.json"
+    assert cli.main(["calibrate", "--model", "wan2.1-t2v-1.3b", "--steps", "5", "--height", "32", "--width", "48",
+                     "--frames", "5", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["ratios"]) == 5 and doc["ratios"][0] == 1.0 and len(doc["per_branch"]) == 2
+    r = validate(Request(**{**REQ, "cache": "magcache", "cache_ratios": str(out)}))
+    assert r.cache_ratios == doc["per_branch"]
+
+
+@pytest.mark.parametrize("model", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1-i2v-480p", "wan2.1-i2v-720p"])
+def test_published_magcache_ratios_of_the_releases(model, cond_image):
+    from vidax.models.wan.magcache import MAG_RATIOS
+
+    over = dict(model=model, cache="magcache", height=None, width=None)
+    if "i2v" in model:
+        over["image"] = cond_image
+    r = validate(Request(**{**REQ, **over}))
+    assert r.cache_ratios == MAG_RATIOS[model] and len(r.cache_ratios) == 2  # conditional, unconditional
+    assert r.cache_threshold == 0.06 and r.cache_max_skips == 3 and r.cache_retention == 0.2
+    n = 50 if "t2v" in model else 40
+    assert [len(b) for b in r.cache_ratios] == [n, n] and r.cache_ratios[0][0] == r.cache_ratios[1][0] == 1.0
+
+
+def test_magcache_with_published_ratios_runs(tmp_path):
+    run, req, _ = _gen(f"file://{tmp_path}", "pub", cache="magcache", steps=10, cache_threshold=0.06)
+    ev = run.record("sample")["details"]["dit_evaluations"]
+    assert ev["computed"] + ev["skipped"] == 20 and ev["skipped"] > 0  # the ratios resampled to 10 steps
+
+
+@pytest.mark.parametrize("model", ["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v", "cosmos2.5-2b",
+                                   "ltx-video-0.9"])
+def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
+    """threshold 0: every step computed, the uncached latents (bitwise; Cosmos within rounding); a
+    huge threshold: only the first call computes (per branch)."""
+    from vidax import registry
+
+    geo = registry.get(model).build("tiny", None, False).geometry()
+    url = f"file://{tmp_path}"
+    base = ["generate", "--model", model, "--prompt", "a fox in snow", "--frames", str(geo.frames_multiple + 1),
+            "--steps", "4", "--store", url]
+    out = {}
+    for rid, extra in (("plain", []), ("zero", ["--cache", "fbcache", "--cache-threshold", "0"]),
+                       ("huge", ["--cache", "fbcache", "--cache-threshold", "1e9"])):
+        assert cli.main(base + extra + ["--run-id", rid]) == 0
+        run = RunStore(url).run(rid)
+        out[rid] = (_latents(run), run.record("sample")["details"].get("dit_evaluations"))
+    (plain, none), (zero, ev0), (huge, ev1) = out["plain"], out["zero"], out["huge"]
+    branches = ev0["computed"] // 4
+    assert none is None and ev0 == {"computed": 4 * branches, "skipped": 0} and branches in (1, 2)
+    assert ev1 == {"computed": branches, "skipped": 3 * branches}
+    if model.startswith("cosmos"):
+        np.testing.assert_allclose(zero, plain, atol=1e-4, rtol=0)
+    else:
+        assert zero.tobytes() == plain.tobytes()
+    assert not np.allclose(huge, plain, atol=1e-3)
