@@ -58,3 +58,38 @@ def test_default_impl_is_part_of_the_jit_key():
     assert convs() == 3
     with pytest.raises(ValueError, match="conv_impl must be one of"):
         vconv.default_impl("fast")
+
+
+@pytest.mark.parametrize("impl", vconv.IMPLS)
+def test_kernels_split_by_time_tap(impl):
+    """``split_taps`` stores every kernel of 2+ time taps as a tuple of its taps (kernels of one
+    tap stay whole); ``conv3d`` of the tuple equals ``conv3d`` of the stored kernel, and the taps
+    are separate program inputs (the whole kernel is not in the program, so nothing slices it)."""
+    import jax
+    from flax import nnx
+
+    from vidax.core import nn
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Module()
+            self.a.kernel = nnx.Param(np.arange(3 * 3 * 3 * 4 * 5, dtype=np.float32).reshape(3, 3, 3, 4, 5) / 100)
+            self.b = nnx.Module()
+            self.b.kernel = nnx.Param(np.ones((1, 3, 3, 5, 5), np.float32))
+
+        def __call__(self, x):
+            return vconv.conv3d(vconv.conv3d(x, vconv.kernel_value(self.a.kernel), impl=impl),
+                                vconv.kernel_value(self.b.kernel), impl=impl)
+
+    x = np.random.default_rng(0).standard_normal((1, 5, 6, 6, 4)).astype(np.float32)
+    whole = nn.Split.of(M())
+    want = np.asarray(whole(x))
+    split = vconv.split_taps(nn.Split.of(M()))
+    taps = vconv.kernel_value(split.merge().a.kernel)
+    assert isinstance(taps, tuple) and [t.shape for t in taps] == [(3, 3, 4, 5)] * 3
+    assert vconv.kernel_value(split.merge().b.kernel).shape == (1, 3, 3, 5, 5)
+    assert vconv.kernel_dtype(split.merge().a.kernel) == np.float32
+    np.testing.assert_allclose(np.asarray(split(x)), want, rtol=1e-6, atol=1e-5)
+    if impl == "taps":
+        hlo = jax.jit(lambda s, x: nnx.merge(split.graphdef, s)(x)).lower(split.state, x).as_text()
+        assert "tensor<3x3x3x4x5xf32>" not in hlo and hlo.count("stablehlo.convolution") == 4  # no whole kernel

@@ -99,23 +99,61 @@ def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
     return y
 
 
+def split_taps(split, min_taps: int = 2):
+    """``split`` (an :class:`vidax.core.nn.Split`) with every 5-D ``kernel`` parameter of at least
+    ``min_taps`` time taps stored as a tuple of its taps (``[kh, kw, in, out]`` each), in place.
+
+    A per-tap conv of a stored ``[kt, kh, kw, in, out]`` kernel makes XLA copy each slice ``w[k]``
+    into its own buffer on every call (a slice of a program input is never aliased): at 512
+    channels 9.4 MB per tap. Split once at load, the taps are program inputs themselves. Modules
+    read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is."""
+    from flax import nnx
+
+    for path, var in nnx.to_flat_state(split.state):
+        v = var.get_value() if hasattr(var, "get_value") else var.value
+        if path[-1] == "kernel" and getattr(v, "ndim", 0) == 5 and v.shape[0] >= min_taps:
+            taps = tuple(v[k] for k in range(v.shape[0]))
+            var.set_value(taps) if hasattr(var, "set_value") else setattr(var, "value", taps)
+    return split
+
+
+def kernel_value(var):
+    """A conv kernel parameter's value: the array, or the tuple of its time taps
+    (:func:`split_taps`)."""
+    v = var.get_value() if hasattr(var, "get_value") else var.value
+    return v if isinstance(v, (tuple, list)) else var[...]
+
+
+def kernel_dtype(var):
+    """The dtype of a conv kernel parameter (stored whole or split by time tap)."""
+    v = kernel_value(var)
+    return (v[0] if isinstance(v, (tuple, list)) else v).dtype
+
+
 def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)), *, impl: str | None = None):
     """``x`` [B, T, H, W, in] convolved with ``w`` [kt, kh, kw, in, out] (plus ``bias`` [out]):
     ``strides`` (st, sh, sw), zero ``padding`` ((t0, t1), (h0, h1), (w0, w1)) or ``"VALID"``. ``impl``: see
-    :func:`conv_impl`. Returns [B, T', H', W', out]."""
+    :func:`conv_impl`. ``w`` may also be a sequence of its kt time taps ([kh, kw, in, out] each, as
+    :func:`split_taps` stores them). Returns [B, T', H', W', out]."""
+    taps = isinstance(w, (tuple, list))
+    impl = conv_impl(impl)
+    if taps and impl != "taps":
+        w, taps = jnp.stack(w), False
+    if taps:
+        w = [wk.astype(x.dtype) for wk in w]
     strides = tuple(int(s) for s in strides)
     padding = _pairs(padding, 3)
-    if len(strides) != 3 or padding is None or x.ndim != 5 or w.ndim != 5 or x.shape[-1] != w.shape[3]:
-        raise ValueError(f"conv3d: x {tuple(x.shape)} [B, T, H, W, in] and w {tuple(w.shape)} [kt, kh, kw, in, "
+    wshape = (len(w), *w[0].shape) if taps else w.shape
+    if len(strides) != 3 or padding is None or x.ndim != 5 or len(wshape) != 5 or x.shape[-1] != wshape[3]:
+        raise ValueError(f"conv3d: x {tuple(x.shape)} [B, T, H, W, in] and w {tuple(wshape)} [kt, kh, kw, in, "
                          f"out] with 3 strides and 3 padding pairs, got strides {strides}, padding {padding}")
-    impl = conv_impl(impl)
     if impl == "native":
         y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), strides, padding,
                                          dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=_HI)
     else:
         if padding[0] != (0, 0):
             x = jnp.pad(x, ((0, 0), padding[0], (0, 0), (0, 0), (0, 0)))
-        kt, st = w.shape[0], strides[0]
+        kt, st = wshape[0], strides[0]
         b, t = x.shape[:2]
         tout = (t - kt) // st + 1
         if tout < 1:
