@@ -282,14 +282,6 @@ class Upsample(nnx.Module):
         return y + self.conv.conv.bias[...].astype(y.dtype)
 
 
-def _up_taps(w, axis: int):
-    """Nearest 2x upsampling then a 3-tap conv along ``axis`` = per output phase a 2-tap conv of the
-    original: phase 0 sees offsets (-1, 0) with (w0, w1 + w2), phase 1 offsets (0, +1) with
-    (w0 + w1, w2)."""
-    w0, w1, w2 = (jax.lax.index_in_dim(w, i, axis) for i in range(3))
-    return jnp.concatenate([w0, w1 + w2], axis), jnp.concatenate([w0 + w1, w2], axis)
-
-
 def _phase_conv(g, taps):
     """``g`` [B, T, h + 2, w + 2, C] (low-resolution frames, replicate-padded by one pixel) through
     the time taps ``taps`` ([3, 3, C, O] each; output frame t sees frames t .. t + kt - 1), each
@@ -300,11 +292,11 @@ def _phase_conv(g, taps):
     frames = [g[:, k:k + tout].reshape(b * tout, hp, wp, -1) for k in range(kt)]
     outs = []
     for a in range(2):
-        rows = [_up_taps(wk, 0)[a] for wk in taps]
+        rows = [vconv.up2_taps(wk, 0)[a] for wk in taps]
         for c in range(2):
             y = None
             for fk, rk in zip(frames, rows):
-                yk = vconv.conv2d(fk[:, a:a + h + 1, c:c + wd + 1], _up_taps(rk, 1)[c])
+                yk = vconv.conv2d(fk[:, a:a + h + 1, c:c + wd + 1], vconv.up2_taps(rk, 1)[c])
                 y = yk if y is None else y + yk
             outs.append(y)
     o = jnp.stack(outs).reshape(2, 2, b * tout, h, wd, -1).transpose(2, 3, 0, 4, 1, 5)
