@@ -5,7 +5,8 @@ change), as interleaved pairs in one process: both sides are XLA programs, so th
     python -m benchmarks.vae_before_after --old /path/to/vidax-checkout --family hunyuanvideo [--pairs 5]
 
 The old side's family VAE module and ``vidax/core/conv.py`` are loaded from ``--old`` under other
-names (the rest of vidax is this tree's). Families: hunyuanvideo (released widths, latents 2x8x8).
+names (the rest of vidax is this tree's). Families: hunyuanvideo (released widths 128-256-512-512,
+latents 2x8x8), cogvideox (released widths 128-256-256-512, latents 3x8x8).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _load(name: str, path: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True, help="root of the other vidax checkout")
-    ap.add_argument("--family", default="hunyuanvideo", choices=["hunyuanvideo"])
+    ap.add_argument("--family", default="hunyuanvideo", choices=["hunyuanvideo", "cogvideox"])
     ap.add_argument("--pairs", type=int, default=5)
     a = ap.parse_args(argv)
     root = Path(a.old)
@@ -39,25 +40,44 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import numpy as np
     import torch
-    from diffusers import AutoencoderKLHunyuanVideo
 
-    from benchmarks.families.hunyuanvideo import _save
     from benchmarks.harness import matmul_roof, paired
     from tests.refutil import perturb
-    from vidax.models.hunyuanvideo import vae as new
+    from vidax import compat
 
+    adapters = dict(compat._ADAPTERS)
     conv_old = _load("_vidax_conv_old", root / "vidax/core/conv.py")
-    old = _load("_vidax_hv_vae_old", root / "vidax/models/hunyuanvideo/vae.py")
+    old = _load(f"_vidax_{a.family}_vae_old", root / f"vidax/models/{a.family}/vae.py")
     old.vconv = conv_old
+    compat._ADAPTERS.clear()
+    compat._ADAPTERS.update(adapters)  # the old module registered its compat loader: this tree's again
     torch.manual_seed(0)
-    folder = _save(perturb(AutoencoderKLHunyuanVideo(latent_channels=16)))
-    vn = new.load_vae(folder, new.HunyuanVAEConfig.from_diffusers(new.compat.read_config(folder)))
-    vo = old.load_vae(folder, old.HunyuanVAEConfig.from_diffusers(new.compat.read_config(folder)))
-    z = np.random.default_rng(0).standard_normal((1, 16, 2, 8, 8)).astype(np.float32)
+    if a.family == "hunyuanvideo":
+        from diffusers import AutoencoderKLHunyuanVideo
+
+        from vidax.models.hunyuanvideo import vae as new
+
+        ref = perturb(AutoencoderKLHunyuanVideo(latent_channels=16))
+        shape, cfg_of = (1, 16, 2, 8, 8), lambda m, c: m.HunyuanVAEConfig.from_diffusers(c)
+    else:
+        from diffusers import AutoencoderKLCogVideoX
+
+        from vidax.models.cogvideox import vae as new
+
+        ref = perturb(AutoencoderKLCogVideoX(block_out_channels=(128, 256, 256, 512), latent_channels=16,
+                                             layers_per_block=3, norm_num_groups=32))
+        shape, cfg_of = (1, 16, 3, 8, 8), lambda m, c: m.CogVideoXVAEConfig.from_diffusers(c)
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vidax-bench-before-after-")
+    ref.save_pretrained(folder)
+    conf = compat.read_config(folder)
+    vn, vo = new.load_vae(folder, cfg_of(new, conf)), old.load_vae(folder, cfg_of(old, conf))
+    z = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     diff = float(np.abs(new.decode(vn, z) - old.decode(vo, z)).max())
     res = paired(lambda: new.decode(vn, z), lambda: old.decode(vo, z), pairs=a.pairs, roof=matmul_roof())
     s = res.summary()
-    print(f"{a.family} VAE decode, released widths, latents 2x8x8: this tree {s['a_s']:.3f} s, {root} "
+    print(f"{a.family} VAE decode, released widths, latents {shape[2:]}: this tree {s['a_s']:.3f} s, {root} "
           f"{s['b_s']:.3f} s, new / old {s['ratio']:.2f}x [{s['ratio_q1']:.2f}-{s['ratio_q3']:.2f}], "
           f"{s['pairs']} pairs, roof {s['roof_gflops']:.0f} GFLOP/s; max |new - old| {diff:.2e}; per pair "
           f"{[round(r, 2) for r in res.ratios]}")
