@@ -1,6 +1,7 @@
 """Where the Wan2.1 VAE decode spends its time, vidax vs diffusers, at the released widths.
 
     python -m benchmarks.profile_wan_vae [--runs 3] [--pairs 9] [--conv-impl fold] [--json PATH]
+    python -m benchmarks.profile_wan_vae --case hunyuanvideo:vae_decode_real_width   # another VAE
 
 The case is :func:`benchmarks.core.vae_decode_real_width` (base_dim 96, z 16; 2 latent frames at
 16x16 -> 5 x 128 x 128 pixels, fp32, every weight perturbed). Both sides are profiled as they run
@@ -158,6 +159,7 @@ def _group(cat: str) -> str:
 
 
 def profile_vidax(case: dict, runs: int, tmp: Path) -> dict:
+    module = case.get("hlo_module", "_decode_chunk_jit")  # the programs' HLO module name ends so
     """Run the decode under ``jax.profiler``; time (ms per decode) and FLOPs per category."""
     import jax
 
@@ -177,7 +179,7 @@ def profile_vidax(case: dict, runs: int, tmp: Path) -> dict:
         a = e.get("args") or {}
         if e.get("ph") != "X":
             continue
-        if "hlo_op" in a and a.get("hlo_module", "").endswith("_decode_chunk_jit"):
+        if "hlo_op" in a and a.get("hlo_module", "").endswith(module):
             by_run[a["run_id"]].append(e)
         elif e.get("name") == "ThunkExecutor::Execute (wait for completion)" and "run_id" in a:
             walls[a["run_id"]] = walls.get(a["run_id"], 0.0) + e["dur"]
@@ -197,7 +199,7 @@ def profile_vidax(case: dict, runs: int, tmp: Path) -> dict:
             thunks[key] = thunks.get(key, 0.0) + e["dur"] / 1e3 / runs
     top = sorted(thunks.items(), key=lambda kv: -kv[1])
     return {"categories": {k: {"ms": v[0], "flops": v[1]} for k, v in cats.items()}, "wall_ms": wall / 1e3 / runs,
-            "top_thunks": [{"op": k[0], "shape": k[1], "category": k[2], "ms": v} for k, v in top[:60]],
+            "top_thunks": [{"op": k[0], "shape": k[1], "category": k[2], "ms": v} for k, v in top[:400]],
             "top_data_movement": [{"op": k[0], "shape": k[1], "ms": v} for k, v in top
                                   if k[2].startswith("data movement")][:15]}
 
@@ -248,7 +250,8 @@ def profile_torch(case: dict, runs: int) -> dict:
                       "aten::reshape", "aten::empty", "aten::zeros", "aten::zero_", "aten::fill_",
                       "aten::stack", "aten::as_strided", "aten::transpose", "aten::expand"):
             cat, flops = "data movement (copy/transpose/pad/concat/slice)", 0.0
-        elif name in ("aten::upsample_nearest2d", "aten::upsample_nearest_exact2d"):
+        elif name in ("aten::upsample_nearest2d", "aten::upsample_nearest_exact2d", "aten::upsample_nearest3d",
+                      "aten::_upsample_nearest_exact3d", "aten::repeat_interleave", "aten::index"):
             cat, flops = "upsample: nearest 2x copy", 0.0
         elif name in ("aten::linalg_vector_norm", "aten::norm", "aten::clamp_min", "aten::div", "aten::div_",
                       "aten::normalize", "aten::sum"):
@@ -295,13 +298,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=float, default=150.0)
     ap.add_argument("--conv-impl", default=None, help="vidax conv_impl (default: the library's)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--case", default="", help="another family's VAE case, MODULE:FUNCTION under "
+                    "benchmarks.families (e.g. hunyuanvideo:vae_decode_real_width); default: Wan's")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.core import vae_decode_real_width
     from benchmarks.harness import matmul_roof, paired, write_json
 
-    case = vae_decode_real_width(conv_impl=a.conv_impl)
+    if a.case:
+        import importlib
+
+        mod, fn = a.case.split(":")
+        case = getattr(importlib.import_module(f"benchmarks.families.{mod}"), fn)()
+    else:
+        case = vae_decode_real_width(conv_impl=a.conv_impl)
     out: dict = {"conv_impl": a.conv_impl}
     if not a.no_profile:
         with tempfile.TemporaryDirectory() as tmp:

@@ -91,7 +91,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--budget", type=float, default=90.0, help="seconds per case (at least 3 pairs)")
-    ap.add_argument("--only", default="", help="comma-separated substrings of case function names")
+    ap.add_argument("--only", default="", help="comma-separated substrings of case names (MODULE.FUNCTION, e.g. "
+                    "core.vae_decode_real_width, hunyuanvideo15.vae_decode)")
     ap.add_argument("--no-families", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/latest.json")
     a = ap.parse_args(argv)
@@ -101,7 +102,8 @@ def main(argv=None) -> list[dict]:
     roof = matmul_roof()
     rows = []
     for case in cases(not a.no_families):
-        if a.only and not any(s in case.__name__ for s in a.only.split(",")):
+        name = f"{case.__module__.rsplit('.', 1)[-1]}.{case.__name__}"  # e.g. hunyuanvideo15.vae_decode_real_width
+        if a.only and not any(s in name for s in a.only.split(",")):
             continue
         row = run_case(case, roof, a.pairs, a.budget)
         rows.append(row)

@@ -72,8 +72,23 @@ def _vae_case(cfg: dict, latents: tuple, config: str, **kw):
         with torch.no_grad():
             ref.decode(zt)
 
+    def lowered():  # the decode's frame-batch programs (first, later), for benchmarks.profile_wan_vae
+        import jax
+
+        from vidax.core import conv as vconv
+        from vidax.core import nn
+        from vidax.models.cogvideox import vae as cvae
+
+        vae, out, cache = ours.vae, [], None
+        for a, b in cvae.decode_batches(z.shape[2]):
+            zz = jax.device_put(z[:, :, a:b])
+            out.append(nn._apply.lower(vae._graph, "decode_batch", (("conv_impl", vconv.conv_impl(None)),),
+                                       vae.state, zz, cache))
+            cache = vae.decode_batch(zz, cache)[1]
+        return out
+
     return dict(component="VAE decode (vs diffusers `AutoencoderKLCogVideoX`)", config=config,
-                vidax=lambda: ours.decode(z, **kw), reference=run_ref)
+                vidax=lambda: ours.decode(z, **kw), reference=run_ref, vidax_lowered=lowered, hlo_module="_apply")
 
 
 def vae_decode():

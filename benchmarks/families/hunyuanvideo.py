@@ -79,6 +79,43 @@ def vae_decode():
                 config="channels 32-64-64-64, z 16, latents 4x16x16 -> 13x128x128 px", vidax=vidax, reference=reference)
 
 
+def vae_decode_real_width(latents: tuple = (2, 8, 8)):
+    """The VAE decode at the released widths (channels 128-256-512-512, z 16, 2 resnets + 1 per
+    decoder block): 2 latent frames at 8x8 -> 5 x 64 x 64 px, float32 both sides (seconds per decode
+    on the 2-core CPU). ``vidax_lowered``: the decode program, lowered (``benchmarks.profile_wan_vae``)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    from tests.refutil import perturb
+    from vidax.core import nn
+    from vidax.models.hunyuanvideo import vae as hvae
+
+    torch.manual_seed(0)
+    ref = perturb(AutoencoderKLHunyuanVideo(latent_channels=16))
+    vae = hvae.load_vae(_save(ref), hvae.HunyuanVAEConfig.from_diffusers(dict(ref.config)))
+    f, h, w = latents
+    z = np.random.default_rng(0).standard_normal((1, 16, f, h, w)).astype(np.float32)
+    zt = torch.from_numpy(z)
+
+    def vidax():
+        hvae.decode(vae, z)  # numpy out: blocks until done
+
+    def reference():
+        with torch.no_grad():
+            ref.decode(zt)
+
+    def lowered():
+        zz = jnp.asarray(z.transpose(0, 2, 3, 4, 1))
+        return [nn._apply.lower(vae._graph, "decode_tile", (), vae.state, zz)]
+
+    return dict(component="VAE decode (vs diffusers `AutoencoderKLHunyuanVideo`)",
+                config=f"released widths: channels 128-256-512-512, z 16, latents {f}x{h}x{w} -> "
+                       f"{(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
+                vidax=vidax, reference=reference, vidax_lowered=lowered, hlo_module="_apply")
+
+
 def _save(model):
     import tempfile
 
@@ -87,4 +124,4 @@ def _save(model):
     return d
 
 
-CASES = [dit_forward, vae_decode]
+CASES = [dit_forward, vae_decode, vae_decode_real_width]

@@ -55,9 +55,11 @@ def dit_forward():
                 vidax=vidax, reference=reference, flops=flops)
 
 
-def _vae_case(latents: tuple, **decode_kw):
+def _vae_case(latents: tuple, channels: tuple = (32, 64, 64, 128, 128), case: dict | None = None, **decode_kw):
     """(vidax, reference) callables decoding the same random latents of shape ``latents`` with one
-    perturbed ``AutoencoderKLHunyuanVideo15`` (channels 32-64-64-128-128, z 32) on both sides."""
+    perturbed ``AutoencoderKLHunyuanVideo15`` (``channels``, z 32) on both sides. ``case``: a dict
+    that receives ``vidax_lowered`` (the decode's level programs, lowered, for
+    ``benchmarks.profile_wan_vae``)."""
     import numpy as np
     import torch
     from diffusers import AutoencoderKLHunyuanVideo15
@@ -66,8 +68,7 @@ def _vae_case(latents: tuple, **decode_kw):
     from vidax.models.hunyuanvideo15 import vae as hvae
 
     torch.manual_seed(0)
-    ref = perturb(AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(32, 64, 64, 128, 128),
-                                              layers_per_block=2))
+    ref = perturb(AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=channels, layers_per_block=2))
     vae = hvae.load_vae(_save(ref), hvae.HunyuanVideo15VAEConfig.from_diffusers(dict(ref.config)))
     z = np.random.default_rng(0).standard_normal(latents).astype(np.float32)
 
@@ -78,6 +79,19 @@ def _vae_case(latents: tuple, **decode_kw):
         with torch.no_grad():
             ref.decode(torch.from_numpy(z))
 
+    if case is not None:
+        def lowered():
+            import jax
+
+            from vidax.core import nn
+
+            x, out = jax.device_put(np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))), []
+            for i in range(len(channels) + 2):
+                out.append(nn._apply.lower(vae._graph, "decode_level", (("level", i),), vae.state, x))
+                x = vae.apply("decode_level", x, level=i)
+            return out
+
+        case["vidax_lowered"] = lowered
     return vidax, reference
 
 
@@ -97,6 +111,17 @@ def vae_decode_chunked():
                 reference=reference)
 
 
+def vae_decode_real_width(latents: tuple = (2, 4, 4)):
+    """The decode at the released widths (channels 128-256-512-1024-1024, z 32, 16x spatial): 2
+    latent frames at 4x4 -> 5 x 64 x 64 px (seconds per decode on the 2-core CPU)."""
+    f, h, w = latents
+    case = dict(hlo_module="_apply")
+    vidax, reference = _vae_case((1, 32, f, h, w), (128, 256, 512, 1024, 1024), case)
+    return dict(case, component="VAE decode, staged (vs diffusers `AutoencoderKLHunyuanVideo15`)",
+                config=f"released widths: channels 128-256-512-1024-1024, z 32, latents {f}x{h}x{w} -> "
+                       f"{(f - 1) * 4 + 1}x{16 * h}x{16 * w} px", vidax=vidax, reference=reference)
+
+
 def _save(model):
     import tempfile
 
@@ -105,4 +130,4 @@ def _save(model):
     return d
 
 
-CASES = [dit_forward, vae_decode, vae_decode_chunked]
+CASES = [dit_forward, vae_decode, vae_decode_chunked, vae_decode_real_width]

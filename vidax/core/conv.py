@@ -78,14 +78,34 @@ def _pairs(p, n: int):
     return tuple((int(a), int(b)) for a, b in p) if len(p) == n else None
 
 
+#: frames of at most this many output pixels convolve as one matmul of their patches (im2col):
+#: measured on the 2-core CPU (3x3 kernels), im2col / conv = 0.1-0.2 at 4x4 px (1024 channels),
+#: 0.2-0.8 at 8x8 (512-1024), about 1 at 16x16 (512), 1.5-2.5 at 32x32 (256) and above
+IM2COL_MAX_PIXELS = 144
+
+
 def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
-    """Frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out] (no bias); 1x1 stride 1: a matmul.
+    """Frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out] (no bias); 1x1 stride 1: a matmul;
+    small frames (at most :data:`IM2COL_MAX_PIXELS` output pixels): one matmul of the patches.
 
     A stride-1 conv whose output is smaller than its input (less than 'same' padding, e.g. VALID on
     an input padded beforehand) runs as the 'same'-padded conv with the extra border cropped: on
     XLA:CPU the 'same' conv of the same input is 3-8 times faster than the VALID one."""
     if w.shape[:2] == (1, 1) and tuple(strides) == (1, 1) and all(tuple(p) == (0, 0) for p in padding):
         return jnp.matmul(x, w[0, 0].astype(x.dtype), precision=_HI)
+    (kh, kw), (sh, sw) = w.shape[:2], strides
+    (p0, p1), (q0, q1) = padding
+    ho, wo = (x.shape[1] + p0 + p1 - kh) // sh + 1, (x.shape[2] + q0 + q1 - kw) // sw + 1
+    if ho * wo <= IM2COL_MAX_PIXELS:
+        # small frames, typically wide channels: XLA:CPU's conv runs 2-10x below the matmul here
+        # (4-8 px frames at 512-1024 channels); as one matmul of the frames' patches
+        # ([N * ho * wo, kh * kw * in], a copy kh * kw times the small input) with the kernel
+        # reshaped (free: [kh, kw, in, out] is contiguous), it runs at the matmul's rate
+        xp = jnp.pad(x, ((0, 0), (p0, p1), (q0, q1), (0, 0))) if (p0, p1, q0, q1) != (0, 0, 0, 0) else x
+        cols = [xp[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw] for i in range(kh) for j in range(kw)]
+        patches = jnp.concatenate(cols, axis=-1).reshape(-1, kh * kw * x.shape[-1])
+        y = jnp.matmul(patches, w.astype(x.dtype).reshape(-1, w.shape[-1]), precision=_HI)
+        return y.reshape(x.shape[0], ho, wo, w.shape[-1])
     crop = None
     if tuple(strides) == (1, 1) and any(k - 1 > p0 + p1 for k, (p0, p1) in zip(w.shape[:2], padding)):
         extra = [max(0, k - 1 - p0 - p1) for k, (p0, p1) in zip(w.shape[:2], padding)]
@@ -99,23 +119,83 @@ def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
     return y
 
 
+def up2_taps(w, axis: int):
+    """Nearest 2x upsampling then a 3-tap conv along ``axis`` of ``w`` = per output phase a 2-tap
+    conv of the original: phase 0 sees offsets (-1, 0) with (w0, w1 + w2), phase 1 offsets (0, +1)
+    with (w0 + w1, w2)."""
+    w0, w1, w2 = (jax.lax.index_in_dim(w, i, axis) for i in range(3))
+    return jnp.concatenate([w0, w1 + w2], axis), jnp.concatenate([w0 + w1, w2], axis)
+
+
+def up2_conv2d(x, w):
+    """Nearest 2x upsampling of frames ``x`` [N, h, w, in] followed by the 3x3 conv ``w`` [3, 3, in,
+    out] with zero 'same' padding, without the upsampled copy: per output pixel phase a 2x2 conv of
+    ``x`` (16 instead of 36 taps per input pixel), interleaved into [N, 2h, 2w, out] (no bias)."""
+    n, h, wd, _ = x.shape
+    w = w.astype(x.dtype)
+    outs = []
+    for a, rows in enumerate(up2_taps(w, 0)):
+        for c, k in enumerate(up2_taps(rows, 1)):
+            outs.append(conv2d(x, k, padding=((1 - a, a), (1 - c, c))))
+    o = jnp.stack(outs).reshape(2, 2, n, h, wd, -1).transpose(2, 3, 0, 4, 1, 5)
+    return o.reshape(n, 2 * h, 2 * wd, -1)
+
+
+def split_taps(split, min_taps: int = 2):
+    """``split`` (an :class:`vidax.core.nn.Split`) with every 5-D ``kernel`` parameter of at least
+    ``min_taps`` time taps stored as a tuple of its taps (``[kh, kw, in, out]`` each), in place.
+
+    A per-tap conv of a stored ``[kt, kh, kw, in, out]`` kernel makes XLA copy each slice ``w[k]``
+    into its own buffer on every call (a slice of a program input is never aliased): at 512
+    channels 9.4 MB per tap. Split once at load, the taps are program inputs themselves. Modules
+    read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is."""
+    from flax import nnx
+
+    for path, var in nnx.to_flat_state(split.state):
+        v = var.get_value() if hasattr(var, "get_value") else var.value
+        if path[-1] == "kernel" and getattr(v, "ndim", 0) == 5 and v.shape[0] >= min_taps:
+            taps = tuple(v[k] for k in range(v.shape[0]))
+            var.set_value(taps) if hasattr(var, "set_value") else setattr(var, "value", taps)
+    return split
+
+
+def kernel_value(var):
+    """A conv kernel parameter's value: the array, or the tuple of its time taps
+    (:func:`split_taps`)."""
+    v = var.get_value() if hasattr(var, "get_value") else var.value
+    return v if isinstance(v, (tuple, list)) else var[...]
+
+
+def kernel_dtype(var):
+    """The dtype of a conv kernel parameter (stored whole or split by time tap)."""
+    v = kernel_value(var)
+    return (v[0] if isinstance(v, (tuple, list)) else v).dtype
+
+
 def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)), *, impl: str | None = None):
     """``x`` [B, T, H, W, in] convolved with ``w`` [kt, kh, kw, in, out] (plus ``bias`` [out]):
     ``strides`` (st, sh, sw), zero ``padding`` ((t0, t1), (h0, h1), (w0, w1)) or ``"VALID"``. ``impl``: see
-    :func:`conv_impl`. Returns [B, T', H', W', out]."""
+    :func:`conv_impl`. ``w`` may also be a sequence of its kt time taps ([kh, kw, in, out] each, as
+    :func:`split_taps` stores them). Returns [B, T', H', W', out]."""
+    taps = isinstance(w, (tuple, list))
+    impl = conv_impl(impl)
+    if taps and impl != "taps":
+        w, taps = jnp.stack(w), False
+    if taps:
+        w = [wk.astype(x.dtype) for wk in w]
     strides = tuple(int(s) for s in strides)
     padding = _pairs(padding, 3)
-    if len(strides) != 3 or padding is None or x.ndim != 5 or w.ndim != 5 or x.shape[-1] != w.shape[3]:
-        raise ValueError(f"conv3d: x {tuple(x.shape)} [B, T, H, W, in] and w {tuple(w.shape)} [kt, kh, kw, in, "
+    wshape = (len(w), *w[0].shape) if taps else w.shape
+    if len(strides) != 3 or padding is None or x.ndim != 5 or len(wshape) != 5 or x.shape[-1] != wshape[3]:
+        raise ValueError(f"conv3d: x {tuple(x.shape)} [B, T, H, W, in] and w {tuple(wshape)} [kt, kh, kw, in, "
                          f"out] with 3 strides and 3 padding pairs, got strides {strides}, padding {padding}")
-    impl = conv_impl(impl)
     if impl == "native":
         y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), strides, padding,
                                          dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision=_HI)
     else:
         if padding[0] != (0, 0):
             x = jnp.pad(x, ((0, 0), padding[0], (0, 0), (0, 0), (0, 0)))
-        kt, st = w.shape[0], strides[0]
+        kt, st = wshape[0], strides[0]
         b, t = x.shape[:2]
         tout = (t - kt) // st + 1
         if tout < 1:

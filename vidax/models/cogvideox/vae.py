@@ -202,8 +202,8 @@ class CausalConv3d(Conv):
         super().__init__(kernel, cin, cout, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, ctx: _Ctx, name: str, x):
-        k = self.kernel[...]
-        kt, kh, kw = k.shape[:3]
+        k = vconv.kernel_value(self.kernel)  # whole, or split by time tap (vconv.split_taps)
+        kt, (kh, kw) = (len(k), k[0].shape[:2]) if isinstance(k, (tuple, list)) else (k.shape[0], k.shape[1:3])
         if kt > 1:
             prev = jnp.repeat(x[:, :1], kt - 1, axis=1) if ctx.first else ctx.old[name].astype(x.dtype)
             x = jnp.concatenate([prev, x], axis=1)
@@ -325,17 +325,17 @@ class Upsample(nnx.Module):
         self.compress_time = compress_time
 
     def __call__(self, x):
-        up = lambda a, t: jnp.repeat(jnp.repeat(jnp.repeat(a, t, axis=1), 2, axis=2), 2, axis=3)  # noqa: E731
+        # the conv is per frame: it runs on the frames before their time repeat (the repeat moves to
+        # its output), and on each frame as four 2x2 phase convs of the low-resolution frame
+        # (vconv.up2_conv2d: no upsampled copy, 4/9 of the taps)
+        k, bias = self.conv.kernel[...], self.conv.bias[...]
+        y = _per_frame(lambda f: vconv.up2_conv2d(f, k), x) + bias.astype(x.dtype)
         t = x.shape[1]
         if self.compress_time and t > 1 and t % 2:
-            x = jnp.concatenate([up(x[:, :1], 1), up(x[:, 1:], 2)], axis=1)
-        elif self.compress_time and t > 1:
-            x = up(x, 2)
-        else:
-            x = up(x, 1)
-        k, bias = self.conv.kernel[...], self.conv.bias[...]
-        y = _per_frame(lambda f: _conv2d(f, k), x)
-        return y + bias.astype(y.dtype)
+            return jnp.concatenate([y[:, :1], jnp.repeat(y[:, 1:], 2, axis=1)], axis=1)
+        if self.compress_time and t > 1:
+            return jnp.repeat(y, 2, axis=1)
+        return y
 
 
 class Encoder(nnx.Module):
@@ -417,7 +417,7 @@ class CogVideoXVAE(nnx.Module):
             if cfg.use_post_quant_conv else None
 
     def _dtype(self):
-        return self.decoder.conv_in.kernel[...].dtype
+        return vconv.kernel_dtype(self.decoder.conv_in.kernel)
 
     def decode_batch(self, z, cache, *, conv_impl: str = "taps"):
         """One decoder batch: ``z`` [B, C, T, h, w] -> (pixels [B, 3, T', H, W] (unclamped, as the
@@ -611,7 +611,7 @@ def _build(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32):
 
 def init(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32) -> CogVAE:
     """Seeded random weights (presets, tests): every parameter perturbed."""
-    return CogVAE(*nnx.split(nn.perturb(_build(cfg, seed, dtype)(), seed)), cfg)
+    return vconv.split_taps(CogVAE(*nnx.split(nn.perturb(_build(cfg, seed, dtype)(), seed)), cfg))
 
 
 def param_shapes(cfg: CogVideoXVAEConfig, dtype=np.float32) -> dict:
@@ -723,7 +723,7 @@ def load_vae(path, cfg: CogVideoXVAEConfig | None = None, dtype=np.float32) -> C
         ckpt = Checkpoint(ren, getattr(ckpt, "source", str(path)))
     pure = load_params(ckpt, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLCogVideoX (block_out_channels {cfg.block_out_channels})")
-    return CogVAE.from_pure(_build(cfg, dtype=dtype), pure).replace(cfg=cfg)
+    return vconv.split_taps(CogVAE.from_pure(_build(cfg, dtype=dtype), pure).replace(cfg=cfg))
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -118,9 +118,9 @@ class Conv3d(nnx.Module):
         self.bias = _p(rngs, nnx.initializers.zeros_init(), (cout,), param_dtype)
 
     def __call__(self, x):
-        w = self.kernel[...].astype(x.dtype)
+        w = vconv.kernel_value(self.kernel)  # whole, or split by time tap (vconv.split_taps)
         if self.k == (1, 1, 1) and self.stride == (1, 1, 1):
-            y = jnp.matmul(x, w.reshape(w.shape[-2:]), precision=jax.lax.Precision.HIGHEST)
+            y = jnp.matmul(x, w.astype(x.dtype).reshape(w.shape[-2:]), precision=jax.lax.Precision.HIGHEST)
             return y + self.bias[...].astype(y.dtype)
         return vconv.conv3d(x, w, self.bias[...], self.stride, "VALID")
 
@@ -251,10 +251,56 @@ class Upsample(nnx.Module):
 
     def __call__(self, x):
         ft, fh, fw = self.factor
+        if (fh, fw) == (2, 2) and ft in (1, 2) and self.conv.conv.k == (3, 3, 3) and self.conv.conv.stride == (1, 1, 1) \
+                and vconv.conv_impl(None) != "native":
+            return self._phases(x, ft > 1 and x.shape[1] > 1)
         x = jnp.repeat(jnp.repeat(x, fh, axis=2), fw, axis=3)
         if ft > 1 and x.shape[1] > 1:
             x = jnp.concatenate([x[:, :1], jnp.repeat(x[:, 1:], ft, axis=1)], axis=1)
         return self.conv(x)
+
+    def _phases(self, x, in_time: bool):
+        """The nearest 2x upsampling and the replicate-padded causal 3x3x3 conv without the
+        upsampled copy: per output pixel phase a 2x2 conv of the low-resolution frames (16 instead of
+        36 taps per input pixel; the replicate padding of the upsampled frames is that of the low-
+        resolution ones), and, when time is upsampled too (the first frame kept once, the others
+        twice), per output frame parity two time taps of the low-resolution frames instead of three:
+        output frames 0, 1, 3, 5, ... are (w0 + w1) g[j] + w2 g[j + 1] over g = (f0, f0, f1, ...),
+        frames 2, 4, ... are w0 f[m - 1] + (w1 + w2) f[m]."""
+        w = vconv.kernel_value(self.conv.conv.kernel)
+        w = [wk.astype(x.dtype) for wk in (w if isinstance(w, (tuple, list)) else list(w))]
+        xp = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
+        first = xp[:, :1]
+        if in_time:
+            odd = _phase_conv(jnp.concatenate([first, xp], axis=1), [w[0] + w[1], w[2]])
+            even = _phase_conv(xp, [w[0], w[1] + w[2]])
+            b, n, *rest = odd.shape
+            y = jnp.concatenate([odd[:, :1], jnp.stack([odd[:, 1:], even], axis=2).reshape(b, 2 * (n - 1), *rest)],
+                                axis=1)
+        else:
+            y = _phase_conv(jnp.concatenate([first, first, xp], axis=1), w)
+        return y + self.conv.conv.bias[...].astype(y.dtype)
+
+
+def _phase_conv(g, taps):
+    """``g`` [B, T, h + 2, w + 2, C] (low-resolution frames, replicate-padded by one pixel) through
+    the time taps ``taps`` ([3, 3, C, O] each; output frame t sees frames t .. t + kt - 1), each
+    nearest-2x upsampled in space and 3x3-convolved: [B, T - kt + 1, 2h, 2w, O]."""
+    b, t, hp, wp, _ = g.shape
+    h, wd, kt = hp - 2, wp - 2, len(taps)
+    tout = t - kt + 1
+    frames = [g[:, k:k + tout].reshape(b * tout, hp, wp, -1) for k in range(kt)]
+    outs = []
+    for a in range(2):
+        rows = [vconv.up2_taps(wk, 0)[a] for wk in taps]
+        for c in range(2):
+            y = None
+            for fk, rk in zip(frames, rows):
+                yk = vconv.conv2d(fk[:, a:a + h + 1, c:c + wd + 1], vconv.up2_taps(rk, 1)[c])
+                y = yk if y is None else y + yk
+            outs.append(y)
+    o = jnp.stack(outs).reshape(2, 2, b * tout, h, wd, -1).transpose(2, 3, 0, 4, 1, 5)
+    return o.reshape(b, tout, 2 * h, 2 * wd, -1)
 
 
 class Block(nnx.Module):
@@ -337,12 +383,12 @@ class HunyuanVideoVAE(nnx.Module):
 
     def encode_tile(self, x):
         """[B, T, H, W, 3] -> the posterior's moments [B, t, h, w, 2z] (mean, logvar)."""
-        dt = self.quant_conv.kernel[...].dtype
+        dt = vconv.kernel_dtype(self.quant_conv.kernel)
         return self.quant_conv(self.encoder(x.astype(dt))).astype(F32)
 
     def decode_tile(self, z):
         """[B, t, h, w, z] -> pixels [B, T, H, W, 3] (float32)."""
-        dt = self.post_quant_conv.kernel[...].dtype
+        dt = vconv.kernel_dtype(self.post_quant_conv.kernel)
         return self.decoder(self.post_quant_conv(z.astype(dt))).astype(F32)
 
 
@@ -352,7 +398,7 @@ def init(cfg: HunyuanVAEConfig, seed: int = 0, dtype=np.float32) -> nn.Split:
     from vidax.models.hunyuanvideo.dit import seeded_state
 
     graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
-    return nn.Split(graphdef, jax.device_put(state), cfg)
+    return vconv.split_taps(nn.Split(graphdef, jax.device_put(state), cfg))
 
 
 def _build(cfg, dtype=np.float32):
@@ -514,7 +560,7 @@ def load_vae(path, cfg: HunyuanVAEConfig | None = None, dtype=np.float32) -> nn.
     shapes = nn.shapes(lambda: _build(cfg, dtype))
     flat = load_params(ckpt, keymap(cfg), str_keys(shapes), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo (channels {cfg.block_out_channels})")
-    return nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat))
+    return vconv.split_taps(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core import conv as vconv
 from vidax.core import nn
 from vidax.models.hunyuanvideo import vae as h10
 from vidax.models.hunyuanvideo.vae import CausalConv3d, Conv3d
@@ -373,11 +374,11 @@ class HunyuanVideo15VAE(nnx.Module):
 
     def encode_tile(self, x):
         """[B, T, H, W, 3] -> the posterior's moments [B, t, h, w, 2z] (mean, logvar), float32."""
-        dt = self.encoder.conv_in.conv.kernel[...].dtype
+        dt = vconv.kernel_dtype(self.encoder.conv_in.conv.kernel)
         return self.encoder(x.astype(dt)).astype(F32)
 
     def decode_level(self, x, level: int):
-        dt = self.decoder.conv_in.conv.kernel[...].dtype
+        dt = vconv.kernel_dtype(self.decoder.conv_in.conv.kernel)
         y = self.decoder.level(x.astype(dt), level)
         return y.astype(F32) if level == self.decoder.levels - 1 else y
 
@@ -385,7 +386,7 @@ class HunyuanVideo15VAE(nnx.Module):
         """Decoder ``level`` of one temporal chunk: ``(output, the causal state the next chunk
         reads)``. ``state``: the previous chunk's (None: the first chunk); ``offset``: int32 latent
         frame the chunk starts at."""
-        dt = self.decoder.conv_in.conv.kernel[...].dtype
+        dt = vconv.kernel_dtype(self.decoder.conv_in.conv.kernel)
         io = Chunk(state, offset, kv_frames)
         y = self.decoder.level(x.astype(dt), level, io)
         return (y.astype(F32) if level == self.decoder.levels - 1 else y), io.new
@@ -400,7 +401,7 @@ def init(cfg: HunyuanVideo15VAEConfig, seed: int = 0, dtype=np.float32) -> nn.Sp
     from vidax.models.hunyuanvideo.dit import seeded_state
 
     graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
-    return nn.Split(graphdef, jax.device_put(state), cfg)
+    return vconv.split_taps(nn.Split(graphdef, jax.device_put(state), cfg))
 
 
 # ----------------------------------------------------------------------------------- decode / encode
@@ -586,7 +587,7 @@ def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32)
         ckpt = view_of({original_name(n): ckpt[n] for n in names}, ckpt)
     flat = load_params(ckpt, keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo15 (channels {cfg.block_out_channels})")
-    return nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat))
+    return vconv.split_taps(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
 
 
 # ----------------------------------------------------------------------------------- compat
