@@ -24,7 +24,7 @@ constants such as RoPE tables: placed once per key and passed to every program a
 never compiled in).
 
 Text K/V once (optional): ``CONTEXT`` (the inputs only the blocks' cross-attention keys and
-values read, e.g. ``("ctx", "img")``; empty: none), the embed unit's ``context(a, par) -> consts``
+values read, e.g. ``("ctx", "img")``; empty: none), the embed unit's ``kv_context(a, par) -> consts``
 (the embedded context) and a static ``kv(block, consts, par) -> dict`` (``kv_<name>`` for another
 stack): that block's keys / values, stacked over the layers by :meth:`DiTRunner.context` (or
 :func:`context_local`) once per sample stage. A call given ``context=`` that tree instead of the
@@ -84,7 +84,7 @@ def context_local(model, inputs: dict, dtype, par=vsh.LOCAL) -> dict:
     """A (concrete) model's once-computed context on one device: ``{stack: {name: [layers, ...]}}``
     from the ``CONTEXT`` ``inputs`` (cast to the compute ``dtype``); what :func:`run_local` takes as
     ``context``."""
-    consts = model.embed.context(_cast_context(inputs, dtype), par)
+    consts = model.embed.kv_context(_cast_context(inputs, dtype), par)
     out = {}
     for name in getattr(model, "STACKS", ("blocks",)):
         fn = _kv_hook(model, name)
@@ -341,7 +341,7 @@ class DiTRunner:
 
     # ------------------------------------------------------------------ text K/V once
     def _context_consts(self, rest, a, par):
-        return nnx.merge(self.graphs["embed"], rest["embed"]).context(a, par)
+        return nnx.merge(self.graphs["embed"], rest["embed"]).kv_context(a, par)
 
     def _kv_local(self, name, blocks, consts, par):
         return _kv_scan(_kv_hook(self.model, name), self.graphs[name], blocks, consts, par)

@@ -138,10 +138,10 @@ class WanEmbed(nnx.Module):
         temb6 = self.time_proj(jax.nn.silu(temb)).reshape(*temb.shape[:-1], 6, cfg.dim)
         consts = {"temb": temb.astype(F32), "temb6": temb6.astype(F32), "cos": a["cos"], "sin": a["sin"]}
         if "ctx" in a:  # (absent when the blocks' text keys / values were computed once: ``context``)
-            consts.update(self.context(a, par))
+            consts.update(self.kv_context(a, par))
         return {"h": h}, consts
 
-    def context(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+    def kv_context(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
         """The embedded text ``ctx`` (and I2V ``img_ctx``) the cross-attention keys / values read."""
         ctx = self.text_in(a["ctx"])
         consts = {"ctx": ctx}
@@ -289,7 +289,7 @@ class WanTransformer(nnx.Module):
 
     @staticmethod
     def kv(blk, c, par):
-        """This block's text (and image) cross-attention keys / values, from ``embed.context``."""
+        """This block's text (and image) cross-attention keys / values, from ``embed.kv_context``."""
         return blk.attn2.context_kv(c["ctx"], c.get("img_ctx"), par)
 
     @staticmethod
