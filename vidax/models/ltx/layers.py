@@ -113,6 +113,9 @@ class Attention(nnx.Module):
 
     def project(self, x, ctx, q_rope, k_rope, par):
         hd = self.head_dim
+        if q_rope is None:  # no rotary embedding: the text cross-attention, its keys / values as computed once
+            kv = self.context_kv(ctx, par)
+            return self.query(x, None, par), kv["k"], kv["v"]
         q = self.norm_q(par.linear(self.q, x), par)
         k = self.norm_k(par.linear(self.k, ctx), par)
         v = par.linear(self.v, ctx)
