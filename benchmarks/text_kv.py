@@ -1,17 +1,20 @@
-"""The text K/V computed once per sample stage (issue #29, item 5) vs per step: Wan's sample stage
-at a moderate width, one process, the two paths as interleaved pairs (``runner.TEXT_KV_ONCE`` on /
-off, each with its own compiled programs, warmed up first).
+"""The text K/V computed once per sample stage (issue #29, item 5) vs per step: Wan's sampling step
+(the DiT on the CFG batch, jitted as the sampling loop runs it) at a moderate width, one process,
+the two programs as interleaved pairs.
 
-    python -m benchmarks.text_kv [--pairs 7] [--dim-heads 12] [--layers 2] [--latents 4,32,32]
-                                 [--text 512] [--steps 4] [--mesh SPEC] [--json PATH]
+    python -m benchmarks.text_kv [--pairs 15] [--dim-heads 12] [--layers 2] [--latents 4,32,32]
+                                 [--text 512] [--json PATH]
 
-Reports the median of the per-pair time ratios (once / per step) with its quartiles: below 1, the
-once-computed K/V are faster. The K/V share of a step shrinks as the video tokens grow, so the
-saving is largest at short clips and long prompts.
+"per step": ``forward(state, x, t, ctx)`` (the text projection and every block's cross-attention
+keys / values inside the step, as before); "once": ``forward(state, x, t, context=kv)`` with ``kv``
+from the context program, run once per sample stage (its time is printed too). Reports the median
+of the per-pair step-time ratios (once / per step) with its quartiles: below 1, faster. The K/V
+share of a step shrinks as the video tokens grow (short clips and long prompts gain most).
 """
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -21,51 +24,51 @@ from benchmarks.harness import paired, quartiles, write_json
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--dim-heads", type=int, default=12, help="heads of 128 (12: Wan2.1-1.3B's width, 1536)")
     ap.add_argument("--ffn", type=int, default=8960)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--latents", default="4,32,32", help="latent frames,height,width (tokens: f*h*w/4)")
+    ap.add_argument("--latents", default="4,32,32", help="latent frames,height,width (video tokens: f*h*w/4)")
     ap.add_argument("--text", type=int, default=512, help="text tokens (Wan pads to 512)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--mesh", default=None)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
 
-    from vidax.core import runner as vrunner
-    from vidax.models.wan import pipeline as wp
+    import jax
+    import jax.numpy as jnp
+
+    from vidax.models.wan import dit as wdit
 
     f, h, w = (int(v) for v in a.latents.split(","))
-    base = wp.PRESET_SOURCES["tiny"]
-    dit = replace(base.dit, num_heads=a.dim_heads, head_dim=128, ffn_dim=a.ffn, num_layers=a.layers, text_dim=4096,
-                  freq_dim=256)
-    wp.PRESET_SOURCES["bench-text-kv"] = replace(base, dit=dit)
-    pipe = wp.WanT2V("bench-text-kv", mesh=a.mesh)
-    dit_loaded = pipe.load_dit()
+    cfg = replace(wdit.PRESETS["1.3b"], num_heads=a.dim_heads, head_dim=128, ffn_dim=a.ffn, num_layers=a.layers)
+    state = jax.device_put(wdit.init_state(cfg, seed=0))
     rng = np.random.default_rng(0)
-    cond, uncond = (rng.standard_normal((1, a.text, 4096)).astype(np.float32) for _ in range(2))
-    lat = rng.standard_normal((1, 16, f, h, w)).astype(np.float32)
-    size = dict(height=h * 8, width=w * 8, num_frames=(f - 1) * 4 + 1)
+    x = jnp.asarray(rng.standard_normal((2, f, h, w, 16)), jnp.float32)  # the CFG batch [cond; uncond]
+    t = jnp.full((2,), 500.0, jnp.float32)
+    ctx = jnp.asarray(rng.standard_normal((2, a.text, cfg.text_dim)), jnp.float32)
+    rope = wdit.rope_tables(cfg, (f, h // 2, w // 2))
+    per_step = jax.jit(lambda s, x, t, c, r: wdit.forward(s, cfg, x, t, c, rope=r))
+    with_kv = jax.jit(lambda s, x, t, kv, r: wdit.forward(s, cfg, x, t, None, rope=r, context=kv))
+    context = jax.jit(lambda s, c: wdit.context(s, cfg, c))
+    kv = jax.block_until_ready(context(state, ctx))
+    t0 = time.perf_counter()
+    kv = jax.block_until_ready(context(state, ctx))
+    ctx_s = time.perf_counter() - t0
+    err = float(jnp.max(jnp.abs(with_kv(state, x, t, kv, rope) - per_step(state, x, t, ctx, rope))))
 
-    def run(flag):
-        def go():
-            vrunner.TEXT_KV_ONCE = flag
-            pipe.sample_latents(cond, uncond, latents=lat, steps=a.steps, guidance=5.0, dit=dit_loaded, **size)
-        return go
-
-    once, per_step = run(True), run(False)
-    res = paired(once, per_step, pairs=a.pairs, warmup=1)
+    res = paired(lambda: with_kv(state, x, t, kv, rope).block_until_ready(),
+                 lambda: per_step(state, x, t, ctx, rope).block_until_ready(), pairs=a.pairs, warmup=1)
     lo, med, hi = quartiles(res.ratios)
     tokens = f * (h // 2) * (w // 2)
-    cfg = (f"Wan DiT dim {a.dim_heads * 128} ({a.dim_heads}x128 heads), FFN {a.ffn}, {a.layers} blocks, "
-           f"{tokens} video + {a.text} text tokens, CFG batch 2, {a.steps} UniPC steps, mesh {a.mesh or 'one device'}")
-    print(cfg)
-    for x, y in zip(res.a, res.b):
-        print(f"  once {x:.3f}s  per step {y:.3f}s  ratio {x / y:.3f}")
-    print(f"sample stage, K/V once / per step: {med:.3f}x [{lo:.3f}-{hi:.3f}] over {len(res.ratios)} pairs "
-          f"(medians {np.median(res.a):.3f}s vs {np.median(res.b):.3f}s)")
-    write_json(a.json, {"config": cfg, "once_s": res.a, "per_step_s": res.b, "ratio": med, "ratio_q1": lo,
-                        "ratio_q3": hi})
+    desc = (f"Wan DiT step (CFG batch 2): dim {cfg.dim} ({a.dim_heads}x128 heads), FFN {a.ffn}, {a.layers} blocks, "
+            f"{tokens} video + {a.text} text tokens, float32, one device")
+    print(desc)
+    for x_, y_ in zip(res.a, res.b):
+        print(f"  once {x_:.3f}s  per step {y_:.3f}s  ratio {x_ / y_:.3f}")
+    print(f"step time, K/V once / per step: {med:.3f}x [{lo:.3f}-{hi:.3f}] over {len(res.ratios)} pairs "
+          f"(medians {np.median(res.a):.3f}s vs {np.median(res.b):.3f}s); the context program once: {ctx_s:.3f}s; "
+          f"max abs difference of the outputs {err:.1e}")
+    write_json(a.json, {"config": desc, "once_s": res.a, "per_step_s": res.b, "ratio": med, "ratio_q1": lo,
+                        "ratio_q3": hi, "context_s": ctx_s, "max_abs_diff": err})
     return 0
 
 
