@@ -2,10 +2,12 @@
 
 - ``vidax-generate``: one request; every stage a task (local mode) or a child flow run of the
   per-stage deployment routed to a sized work pool (distributed mode);
-- ``vidax-generate-batch``: a prompt file (any fsspec URL), lines validated first, prompts run with a
-  concurrency limit, a failing prompt does not sink the others;
+- ``vidax-generate-batch``: a prompt file (any fsspec URL), lines validated first, then phase by
+  phase (each component loaded once per phase), in-process or as one child run per phase and pool
+  (``vidax-phase``); a failing prompt does not sink the others;
 - ``vidax-rerun-stage``: recompute one stage of an existing run, then finish whatever is left;
-- ``vidax-stage``: one stage of an existing run (what each per-stage deployment runs).
+- ``vidax-stage``: one stage of an existing run (what each per-stage deployment runs);
+- ``vidax-phase``: one phase of many runs of a batch (what each ``batch-*`` deployment runs).
 
 Only store URLs and run ids pass between flows; the data flows through the run store.
 """
@@ -172,31 +174,25 @@ def _flow_run_url(flow_run_id) -> str:
     return f"{ui}/runs/flow-run/{flow_run_id}" if ui else str(flow_run_id)
 
 
-def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: dict, attempt: int) -> dict:
-    """Launch the stage as a run of its deployment on its pool and wait for it, bounded: the
-    child must finish within the stage kind's timeout, and a child that is Running while its
-    stage holds no live lease (the worker died: SIGKILL, OOM, preemption) is marked Crashed after
-    :data:`CRASH_GRACE` seconds. Either way the parent fails the stage within a bounded time and
-    announces it (``vidax.stage.failed``) so the rerun automation can pick it up."""
+def _launch(deployment: str, parameters: dict, job_variables: dict, idempotency_key: str, tags: list[str]):
+    """A run of ``deployment`` as a child of this flow run, not waited for."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment(deployment, parameters=parameters, job_variables=job_variables or None,
+                          idempotency_key=idempotency_key, timeout=0, as_subflow=True, tags=tags)
+
+
+def _await_child(fr, what: str, leases: list[tuple], timeout: float):
+    """Wait for child run ``fr``, bounded: it must finish within ``timeout`` seconds, and while it
+    is Running, at least one of its stages not yet committed (``leases``: (run, stage) pairs) must
+    hold a live lease; one that holds none for :data:`CRASH_GRACE` seconds (its worker died:
+    SIGKILL, OOM, preemption) is marked Crashed. Returns its final state."""
     import asyncio
 
     from prefect import get_client
-    from prefect.deployments import run_deployment
-    from prefect.runtime import flow_run
     from prefect.states import Crashed
 
-    logger = get_run_logger()
-    kind = stage.split("/")[0]
-    name = registry.STAGE_DEPLOYMENTS[kind]
-    fr = run_deployment(
-        name, parameters={"store": store, "run_id": run_id, "stage": stage}, job_variables=job_variables or None,
-        idempotency_key=f"{flow_run.id}:{stage}:{key}:attempt-{attempt}", timeout=0, as_subflow=True,
-        tags=[f"vidax-run:{run_id}", f"vidax-stage:{stage}"],
-    )
-    pool = (job_variables or {}).get("tpu_accelerator") or name
-    logger.info("%s -> %s (%s): child run %s %s", stage, name, pool, fr.name, _flow_run_url(fr.id))
-    run = RunStore(store).run(run_id)
-    deadline = time.time() + stage_timeout(kind)
+    deadline = time.time() + timeout
     orphaned_since = None
 
     async def read_state():
@@ -210,24 +206,39 @@ def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: di
     while True:
         state = asyncio.run(read_state())
         if state is not None and state.is_final():
-            break
+            return state
         now = time.time()
         if now > deadline:
-            asyncio.run(crash(f"vidax: {stage} exceeded its timeout ({stage_timeout(kind):.0f} s)"))
-            state = asyncio.run(read_state())
-            break
+            asyncio.run(crash(f"vidax: {what} exceeded its timeout ({timeout:.0f} s)"))
+            return asyncio.run(read_state())
         if state is not None and state.is_running():
-            lease = run.lease(stage)
-            if lease is not None and lease.live():
+            open_ = [(run, st) for run, st in leases if run.record(st) is None]
+            if any((lease := run.lease(st)) is not None and lease.live() for run, st in open_):
                 orphaned_since = None
             elif orphaned_since is None:
                 orphaned_since = now
-            elif now - orphaned_since > CRASH_GRACE and run.record(stage) is None:
-                asyncio.run(crash(f"vidax: {stage} stopped renewing its lease for {CRASH_GRACE:.0f} s "
+            elif now - orphaned_since > CRASH_GRACE and open_:
+                asyncio.run(crash(f"vidax: {what} stopped renewing its lease for {CRASH_GRACE:.0f} s "
                                   f"(its worker died)"))
-                state = asyncio.run(read_state())
-                break
+                return asyncio.run(read_state())
         time.sleep(CHILD_POLL_SECONDS)
+
+
+def _run_remote(store: str, run_id: str, stage: str, key: str, job_variables: dict, attempt: int) -> dict:
+    """Launch the stage as a run of its deployment on its pool and wait for it, bounded
+    (:func:`_await_child`): either way the parent fails the stage within a bounded time and
+    announces it (``vidax.stage.failed``) so the rerun automation can pick it up."""
+    from prefect.runtime import flow_run
+
+    logger = get_run_logger()
+    kind = stage.split("/")[0]
+    name = registry.STAGE_DEPLOYMENTS[kind]
+    fr = _launch(name, {"store": store, "run_id": run_id, "stage": stage}, job_variables,
+                 f"{flow_run.id}:{stage}:{key}:attempt-{attempt}", [f"vidax-run:{run_id}", f"vidax-stage:{stage}"])
+    pool = (job_variables or {}).get("tpu_accelerator") or name
+    logger.info("%s -> %s (%s): child run %s %s", stage, name, pool, fr.name, _flow_run_url(fr.id))
+    run = RunStore(store).run(run_id)
+    state = _await_child(fr, stage, [(run, stage)], stage_timeout(kind))
     if state is None or not state.is_completed():
         # (a crashed child is announced by Prefect's own flow-run state event, which the rerun
         # automation listens to; a failed one by the vidax.stage.failed event its flow emits)
@@ -355,6 +366,37 @@ def stage(store: str, run_id: str, stage: str, force: bool = False) -> dict:
         raise
 
 
+@flow(name="vidax-phase", log_prints=True)
+def phase(store: str, kind: str, run_ids: list[str], attempt: int = 1) -> dict:
+    """One phase (stage kind) of many runs of a distributed batch, each component loaded once for
+    all of them (:func:`stages.run.generate_many`); the ``batch-*`` deployments run this. A stage
+    that fails is announced alone (``vidax.stage.failed``), so a failed decode stage is rerun alone."""
+    from vidax.core import runtime
+
+    runtime.setup()  # join a multi-host job before anything touches a device
+    logger = get_run_logger()
+    if kind not in R.PHASES:
+        raise ValueError(f"kind: {kind!r}; choose one of {', '.join(R.PHASES)}")
+    rs = RunStore(store)
+    items = []
+    for rid in run_ids:
+        run = rs.run(validate_run_id(rid))
+        items.append(R.BatchItem(run, R.load_request(run), label=rid))
+    R.generate_many(items, log=logger.info, phases=(kind,))
+    failed = {}
+    for it in items:
+        if it.error is not None:
+            failed[it.run.run_id] = R.describe_error(it.error)
+            if isinstance(it.error, R.StageFailed):
+                _emit_stage_failed(rs.url, it.run.run_id, it.error.stage, str(it.error), attempt)
+    message = f"{kind}: {len(items) - len(failed)} of {len(items)} run(s) done" + (
+        f"; failed: {', '.join(failed)}" if failed else "")
+    logger.info(message)
+    if failed:
+        return Failed(message=message, data={"failed": failed})
+    return Completed(message=message, data={"failed": {}})
+
+
 @flow(name="vidax-rerun-stage", log_prints=True)
 def rerun_stage(store: str, run_id: str, stage: str) -> dict:
     """Recompute one stage of an existing run, then run any later stage that is not committed."""
@@ -381,11 +423,6 @@ def rerun_stage(store: str, run_id: str, stage: str) -> dict:
     logger.info("run %s complete (it was started by %s): %s", run_id, origin.get("url", "an unknown flow run"),
                 ", ".join(run.url(n) for n in R.video_names(len(req.prompts))))
     return {"run_id": run_id, "stages": results, "started_by": origin.get("generate_flow_run")}
-
-
-@task(name="vidax-prompt", task_run_name="line {line}")
-def prompt_task(request: dict, store: str, line: int, mode: str, run_id: str | None = None) -> dict:
-    return generate(request=request, store=store, mode=mode, run_id=run_id)
 
 
 def _batch_local(good: list, store: str, logger) -> list[dict]:
@@ -418,15 +455,124 @@ def _batch_local(good: list, store: str, logger) -> list[dict]:
     return rows
 
 
+def _batch_distributed(good: list, store: str, logger, slices: int, job_variables: dict | None = None) -> list[dict]:
+    """A prompt file's lines as phases of child runs: per phase (stage kind) and group of runs that
+    share weights (:func:`stages.run.weights_group`), up to ``slices`` runs of that phase's batch
+    deployment (``registry.PHASE_DEPLOYMENTS``: one child per pool by default), each running its
+    share of the runs' stages with each component loaded once. A child that leaves stages not
+    committed is launched once more for its runs (a killed sampling child: they resume from their
+    step checkpoints); a decode stage that a child left is rerun alone by the automation (a failed
+    stage is announced by the child, one left by a crashed child by this flow). A run with a stage
+    not committed stops there, the others go on."""
+    from prefect.runtime import flow_run
+
+    rs = RunStore(store)
+    rs.check_writable()
+    items: list[tuple] = []  # (prompt line, BatchItem)
+    for b in good:
+        it = R.BatchItem(rs.run(b.run_id or b.request.default_run_id()), b.request, label=f"line {b.line}")
+        try:
+            it.pipe = R.make_pipeline(b.request)
+            it.keys = R.stage_keys(b.request, it.pipe)
+            it.run.write_json("request.json", b.request.to_json())
+            it.run.write_json("prefect.json", {"generate_flow_run": str(flow_run.id), "url": _flow_run_url(flow_run.id),
+                                               "mode": "distributed-batch"})
+            it.results = {}
+        except Exception as e:  # noqa: BLE001 - this line fails alone
+            it.error = e
+        items.append((b.line, it))
+
+    def stages_of(it, kind):
+        return [st for st in it.keys if st.split("/")[0] == kind]
+
+    def done(it, st):
+        return R.committed(it.run, st, it.keys[st], req=it.req, pipe=it.pipe)
+
+    groups: dict[tuple, list] = {}
+    for _, it in items:
+        if it.error is None:
+            groups.setdefault(R.weights_group(it.req), []).append(it)
+    for kind in R.PHASES:
+        name = registry.PHASE_DEPLOYMENTS[kind]
+        for g, members in enumerate(groups.values()):
+            todo = []
+            for it in (m for m in members if m.error is None):
+                left = [st for st in stages_of(it, kind) if not done(it, st)]
+                for st in stages_of(it, kind):
+                    it.results[st] = {"stage": st, "key": it.keys[st], "status": "ran" if st in left else "skipped"}
+                if left:
+                    todo.append(it)
+            for attempt in (1, 2):
+                if not todo:
+                    break
+                n = max(1, min(slices, len(todo)))
+                chunks = [todo[i::n] for i in range(n)]
+                first = chunks[0][0].req
+                jv = {**registry.get(first.model).job_variables(kind, first.preset), **(job_variables or {}).get(kind, {})}
+                children = []
+                for c, chunk in enumerate(chunks):
+                    ids = [it.run.run_id for it in chunk]
+                    fr = _launch(name, {"store": rs.url, "kind": kind, "run_ids": ids, "attempt": attempt}, jv,
+                                 f"{flow_run.id}:{kind}:{g}:{c}:attempt-{attempt}", [f"vidax-phase:{kind}"])
+                    logger.info("[%s] %d run(s) (%s) -> %s: child run %s %s", kind, len(ids), ", ".join(it.label for it in chunk),
+                                name, fr.name, _flow_run_url(fr.id))
+                    children.append((fr, chunk))
+                ended = []
+                for fr, chunk in children:
+                    leases = [(it.run, st) for it in chunk for st in stages_of(it, kind)]
+                    state = _await_child(fr, f"{kind} of {len(chunk)} run(s)", leases, stage_timeout(kind) * len(leases))
+                    what = state.type.value if state else "without a state"
+                    logger.info("[%s] child run %s ended %s: %s", kind, fr.name, what, (state.message if state else "") or "")
+                    ended.append((fr, chunk, state))
+                left = [it for it in todo if not all(done(it, st) for st in stages_of(it, kind))]
+                if not left:
+                    break
+                if kind == "decode" or attempt == 2:
+                    for fr, chunk, state in ended:
+                        if state is None or state.is_crashed() or state.is_cancelled():  # announced by no one yet
+                            for it in chunk:
+                                for st in stages_of(it, kind):
+                                    if not done(it, st):
+                                        _emit_stage_failed(rs.url, it.run.run_id, st, f"child run {fr.name} crashed", 1)
+                    for it in left:
+                        st = next(st for st in stages_of(it, kind) if not done(it, st))
+                        it.error = R.StageError(f"{st}: not committed by its child run (see its log); run it again "
+                                                f"with: vidax stage {it.run.run_id} {st} --store {rs.url}")
+                    break
+                logger.warning("[%s] %d run(s) left by their child run(s): launched again, resuming from what they "
+                               "committed", kind, len(left))
+                todo = left
+        logger.info("[%s] done: %d of %d run(s) on", kind, sum(it.error is None for _, it in items), len(items))
+    rows = []
+    for line, it in items:
+        if it.error is None:
+            R.write_manifest(it.run, it.req, it.keys)
+            _report(it.run, it.req, list(it.results.values()))
+            rows.append({"line": line, "prompt": it.req.prompts[0][:60], "status": "done", "run": it.run.run_id,
+                         "output / error": ", ".join(it.run.url(n) for n in R.video_names(len(it.req.prompts)))})
+        else:
+            err = R.describe_error(it.error)
+            logger.error("line %d failed: %s", line, err)
+            rows.append({"line": line, "prompt": it.req.prompts[0][:60], "status": "failed", "run": it.run.run_id,
+                         "output / error": err[:300]})
+    return rows
+
+
 @flow(name="vidax-generate-batch", log_prints=True)
-def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = None, concurrency: int = 2,
-                   mode: str = ""):
-    """Generate one video per line of a prompt file (.txt / .jsonl / .csv at any fsspec URL).
-    Empty ``store`` / ``mode`` (e.g. from an event that names none) mean $VIDAX_STORE (default
-    ``vidax-runs``) and $VIDAX_MODE (default local)."""
+def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = None, slices: int = 1,
+                   mode: str = "", job_variables: dict | None = None):
+    """Generate one video per line of a prompt file (.txt / .jsonl / .csv at any fsspec URL), phase
+    by phase: every line's encode, then sampling, decoding and mux, each component loaded once per
+    phase for all the lines that share it. ``mode="local"``: in this process; ``"distributed"``: per
+    phase, up to ``slices`` child runs of the phase's batch deployment (its pool; ``job_variables``
+    per stage kind, as :func:`generate` takes them, over the model's own). Empty ``store`` /
+    ``mode`` (e.g. from an event that names none) mean $VIDAX_STORE (default ``vidax-runs``) and
+    $VIDAX_MODE (default local)."""
     logger = get_run_logger()
     store = resolve_store(store)
     mode = mode or os.environ.get("VIDAX_MODE", "local")
+    if mode not in ("local", "distributed"):
+        raise ValueError(f"mode: {mode!r}; choose local or distributed")
     try:
         lines = parse_prompt_file(prompt_file, defaults)
     except PromptFileError as e:
@@ -436,25 +582,9 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     for b in bad:
         logger.error("%s line %d rejected: %s", prompt_file, b.line, b.error)
     good = [b for b in lines if b.request is not None]
-    logger.info("%d prompts to run, %d lines rejected, concurrency %d", len(good), len(bad), concurrency)
+    logger.info("%d prompts to run, %d lines rejected, mode %s", len(good), len(bad), mode)
     rows = [{"line": b.line, "prompt": "", "status": "rejected", "run": "", "output / error": b.error} for b in bad]
-    if mode == "local":
-        rows += _batch_local(good, store, logger)
-    for i in (range(0, len(good), max(1, concurrency)) if mode != "local" else ()):
-        wave = good[i:i + max(1, concurrency)]
-        futs = [(b, prompt_task.submit(b.request.to_json(), store, b.line, mode, b.run_id)) for b in wave]
-        for b, f in futs:
-            f.wait()
-            st = f.state
-            if st.is_completed():
-                res = f.result()
-                rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "done", "run": res["run_id"],
-                             "output / error": ", ".join(res["videos"])})
-            else:
-                err = st.message or "failed"
-                logger.error("line %d failed: %s", b.line, err)
-                rows.append({"line": b.line, "prompt": b.request.prompts[0][:60], "status": "failed", "run": "",
-                             "output / error": err[:300]})
+    rows += _batch_local(good, store, logger) if mode == "local" else _batch_distributed(good, store, logger, slices, job_variables)
     rows.sort(key=lambda r: r["line"])
     create_table_artifact(rows, key=_artifact_key("vidax-batch", prompt_file.rsplit("/", 1)[-1]),
                           description=f"Batch summary for {prompt_file}")

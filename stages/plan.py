@@ -107,6 +107,11 @@ class Plan:
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         for s in self.stages:
+            for u in s.units:
+                if u.comm_bytes:
+                    parts = ", ".join(f"{_COMM_NAMES[k]} {fmt_bytes(v)}" for k, v in u.comm.items())
+                    lines.append(f"  {s.kind}: sequence parallel sends ~{fmt_bytes(u.comm_bytes)} per device per "
+                                 f"{u.name} ({parts}; mesh {s.mesh})")
             for k in s.knobs:
                 lines.append(f"  {s.kind}: {k}")
         return "\n".join(lines)
@@ -115,6 +120,9 @@ class Plan:
         return {"model": self.model, "source": self.source, "height": self.height, "width": self.width,
                 "num_frames": self.num_frames, "dtype": self.dtype, "batch": self.batch, "fits": self.fits,
                 "stages": [s.to_json() for s in self.stages]}
+
+
+_COMM_NAMES = {"all_to_all": "Ulysses all_to_all", "ring": "ring K/V", "gather": "joint-token gather"}
 
 
 class PlanError(RequestError):
@@ -275,7 +283,7 @@ def knobs(sp: StagePlan, req, pipe, recipe, geo) -> list[str]:
         sizes = parse_mesh_spec(sp.mesh) if sp.mesh else {}
         tp, spd, dp = (int(sizes.get(a, 1)) for a in ("tp", "sp", "dp"))
         for k in (2, 4, 8):
-            if geo.num_heads % (tp * k * spd) == 0:
+            if geo.num_heads % (tp * k) == 0:  # sp is free of the heads (Ulysses x ring)
                 out.append(f"--mesh dp={dp},tp={tp * k}" + (f",sp={spd}" if spd > 1 else "") +
                            f" on {dp * tp * k * spd} chips: weights ~{fmt_bytes(w // k)} per device")
                 break

@@ -308,11 +308,18 @@ def _check_mesh(mesh, geo) -> None:
     have = jax.device_count()
     if n > have:
         raise RequestError("mesh", f"{mesh!r} needs {n} devices; {have} visible ({jax.default_backend()})")
-    par = max(1, int(sizes.get("tp", 1))) * max(1, int(sizes.get("sp", 1)))
-    if geo.num_heads % par:
+    tp, sp = max(1, int(sizes.get("tp", 1))), max(1, int(sizes.get("sp", 1)))
+    if geo.num_heads % tp:
         ok = [d for d in range(1, geo.num_heads + 1) if geo.num_heads % d == 0]
-        raise RequestError("mesh", f"{mesh!r}: tp*sp={par} does not divide the model's {geo.num_heads} attention heads; "
-                                   f"tp*sp can be {', '.join(map(str, ok))}")
+        raise RequestError("mesh", f"{mesh!r}: tp={tp} does not divide the model's {geo.num_heads} attention heads; "
+                                   f"tp can be {', '.join(map(str, ok))}")
+    # sp: Ulysses x ring (any sp; a ring given in the spec must leave a Ulysses degree dividing the heads)
+    from vidax.core.mesh import ShardingConfigError, ring_degree, usp_split
+
+    try:
+        usp_split(sp, geo.num_heads // tp, ring_degree(mesh))
+    except ShardingConfigError as e:
+        raise RequestError("mesh", f"{mesh!r}: {e}") from None
 
 
 def build_pipeline(req: Request, mesh="request"):

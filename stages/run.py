@@ -366,13 +366,14 @@ class CorruptInput(StageError):
         super().__init__(message)
 
 
-def _fault(stage: str, what: str) -> str | None:
+def _fault(stage: str, what: str, run_id: str) -> str | None:
     """Fault injection for tests and drills: ``VIDAX_FAULTS="sample:kill_after_step=3,decode/1:fail"``
     (``fail``: raise; ``kill``: SIGKILL the process; ``kill_after_step=N``: SIGKILL after the
-    sampling checkpoint of step N)."""
+    sampling checkpoint of step N); ``RUN@stage:...`` (``b2@decode/1:fail``) only in run ``RUN``."""
     for item in filter(None, os.environ.get("VIDAX_FAULTS", "").split(",")):
         s, _, f = item.partition(":")
-        if s == stage and f.split("=")[0] == what:
+        only, _, s = s.rpartition("@")
+        if s == stage and f.split("=")[0] == what and only in ("", run_id):
             return f.partition("=")[2] or "1"
     return None
 
@@ -494,7 +495,7 @@ def run_sample(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, input
         resume = found.get("r") if is_leader() else (None if step is None else _load_checkpoint(run, key, log, step))
     if resume is not None:
         log(f"  resuming from the step checkpoint at step {resume['step']}/{req.steps}")
-    kill_after = _fault("sample", "kill_after_step")
+    kill_after = _fault("sample", "kill_after_step", run.run_id)
     every = req.checkpoint_every
 
     def on_step(info, snapshot):
@@ -531,9 +532,9 @@ def _cleanup_checkpoints(run: Run) -> None:
 
 
 def run_decode(run: Run, req: Request, pipe: Pipeline, key: str, log: Log, inputs: _Inputs, span: DecodeSpan) -> dict:
-    if _fault(span.name, "fail"):
+    if _fault(span.name, "fail", run.run_id):
         raise StageError(f"{span.name}: injected fault (VIDAX_FAULTS)")
-    if _fault(span.name, "kill"):
+    if _fault(span.name, "kill", run.run_id):
         os.kill(os.getpid(), signal.SIGKILL)
     latents = inputs.arrays("sample", "sample.zarr", span.inputs)
     carry = None
@@ -657,6 +658,10 @@ def run_stage(run: Run, req: Request, pipe: Pipeline, stage: str, keys: dict[str
     kind = stage.split("/")[0]
     if kind in ("encode", "sample", "decode"):
         check_memory(req, pipe, (kind,), log)  # before the lease: a stage that cannot fit takes nothing
+        # the checkpoint's headers, before the lease too: in distributed mode the parent never fetched
+        # a remote checkpoint (the stage's machine does, here), so a damaged one is refused before this
+        # stage writes anything (once per process and folder: after generate()'s own check, free)
+        check_weights(req, pipe)
     try:
         return _run_stage(run, req, pipe, stage, keys, log, progress, records, force)
     except (CorruptInput, StageFailed):
@@ -940,15 +945,21 @@ def weights_group(req: Request) -> tuple:
             str(req.offload_chunk_size), lora, req.image is not None)
 
 
-def generate_many(items: list[BatchItem], log: Log = print, progress: Progress | None = None) -> list[BatchItem]:
+def generate_many(items: list[BatchItem], log: Log = print, progress: Progress | None = None,
+                  phases: tuple[str, ...] = PHASES) -> list[BatchItem]:
     """Run many runs phase by phase: every run's encode stage, then every run's sampling, then
     their decode stages, then their mux. Within a phase the runs are grouped by
     :func:`weights_group` and each group runs inside :class:`vidax.pipeline.phase_weights`, so each
     component is loaded once per group and phase and freed before the next. Every run stays its own
     run (stages, records and keys as :func:`generate` makes them, so its outputs are the same);
-    committed stages are skipped (a rerun resumes); a run that fails stops alone (``item.error``)."""
+    committed stages are skipped (a rerun resumes); a run that fails stops alone (``item.error``).
+
+    ``phases`` a part of :data:`PHASES` (one phase of a distributed batch: ``("decode",)``) runs only
+    those phases of runs that already exist (their request written, their manifest left to the
+    flow that made them); ``item.results`` then holds those phases' stages."""
     from vidax.pipeline import phase_weights
 
+    whole = tuple(phases) == PHASES
     for it in items:
         it.label = it.label or it.run.run_id
         try:
@@ -956,7 +967,7 @@ def generate_many(items: list[BatchItem], log: Log = print, progress: Progress |
             it.keys = stage_keys(it.req, it.pipe)
             it.memory = check_memory(it.req, it.pipe, log=log)
             check_weights(it.req, it.pipe)
-            if is_leader():
+            if is_leader() and whole:
                 it.run.write_json("request.json", it.req.to_json())
             it.records, it.results = Records(it.run), {}
         except Exception as e:  # noqa: BLE001 - this run fails alone
@@ -966,7 +977,7 @@ def generate_many(items: list[BatchItem], log: Log = print, progress: Progress |
     for it in items:
         if it.error is None:
             groups.setdefault(weights_group(it.req), []).append(it)
-    for phase in PHASES:
+    for phase in [p for p in PHASES if p in phases]:
         todo = [(it, s) for g in groups.values() for it in g for s in it.keys if s.split("/")[0] == phase]
         done = 0
         if todo:
@@ -1004,7 +1015,7 @@ def generate_many(items: list[BatchItem], log: Log = print, progress: Progress |
             except Exception as e:  # noqa: BLE001
                 it.error, it.results = e, None
             continue
-        if is_leader():
+        if is_leader() and whole:
             write_manifest(it.run, it.req, it.keys, it.records, it.memory or {
                 "checked": False, "why": "the devices' memory is not known (CPU); VIDAX_DEVICE_MEMORY=16GiB checks "
                                          "against a size"})

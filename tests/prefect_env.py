@@ -4,6 +4,7 @@ The session fixture ``prefect_server`` (registered in conftest.py) starts on fir
 the PREFECT_* settings of this process at it before Prefect is imported by the tests.
 """
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,6 +43,8 @@ class PrefectServer:
             "PREFECT_SERVER_API_PORT": str(self.port),
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home}/prefect.db",
             "PREFECT_LOGGING_LEVEL": "INFO",
+            # the server's own INFO lines (triggers, event ordering) in server.log, for a failing test's report
+            "PREFECT_SERVER_LOGGING_LEVEL": "INFO",
             # workers pick up scheduled runs within 1 s (default 10 s), parents poll children twice a second
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "VIDAX_CHILD_POLL_SECONDS": "0.5",
@@ -53,7 +56,8 @@ class PrefectServer:
 
     def start(self):
         log = open(self.home / "server.log", "w")
-        p = subprocess.Popen(dies_with_parent([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", self.port]),
+        p = subprocess.Popen(dies_with_parent([sys.executable, "-m", "tests.prefect_server", "server", "start",
+                                              "--host", "127.0.0.1", "--port", self.port]),
                              env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
         self.procs.append(p)
         deadline = time.time() + 120
@@ -89,6 +93,8 @@ class PrefectServer:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if not os.environ.get("VIDAX_TEST_KEEP_PREFECT"):  # its database, server and worker logs
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

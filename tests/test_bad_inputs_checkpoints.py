@@ -257,6 +257,99 @@ def test_cogvideox_ltx_ltx2_loaders_check_headers_only(tmp_path):
         "audio VAE": "checked", "vocoder": "checked"}
 
 
+# ------------------------------------------------------------------ HunyuanVideo (T2V: Llama; I2V: a LLaVA)
+@pytest.fixture(scope="module")
+def hunyuan_folders(tmp_path_factory):
+    from tests import lora_folders
+
+    root = tmp_path_factory.mktemp("hunyuan-ckpt")
+    args = {"t2v": lora_folders.hunyuanvideo(root / "t2v"), "i2v": lora_folders.hunyuanvideo_i2v(root / "i2v")}
+    return root, args
+
+
+@pytest.fixture
+def hunyuan(hunyuan_folders, tmp_path, cond_image):
+    """``name -> (a copy of that folder, its generate arguments)``."""
+    root, args = hunyuan_folders
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(root / name, d)
+        extra = ["--image", cond_image] if name == "i2v" else []
+        return d, ["--checkpoint", str(d), *args[name], "--steps", "1", *extra]
+    return copy
+
+
+def test_hunyuanvideo_loaders_check_headers_only(hunyuan, monkeypatch, store, capsys):
+    """Every HunyuanVideo weight load stops at the headers with the key maps' shapes fitting, the
+    image-to-video LLaVA's three parts (language model, vision tower, projector) each on its own;
+    intact folders validate without reading any tensor data."""
+    from types import SimpleNamespace
+
+    from stages import cli
+    from tests.test_bad_inputs import tree_digest
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoI2V, HunyuanVideoT2V
+    from vidax.weights import io
+
+    req = SimpleNamespace(image=None, options={})
+    (t2v, a2), (i2v, a1) = hunyuan("t2v"), hunyuan("i2v")
+    assert _headers_only(HunyuanVideoT2V(str(t2v)), req) == {
+        "text encoder": "checked", "CLIP text encoder (text_encoder_2)": "checked", "DiT": "checked", "VAE": "checked"}
+    assert _headers_only(HunyuanVideoI2V(str(i2v)), req) == {
+        "text encoder (LLaVA language model)": "checked", "text encoder (LLaVA vision tower)": "checked",
+        "text encoder (LLaVA projector)": "checked", "CLIP text encoder (text_encoder_2)": "checked", "DiT": "checked",
+        "VAE": "checked"}
+
+    def no_data(*a, **k):
+        raise AssertionError("validation read tensor data")
+
+    monkeypatch.setattr(io, "_safetensors_read", no_data)
+    for args in (a2, a1):  # the positive control: the CLI's validation passes (stopped by a bad store id)
+        before = tree_digest(store)
+        assert cli.main(["generate", *args, "--store", str(store), "--run-id", "../x"]) == 2
+        err = capsys.readouterr().err
+        assert "run_id" in err and "checkpoint" not in err, err
+        assert tree_digest(store) == before
+
+
+def _reshape_tensor(f, name):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(f))
+    a = tensors[name]
+    tensors[name] = np.zeros((a.shape[0] + 1,) + a.shape[1:], a.dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name,what", [
+    ("multi_modal_projector.linear_2.weight", "text encoder (LLaVA projector)"),
+    ("vision_tower.encoder.layers.1.mlp.fc1.weight", "text encoder (LLaVA vision tower)"),
+    ("language_model.model.layers.0.mlp.up_proj.weight", "text encoder (LLaVA language model)"),
+], ids=["projector", "vision-tower", "language-model"])
+def test_hunyuanvideo_i2v_llava_tensor_of_the_wrong_shape(hunyuan, store, capsys, name, what):
+    d, args = hunyuan("i2v")
+    f = _one(d, "text_encoder")
+    _reshape_tensor(f, name)
+    short = name.split(".", 1)[1] if what.endswith("(LLaVA projector)") else name.rsplit("layers.", 1)[-1]
+    refused(store, capsys, args, "checkpoint", what, short, "mis-shaped", f.name)
+
+
+@pytest.mark.parametrize("sub,what", [("transformer", "DiT"), ("text_encoder_2", "CLIP text encoder"),
+                                      ("text_encoder", "text encoder")])
+def test_hunyuanvideo_t2v_truncated_component(hunyuan, store, capsys, sub, what):
+    d, args = hunyuan("t2v")
+    f = _one(d, sub)
+    f.write_bytes(f.read_bytes()[:-64])
+    refused(store, capsys, args, "checkpoint", what, str(f))
+
+
+def test_hunyuanvideo_dit_tensor_of_the_wrong_shape(hunyuan, store, capsys):
+    d, args = hunyuan("t2v")
+    f = _one(d, "transformer")
+    _reshape_tensor(f, "single_transformer_blocks.1.proj_mlp.weight")
+    refused(store, capsys, args, "checkpoint", "DiT", "single_transformer_blocks.1.proj_mlp.weight", f.name)
+
+
 def test_remote_checkpoint_checked_after_its_fetch_before_any_write(wan, store, capsys, gcs_emulator, monkeypatch,
                                                                      tmp_path):
     """A ``gs://`` checkpoint: validation reads its configs alone; its headers are checked once the
@@ -285,3 +378,42 @@ def test_remote_checkpoint_checked_after_its_fetch_before_any_write(wan, store, 
     assert last.startswith("vidax: error: checkpoint: DiT: ") and "diffusion_pytorch_model.safetensors" in last, last
     assert "not a readable safetensors file" in last
     assert tree_digest(store) == before, "the store changed"
+
+
+def test_remote_checkpoint_in_distributed_mode_checked_by_the_stage_before_it_writes(wan, store, capsys, gcs_emulator,
+                                                                                   monkeypatch, tmp_path):
+    """Distributed mode: the parent validates the request from a ``gs://`` checkpoint's configs
+    alone and writes ``request.json`` (it never fetches weights: the stages' machines do); the
+    stage fetches the checkpoint and checks its headers before it takes its lease or touches its
+    record: ``vidax stage`` (what a stage's machine runs; the Prefect stage task runs the same
+    ``run_stage``) exits 2 in one line naming the file, and the store is byte-identical."""
+    import time
+
+    from stages import cli
+    from stages.store import RunStore
+    from tests.test_bad_inputs import tree_digest
+    from vidax.weights import source as S
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    monkeypatch.setenv("VIDAX_CACHE", str(tmp_path / "parent-cache"))
+    f = _one(wan, "transformer")
+    f.write_bytes(f.read_bytes()[:-1000])
+    url = f"gs://vidax-test/models/damaged-dist-{time.time_ns()}"
+    fs, root = S.filesystem(url)
+    for p in sorted(x for x in wan.rglob("*") if x.is_file()):
+        fs.put_file(str(p), f"{root}/{p.relative_to(wan).as_posix()}")
+    req = validate(Request(model="wan2.1-t2v-1.3b", checkpoint=url, prompt=PROMPT, height=32, width=32, num_frames=5,
+                           steps=1))  # the parent: configs only
+    assert not list((tmp_path / "parent-cache").rglob("*.safetensors")), "the parent fetched weights"
+    RunStore(str(store)).run("dist").write_json("request.json", req.to_json())
+    capsys.readouterr()
+    monkeypatch.setenv("VIDAX_CACHE", str(tmp_path / "stage-cache"))  # the stage's own machine
+    for stage in ("encode", "sample"):
+        before = tree_digest(store)
+        rc = cli.main(["stage", "dist", stage, "--store", str(store)])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in err + out, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("vidax: error: checkpoint: DiT: ") and "diffusion_pytorch_model.safetensors" in last, last
+        assert "not a readable safetensors file" in last
+        assert tree_digest(store) == before, "the store changed"

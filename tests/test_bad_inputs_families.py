@@ -125,3 +125,31 @@ def test_cosmos25_cond_frames_against_the_clip(store, capsys, short_clip):
 def test_cosmos3_cond_frames_against_the_frame_count(store, capsys, short_clip):
     refused(store, capsys, ["--model", "cosmos3-nano", *BASE, "--frames", "5", "--video", short_clip,
                             "--cond-frames", "3"], "cond_frames", "do not fit 5 frames")
+
+
+def test_vidax_batch_of_bad_option_lines(store, capsys, tmp_path):
+    """The prompt-file catalogue through ``vidax batch``: a file whose every line gives one option of
+    one model a value of the wrong type exits 2, one stderr line per rejected line naming its line
+    number and the option, no traceback, and the store (holding a finished run) byte-identical."""
+    from stages import cli
+    from tests.test_bad_inputs import tree_digest
+
+    f = tmp_path / "bad-options.jsonl"
+    lines = []
+    for model, name in OPTION_LINES:
+        line = {"prompt": "a kite", "model": model, "steps": 1, name: _wrong_type(registry.get(model).option(name))}
+        if registry.get(model).image == "required":
+            line["image"] = "first-frame.png"
+        lines.append(json.dumps(line))
+    f.write_text("\n".join(lines) + "\n")
+    before = tree_digest(store)
+    rc = cli.main(["batch", str(f), "--store", str(store)])
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert "Traceback" not in out + err
+    rejected = err.strip().splitlines()
+    assert len(rejected) == len(OPTION_LINES), err
+    for i, ((model, name), msg) in enumerate(zip(OPTION_LINES, rejected)):
+        assert msg.startswith(f"vidax: rejected: {f} line {i + 1}: {name}:"), msg
+    assert f"0 prompt(s) to run, {len(OPTION_LINES)} line(s) rejected" in out
+    assert tree_digest(store) == before, "the store changed"

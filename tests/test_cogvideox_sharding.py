@@ -92,14 +92,17 @@ def test_sharded_equals_single_device(refs, variant, spec):
 
 
 def test_text_tokens_are_never_split(refs):
-    """7 text tokens on sp=4: only the 32 video tokens must divide; 30 video tokens cannot."""
+    """7 text tokens on sp=4: only the video tokens are split; 30 video tokens run padded to 32
+    (masked), fewer video tokens than sp devices are refused by name."""
     params, (x, t, ctx, ofs), ref = refs["2b"]
     r = dit.runner(params, CFG, "sp=4")
     assert ctx.shape[1] % 4
     _close(r(x, t, ctx), ref, "sp=4 with 7 text tokens")
-    bad = jnp.zeros((2, 2, 10, 6, 4))  # 2 x 5 x 3 = 30 video tokens
-    with pytest.raises(vsh.ShardingConfigError, match="video tokens"):
-        r(bad, t, ctx)
+    odd = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, 10, 6, 4)), jnp.float32)  # 2 x 5 x 3 = 30
+    want = jax.jit(dit.forward, static_argnums=1)(jax.tree.map(jnp.asarray, params), CFG, odd, t, ctx)
+    _close(r(odd, t, ctx), want, "sp=4 with 30 video tokens")
+    with pytest.raises(vsh.ShardingConfigError, match="sp=8 exceeds the 4 video tokens"):
+        dit.runner(params, CFG, "sp=8")(odd[:, :1, :4, :4], t, ctx)  # 1 x 2 x 2 video tokens
 
 
 @pytest.mark.parametrize("variant,spec,chunk", [("2b", None, 1), ("1.5-i2v", "tp=2,sp=2", 1), ("5b-i2v", "sp=2", "all")])

@@ -19,7 +19,7 @@ from vidax.core.jit import CompileCounter
 from vidax.models.wan.pipeline import WanT2V
 
 
-@pytest.mark.parametrize("mesh", [None, "dp=2,tp=2"])
+@pytest.mark.parametrize("mesh", [None, "dp=2,tp=2", "dp=2,sp=4"])  # sp=4 on 2 heads: Ulysses 2 x ring 2
 def test_one_step_program_across_prompts_and_experts(mesh):
     pipe = WanT2V("tiny-a14b", mesh=mesh)
     rng = np.random.default_rng(0)

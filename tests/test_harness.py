@@ -48,3 +48,77 @@ def test_an_emulator_dies_with_the_process_that_started_it(tmp_path):
             raise AssertionError(f"the emulator on port {port} outlived its parent")
     finally:
         p.kill()
+
+
+def _triggered_by(srv, automation_id) -> dict:
+    """{triggering event id: when the automation's trigger fired} from the server's event log."""
+    import datetime
+    import json
+    import urllib.request
+
+    body = json.dumps({"filter": {"event": {"name": ["prefect.automation.triggered"]},
+                                  "resource": {"id": [f"prefect.automation.{automation_id}"]}},
+                       "limit": 50}).encode()
+    req = urllib.request.Request(f"{srv.api}/events/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        events = json.loads(r.read())["events"]
+    return {e["payload"]["triggering_event"]["id"]: datetime.datetime.fromisoformat(e["occurred"]) for e in events}
+
+
+def test_the_test_server_evaluates_a_parked_event_within_seconds(prefect_server):
+    """tests/prefect_server.py: an event whose leader (``follows``) never arrives is parked by
+    Prefect's event ordering and evaluated after the test server's shortened window (20 s), not
+    after Prefect's 15 minutes; an event without a leader is evaluated at once."""
+    import asyncio
+    import datetime
+    import json
+    import urllib.request
+    import uuid
+
+    from prefect import get_client
+    from prefect.events.actions import DoNothing
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    srv = prefect_server
+    tag = uuid.uuid4().hex[:8]
+
+    async def create():
+        async with get_client() as c:
+            trigger = EventTrigger(match={"prefect.resource.id": f"vidax.harness.{tag}.*"}, expect={"vidax.harness.ping"},
+                                   posture=Posture.Reactive, threshold=1, within=0)
+            return await c.create_automation(AutomationCore(name=f"harness-{tag}", trigger=trigger, actions=[DoNothing()]))
+
+    automation = asyncio.run(create())
+
+    def post(follows=None) -> tuple[str, datetime.datetime]:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ev = {"id": str(uuid.uuid4()), "occurred": now.isoformat(), "event": "vidax.harness.ping",
+              "resource": {"prefect.resource.id": f"vidax.harness.{tag}.{uuid.uuid4().hex[:6]}"}}
+        if follows:
+            ev["follows"] = follows
+        req = urllib.request.Request(f"{srv.api}/events", data=json.dumps([ev]).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+        return ev["id"], now
+
+    def wait_for(event_id, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            fired = _triggered_by(srv, automation)
+            if event_id in fired:
+                return fired[event_id]
+            time.sleep(1)
+        return None
+
+    # the automation is live once an event without a leader fires it (posted again until it does)
+    deadline = time.time() + 60
+    while True:
+        first, _ = post()
+        if wait_for(first, 5) is not None:
+            break
+        assert time.time() < deadline, "the automation never fired for an event without a leader"
+    parked, sent = post(follows=str(uuid.uuid4()))  # a leader that never comes
+    fired = wait_for(parked, 90)
+    assert fired is not None, "an event whose leader never arrived was not evaluated within 90 s"
+    waited = (fired - sent).total_seconds()
+    assert waited >= 15, f"the event was not parked (fired after {waited:.1f} s)"

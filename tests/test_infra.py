@@ -259,11 +259,13 @@ def test_prefect_yaml_deployments_use_the_templated_pools():
     # the TPU pools run the TPU template; orchestration and mux run on CPU
     assert pools["sample"] == "vidax-tpu-large"
     assert pools["encode"] == pools["decode"] == "vidax-tpu-small"
+    for kind in ("encode", "sample", "decode", "mux"):  # a batch's phases run where their single stages do
+        assert pools[f"batch-{kind}"] == pools[kind]
     assert pools["mux"] == pools["generate"] == pools["generate-batch"] == "vidax-cpu"
     assert POOLS["vidax-tpu-large"][1] == POOLS["vidax-tpu-small"][1] == TPU and POOLS["vidax-cpu"][1] == CPU
     # every stage kind the flows route with run_deployment has its deployment, for the flow it names
     names = _flow_names()
-    for kind, full in registry.STAGE_DEPLOYMENTS.items():
+    for kind, full in [*registry.STAGE_DEPLOYMENTS.items(), *registry.PHASE_DEPLOYMENTS.items()]:
         flow_name, dep_name = full.split("/")
         assert dep_name in deps, f"registry routes {kind} to {full}, which prefect.yaml does not declare"
         module, func = deps[dep_name]["entrypoint"].split(":")

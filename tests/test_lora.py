@@ -2,8 +2,9 @@
 
 One tiny complete Wan diffusers folder (UMT5 text encoder, word-level tokenizer, DiT, VAE) is
 built once per module; each LoRA layout is checked against the folder whose transformer diffusers
-fused, end to end through ``vidax generate`` for the PEFT layout and on the loaded DiT tensors for
-the others."""
+fused, end to end through ``vidax generate`` (PEFT on Wan2.1 T2V; kohya, PEFT and musubi on both
+Wan2.2 A14B experts; kohya with the image keys on Wan2.1 I2V) and on the loaded DiT tensors for
+every layout. The other families: ``tests/test_lora_generate.py``."""
 import json
 import shutil
 
@@ -593,3 +594,49 @@ def test_full_diffs_on_norms_head_and_conv(wan_folder, tmp_path):
     assert len(want) >= 6
     for k in merged:
         np.testing.assert_allclose(merged[k], want.get(k, base[k]), rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_i2v_end_to_end_with_image_keys(wan_folder, tmp_path, cond_image):
+    """Wan2.1 I2V through the stages: a LoRA with the image cross-attention's keys (``k_img`` /
+    ``v_img``, kohya layout) gives the latents of the folder whose transformer diffusers'
+    ``WanImageToVideoPipeline`` fused."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    from tests.test_wan_i2v import CLIP
+
+    base = tmp_path / "i2v"
+    shutil.copytree(wan_folder, base)
+    shutil.rmtree(base / "transformer")
+    torch.manual_seed(2)
+    perturb(WanTransformer3DModel(**{**DIT, "in_channels": 36, "image_dim": CLIP["hidden_size"],
+                                     "added_kv_proj_dim": 24}), seed=91).save_pretrained(base / "transformer")
+    perturb(CLIPVisionModel(CLIPVisionConfig(**CLIP)), seed=92).save_pretrained(base / "image_encoder")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        base / "image_processor")
+    index = json.loads((base / "model_index.json").read_text())
+    index.update(_class_name="WanImageToVideoPipeline", image_encoder=["transformers", "CLIPVisionModel"],
+                 image_processor=["transformers", "CLIPImageProcessor"])
+    (base / "model_index.json").write_text(json.dumps(index))
+    mods = _modules() + [(f"blocks.{i}.attn2.add_{n}_proj", f"blocks.{i}.cross_attn.{n}_img", 24, 24)
+                         for i in range(2) for n in ("k", "v")]
+    lora = _save(make_lora("kohya", seed=93, modules=mods), tmp_path / "i2v.safetensors")
+    tr = WanTransformer3DModel.from_pretrained(base / "transformer")
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, transformer=tr, vae=None, scheduler=None,
+                                   image_encoder=None, image_processor=None)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora(lora_scale=0.9)
+    pipe.unload_lora_weights()
+    fused = tmp_path / "fused"
+    shutil.copytree(base, fused)
+    shutil.rmtree(fused / "transformer")
+    tr.save_pretrained(fused / "transformer")
+    over = {"model": "wan2.1-i2v-480p", "image": cond_image}
+    ours = _generate(tmp_path / "s1", base, [f"{lora}:0.9"], **over)
+    ref = _generate(tmp_path / "s2", fused, **over)
+    err = _rel(ours, ref)
+    print(f"I2V latents rel err {err:.2e}")
+    assert err <= 1e-5, f"latents differ from the fused folder's: {err:.2e} relative"
+    no_img = _save({k: v for k, v in make_lora("kohya", seed=93, modules=mods).items() if "_img" not in k},
+                   tmp_path / "no-img.safetensors")
+    assert _rel(_generate(tmp_path / "s3", base, [f"{no_img}:0.9"], **over), ref) > 1e-4  # the image keys took part

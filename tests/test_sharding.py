@@ -284,10 +284,11 @@ def test_indivisible_configs_fail_before_compute(setup):
     cases = [
         (dict(mesh="tp=3"), None, r"tp=3 does not divide num_heads=8 .*valid tp: 1, 2, 4, 8"),
         (dict(mesh="tp=4,sp=4"), None, r"needs 16 devices"),
-        (dict(mesh="sp=3"), None, r"sp=3 does not divide num_heads=8 .*valid sp: 1, 2, 4, 8"),
+        (dict(mesh="sp=6,ring=1"), None, r"sp=6,ring=1: the Ulysses degree sp/ring=6 does not divide the 8 attention "
+                                          r"heads per tp shard; valid ring: 3, 6"),
         (dict(mesh="tp=2,sp=2", parallelism="tp"), None, r"does not use mesh axis sp=2"),
         (dict(mesh="tp=2"), "ffn", r"tp=2 does not divide ffn_dim=91 .*valid tp: 1"),
-        (dict(mesh="sp=4"), "tokens", r"sp=4 does not divide tokens=6 .*valid sp.*: 1, 2$"),
+        (dict(mesh="sp=8"), "tokens", r"sp=8 exceeds the 6 tokens .*valid sp: 1 to 6$"),
         (dict(mesh="dp=2"), "batch", r"dp=2 does not divide batch=1 .*valid dp.*: 1"),
     ]
     for kw, what, pattern in cases:

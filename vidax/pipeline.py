@@ -146,7 +146,7 @@ class Geometry:
     temporal: int  # VAE temporal compression: num_frames = temporal * k + 1
     latent_channels: int
     patch: tuple[int, int, int] = (1, 2, 2)  # DiT patch (frames, height, width) over the latents
-    num_heads: int = 1  # attention heads (tp x sp must divide them)
+    num_heads: int = 1  # attention heads (tp must divide them; sp runs as Ulysses x ring over them)
     max_grid: int | None = None  # the most tokens along any axis (positional tables), None: no limit
     frame_step: int | None = None  # num_frames = frame_step * k + 1 (None: the temporal compression)
 

@@ -14,6 +14,9 @@ from vidax.pipeline import PRESET_DEFAULTS, Recipe  # noqa: F401 - re-exported
 # Which deployment (and so which work pool) runs each stage kind; prefect.yaml binds them to pools.
 STAGE_DEPLOYMENTS = {"encode": "vidax-stage/encode", "sample": "vidax-stage/sample",
                      "decode": "vidax-stage/decode", "mux": "vidax-stage/mux"}
+# Which deployment runs one phase (stage kind) of many runs of a distributed batch, on the same pools.
+PHASE_DEPLOYMENTS = {"encode": "vidax-phase/batch-encode", "sample": "vidax-phase/batch-sample",
+                     "decode": "vidax-phase/batch-decode", "mux": "vidax-phase/batch-mux"}
 
 
 MODELS: dict[str, Recipe] = {}

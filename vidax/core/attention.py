@@ -83,20 +83,23 @@ def splash_blocks(lq: int, lk: int, device_kind: str | None = None) -> tuple[int
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(lq: int, lk: int, heads: int, blocks: tuple[int, int, int], interpret: bool):
+def _splash_kernel(lq: int, lk: int, heads: int, blocks: tuple[int, int, int], interpret: bool,
+                   save_residuals: bool = False):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     bq, bkv, bc = blocks
     mask = sm.MultiHeadMask([sm.FullMask((lq, lk))] * heads)
-    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret, save_residuals=save_residuals,
                               block_sizes=sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bc))
 
 
-def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None = None, device_kind: str | None = None):
+def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None = None, device_kind: str | None = None,
+                     return_lse: bool = False):
     """Pallas splash attention for any lengths (see the module docstring). ``mask``: a key mask
     broadcastable to [B, 1, 1, Lk] (True = attend) or None. ``interpret``: None runs the kernel
-    natively on TPU and in Pallas interpret mode elsewhere."""
+    natively on TPU and in Pallas interpret mode elsewhere. ``return_lse``: also the rows'
+    log-sum-exp [B, H, Lq] (the kernel's saved residual), for a ring step's merge."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, lq, h, d = q.shape
@@ -118,12 +121,15 @@ def splash_attention(q, k, v, *, mask=None, scale=None, interpret: bool | None =
     kv_seg = jnp.broadcast_to(valid, (b, lkp))
     if km is not None:
         kv_seg = kv_seg & jnp.pad(jnp.broadcast_to(km, (b, lk)), ((0, 0), (0, lkp - lk)))
-    kernel = _splash_kernel(lqp, lkp, h, (bq, bkv, bc), bool(interpret))
+    kernel = _splash_kernel(lqp, lkp, h, (bq, bkv, bc), bool(interpret), bool(return_lse))
     q_seg = jnp.ones((lqp,), jnp.int32)  # every query in segment 1: padded and masked keys are segment 0
 
     def one(qb, kb, vb, seg):
         return kernel(qb, kb, vb, segment_ids=sk.SegmentIds(q=q_seg, kv=seg.astype(jnp.int32)))
 
+    if return_lse:
+        out, (lse,) = jax.vmap(one)(qh, kh, vh, kv_seg)
+        return out[:, :, :lq, :d].transpose(0, 2, 1, 3).astype(jnp.float32), lse[:, :, :lq].astype(jnp.float32)
     out = jax.vmap(one)(qh, kh, vh, kv_seg)
     return out[:, :, :lq, :d].transpose(0, 2, 1, 3).astype(v.dtype)
 
@@ -191,3 +197,62 @@ def attention(q, k, v, *, bias=None, mask=None, scale=None, impl: str | None = N
         sm_scale=d**-0.5 if scale is None else scale,
     )
     return out.transpose(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------- blocks with their log-sum-exp
+def _attend_lse(q, k, v, kmask, scale):
+    """[B, H, Lq, D] x [B, H, Lk, D] (``kmask``: [B or 1, Lk] bool or None) -> (out [B, H, Lq, D]
+    float32, normalised; lse [B, H, Lq] float32). A row whose keys are all masked gets an lse near
+    float32's lowest value, so its weight in a merge is zero."""
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32) * scale
+    if kmask is not None:
+        logits = jnp.where(kmask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - m)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(jnp.float32) / den, (m + jnp.log(den))[..., 0]
+
+
+def dense_attention_lse(q, k, v, kmask=None, scale=None, q_block: int = _Q_BLOCK):
+    """Dense attention of one key/value block with the log-sum-exp of its rows (the unit ring
+    attention merges). ``q`` [B, Lq, H, D], ``k``/``v`` [B, Lk, H, D], ``kmask`` a key mask
+    [B or 1, Lk] (True = attend) or None. Returns ``(out [B, Lq, H, D] float32, lse [B, H, Lq])``;
+    long query sequences go ``q_block`` at a time, as in :func:`dense_attention`."""
+    b, lq, h, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if lq <= 2 * q_block:
+        o, lse = _attend_lse(qh, kh, vh, kmask, scale)
+        return o.transpose(0, 2, 1, 3), lse
+    nb = -(-lq // q_block)
+    pad = nb * q_block - lq
+    qp = jnp.pad(qh, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else qh
+    blocks = qp.reshape(b, h, nb, q_block, d).transpose(2, 0, 1, 3, 4)
+    _, (o, lse) = jax.lax.scan(lambda _, qb: (None, _attend_lse(qb, kh, vh, kmask, scale)), None, blocks)
+    o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * q_block, h, d)[:, :lq]
+    lse = lse.transpose(1, 2, 0, 3).reshape(b, h, nb * q_block)[:, :, :lq]
+    return o, lse
+
+
+def attention_lse(q, k, v, *, kmask=None, scale=None, impl: str | None = None):
+    """One ring step's attention: ``(out float32, lse [B, H, Lq])`` of queries over one key/value
+    block with a key mask ``kmask`` [B or 1, Lk]. ``impl`` resolves as in :func:`attention`: on TPU
+    Pallas splash (its saved log-sum-exp residual), elsewhere the dense path; cuDNN returns no
+    softmax statistics through ``jax.nn.dot_product_attention``, so a GPU ring step runs dense (the
+    whole-sequence Ulysses path keeps cuDNN)."""
+    which = _resolve(impl, q, None, None if kmask is None else kmask[:, None, None, :])
+    if which == "splash":
+        return splash_attention(q, k, v, mask=None if kmask is None else kmask[:, None, None, :], scale=scale,
+                                return_lse=True)
+    return dense_attention_lse(q, k, v, kmask=kmask, scale=scale)
+
+
+def merge_lse(acc, part):
+    """Online-softmax merge of two partial attentions ``(out [B, L, H, D] f32, lse [B, H, L])``
+    over disjoint key sets: the attention over their union."""
+    (o1, l1), (o2, l2) = acc, part
+    lse = jnp.logaddexp(l1, l2)
+    w1 = jnp.exp(l1 - lse).transpose(0, 2, 1)[..., None]
+    w2 = jnp.exp(l2 - lse).transpose(0, 2, 1)[..., None]
+    return o1 * w1 + o2 * w2, lse

@@ -3,7 +3,11 @@
 - ``dp``: data parallel -- the batch (classifier-free guidance's 2B batch: conditional and
   unconditional passes on different devices);
 - ``tp``: Megatron tensor parallel -- weights split by heads / FFN width;
-- ``sp``: DeepSpeed-Ulysses sequence parallel -- tokens split, all_to_all around self-attention.
+- ``sp``: sequence parallel -- tokens split; self-attention runs as USP: Ulysses (all_to_all to a
+  slice of the heads) inside groups of ``sp / ring`` devices x ring attention (key/value blocks
+  passed around ``ring`` groups with an online-softmax merge). ``ring`` is not a mesh axis but a
+  factor of ``sp`` (``"sp=8,ring=2"``; :func:`ring_degree`); by default it is chosen per attention
+  call from the heads (:func:`usp_split`), so any ``sp`` works whatever the head count.
 
 Axes of size 1 cost nothing, so every model always sees all three names::
 
@@ -218,10 +222,18 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
                 items[k] = int(v)
             except ValueError:
                 raise ShardingConfigError(f"mesh spec {spec!r}: size of {k!r} must be an integer, got {v!r}") from None
-    unknown = sorted(set(items) - set(AXES))
+    unknown = sorted(set(items) - set(AXES) - {"ring"})
     if unknown:
-        raise ShardingConfigError(f"mesh spec {spec!r}: unknown axes {unknown}; axes are {', '.join(AXES)}")
+        raise ShardingConfigError(f"mesh spec {spec!r}: unknown axes {unknown}; axes are {', '.join(AXES)} (and ring, "
+                                  "a factor of sp)")
     sizes = {a: int(items.get(a, 1)) for a in AXES}
+    if "ring" in items:
+        ring = int(items["ring"])
+        if ring < 1:
+            raise ShardingConfigError(f"mesh spec {spec!r}: ring must be >= 1, got {ring}")
+        if sizes["sp"] != -1 and sizes["sp"] % ring:
+            raise ShardingConfigError(f"mesh spec {spec!r}: ring={ring} does not divide sp={sizes['sp']} (the ring "
+                                      f"degree is a factor of sp); valid ring: {_fmt(_divisors(sizes['sp']))}")
     bad = [a for a, v in sizes.items() if v == 0 or v < -1]
     if bad:
         raise ShardingConfigError(f"mesh spec {spec!r}: axis sizes must be >= 1 (or -1 = fill), got {sizes}")
@@ -232,6 +244,37 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
 
 def format_mesh_spec(sizes: Mapping[str, int]) -> str:
     return ",".join(f"{a}={int(sizes.get(a, 1))}" for a in AXES)
+
+
+def ring_degree(spec) -> int | None:
+    """The ring degree a mesh spec asks for (``"sp=8,ring=2"`` -> 2), or None (a Mesh, or a spec
+    without ``ring``: chosen per attention call by :func:`usp_split`)."""
+    if spec is None or isinstance(spec, Mesh):
+        return None
+    if isinstance(spec, Mapping):
+        r = spec.get("ring")
+    else:
+        parse_mesh_spec(spec)  # validates
+        r = next((p.split("=", 1)[1] for p in str(spec).replace(" ", "").split(",") if p.startswith("ring=")), None)
+    return None if r is None else int(r)
+
+
+def usp_split(sp: int, heads: int, ring: int | None = None) -> tuple[int, int]:
+    """``(ulysses, ring)`` degrees of sequence parallelism ``sp`` for attention over ``heads`` heads
+    (those of one tp shard): ``ring`` given -> ``(sp / ring, ring)``, checked; else the largest
+    Ulysses degree dividing both ``sp`` and ``heads`` (all-to-all is cheaper than a ring), the rest
+    as ring. ``sp`` of 1 is ``(1, 1)``."""
+    if ring is None:
+        u = max(d for d in _divisors(sp) if heads % d == 0)
+        return u, sp // u
+    if ring < 1 or sp % ring:
+        raise ShardingConfigError(f"ring={ring} does not divide sp={sp}; valid ring: {_fmt(_divisors(sp))}")
+    u = sp // ring
+    if heads % u:
+        ok = [r for r in _divisors(sp) if heads % (sp // r) == 0]
+        raise ShardingConfigError(f"sp={sp},ring={ring}: the Ulysses degree sp/ring={u} does not divide the {heads} "
+                                  f"attention heads per tp shard; valid ring: {_fmt(ok)}")
+    return u, ring
 
 
 def make_mesh(spec: str | Mapping[str, int] | Mesh | None = None, *, devices: Sequence | None = None, **sizes) -> Mesh:
@@ -305,6 +348,26 @@ class Divisible:
     why: str = ""
 
 
+@dataclass(frozen=True)
+class UlyssesHeads:
+    """Rule: ``value`` heads (named ``what``) split over ``tp``, and the Ulysses part of ``sp``
+    (``sp / ring``, when ``ring`` is given) dividing the heads of one tp shard. Without ``ring`` it
+    always holds (:func:`usp_split` picks a degree that divides)."""
+
+    what: str
+    value: int
+
+
+@dataclass(frozen=True)
+class SpTokens:
+    """Rule: ``sp`` at most ``value`` tokens (named ``what``): each sequence-parallel device holds at
+    least one real token. Any count runs otherwise (padded to a multiple of ``sp``, masked)."""
+
+    what: str
+    value: int
+    why: str = "sequence parallel splits them, padded to a multiple of sp"
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -326,14 +389,27 @@ def valid_sizes(axis: str, rules: Sequence[Divisible], sizes: Mapping[str, int],
     return cand
 
 
-def check_divisible(rules: Sequence[Divisible], mesh: Mesh | Mapping[str, int] | None, max_devices: int | None = None) -> None:
+def check_divisible(rules: Sequence, mesh: Mesh | Mapping[str, int] | str | None, max_devices: int | None = None,
+                    ring: int | None = None) -> None:
     """Raise :class:`ShardingConfigError` for the first rule the mesh breaks, naming the rule and
     the valid choices, e.g. ``tp=3 does not divide num_heads=8 (attention heads are split over
-    tp*sp); valid tp (with sp=1): 1, 2, 4, 8``."""
+    tp); valid tp: 1, 2, 4, 8``. ``mesh`` may be a spec (``"sp=8,ring=2"``: its ring is used when
+    ``ring`` is not given); :class:`UlyssesHeads` rules check the ring against the heads."""
+    if ring is None:
+        ring = ring_degree(mesh) if isinstance(mesh, (str, Mapping)) else None
+    if isinstance(mesh, str):
+        mesh = parse_mesh_spec(mesh)
     sizes = axis_sizes(mesh)
     if max_devices is None:
         max_devices = len(mesh.devices.flat) if isinstance(mesh, Mesh) else None
         max_devices = max(max_devices or 0, len(jax.devices()))
+    heads_rules = [r for r in rules if isinstance(r, UlyssesHeads)]
+    for r in rules:
+        if isinstance(r, SpTokens) and sizes["sp"] > r.value:
+            raise ShardingConfigError(f"sp={sizes['sp']} exceeds the {r.value} {r.what} ({r.why}): every sp device needs at "
+                                      f"least one; valid sp: 1 to {r.value} [mesh {format_mesh_spec(sizes)}]")
+    rules = [Divisible(r.what, r.value, ("tp",), "attention heads are split over tp") if isinstance(r, UlyssesHeads)
+             else r for r in rules if not isinstance(r, SpTokens)]
     for r in rules:
         prod = int(np.prod([sizes[a] for a in r.axes]))
         if r.value % prod == 0:
@@ -348,9 +424,14 @@ def check_divisible(rules: Sequence[Divisible], mesh: Mesh | Mapping[str, int] |
         raise ShardingConfigError(
             f"{lhs} does not divide {r.what}={r.value}{why}; valid {blamed}{ctx}: {_fmt(valid) or 'none'}"
             f" [mesh {format_mesh_spec(sizes)}]")
+    for r in heads_rules:
+        try:
+            usp_split(max(1, sizes["sp"]), r.value // max(1, sizes["tp"]), ring)
+        except ShardingConfigError as e:
+            raise ShardingConfigError(f"{r.what}={r.value}: {e} [mesh {format_mesh_spec(sizes)},ring={ring}]") from None
 
 
 __all__ = ["AXES", "Divisible", "ShardingConfigError", "axis_sizes", "check_divisible", "ensure_axes",
            "agree", "barrier", "distributed_timeout", "format_mesh_spec", "init_distributed", "is_leader",
-           "make_mesh", "parse_mesh_spec", "process_count", "process_index", "replicate", "single_device_mesh",
-           "valid_sizes", "RemoteError"]
+           "make_mesh", "parse_mesh_spec", "process_count", "process_index", "replicate", "ring_degree",
+           "single_device_mesh", "SpTokens", "UlyssesHeads", "usp_split", "valid_sizes", "RemoteError"]

@@ -73,6 +73,13 @@ class UnitMemory:
     aliased: int
     weights: int  # of the arguments: the unit's parameters (leaves named ``params``)
     compile_seconds: float
+    #: bytes one device sends per call for sequence-parallel attention (``vidax.core.sharding.count_comm``:
+    #: Ulysses all_to_all, ring K/V hops, joint-token gathers), from the traced program's local shapes
+    comm: dict = field(default_factory=dict)
+
+    @property
+    def comm_bytes(self) -> int:
+        return int(sum(self.comm.values()))
 
     @property
     def peak(self) -> int:
@@ -83,7 +90,7 @@ class UnitMemory:
         return {"stage": self.stage, "name": self.name, "note": self.note, "devices": self.devices,
                 "arguments": self.arguments, "outputs": self.outputs, "temporaries": self.temporaries,
                 "aliased": self.aliased, "weights": self.weights, "peak": self.peak,
-                "compile_seconds": round(self.compile_seconds, 2)}
+                "compile_seconds": round(self.compile_seconds, 2), "sp_comm": dict(self.comm)}
 
 
 def abstract(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
@@ -122,9 +129,11 @@ def _cpu_options() -> dict:
 def measure(unit: Unit) -> UnitMemory:
     """Lower and compile ``unit`` on the current devices (nothing runs, nothing is allocated) and
     read the compiled program's memory analysis."""
+    from vidax.core.sharding import count_comm
+
     t0 = time.perf_counter()
     jitted = unit.fn if hasattr(unit.fn, "lower") else jax.jit(unit.fn, static_argnums=unit.static_argnums)
-    with vconv.default_impl("native"):  # the accelerator's conv formulation, not the CPU's per-tap one
+    with vconv.default_impl("native"), count_comm() as comm:  # the accelerator's conv formulation
         compiled = jitted.lower(*unit.args, **unit.kwargs).compile(compiler_options=_cpu_options())
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
@@ -137,7 +146,8 @@ def measure(unit: Unit) -> UnitMemory:
     args = get("argument_size_in_bytes") or per_device_bytes(unit.args)
     return UnitMemory(unit.stage, unit.name, unit.note, devices, args, get("output_size_in_bytes"),
                       get("temp_size_in_bytes"), get("alias_size_in_bytes"),
-                      per_device_bytes(unit.weights) if unit.weights is not None else 0, seconds)
+                      per_device_bytes(unit.weights) if unit.weights is not None else 0, seconds,
+                      {k: v for k, v in comm.items() if v})
 
 
 def split_unit(stage: str, name: str, split, *args, method: str = "__call__", note: str = "", resident: bool = False,

@@ -33,6 +33,12 @@ come from ``act_spec`` of the per-layer names. :data:`TEXT_KV_ONCE` (default on)
 
 jit the unit: one program for the resident forward; offloaded, one prologue, one chunk program per
 stack (every chunk has the same signature) and one epilogue, looped over in Python.
+
+Any token count runs on any ``sp``: inside those programs, every activation the model's
+``act_spec`` splits over ``sp`` (its ``tokens`` axis) is padded with zeros to a multiple of ``sp``
+before ``shard_map``, self-attention masks the padded keys (``ParallelContext.valid``: a Python
+int in the resident program, a traced scalar ``__valid__`` among an offloaded pass's constants),
+and the outputs are cut back before ``finish``. Token counts that divide ``sp`` run unpadded.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ def _is_spec(x) -> bool:
 
 
 _STATIC = (bool, int, float, str, tuple)
+_VALID = "__valid__"  # an offloaded pass's real token count, among its constants (padded tokens)
 
 #: compute the text keys / values once per sample stage (families with ``CONTEXT``); False: per step
 #: as before (tests and benchmarks compare the two)
@@ -137,18 +144,19 @@ class DiTRunner:
 
     def __init__(self, model, state, mesh=None, parallelism: str | None = None, *, constraints=(),
                  offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 track_memory: bool = False):
+                 track_memory: bool = False, ring: int | None = None):
         if isinstance(state, nnx.Module):
             state = nnx.state(state)
         self.model, self.attn_impl = model, attn_impl
+        self.ring = ring if ring is not None else vmesh.ring_degree(mesh)
         self.cfg = getattr(model, "cfg", None)
         self.stack_names = tuple(getattr(model, "STACKS", ("blocks",)))
         self.graphs = {k: nnx.graphdef(getattr(model, k)) for k in ("embed", "head", *self.stack_names)}
         self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(list(constraints), self.mesh)
+        vmesh.check_divisible(list(constraints), self.mesh, ring=self.ring)
         self.mapping = vsh.axis_rules(self.parallelism, getattr(model, "AXIS_DELTAS", None))
-        self.par = vsh.ParallelContext.create(self.mapping, self.mesh, attn_impl=attn_impl)
+        self.par = vsh.ParallelContext.create(self.mapping, self.mesh, attn_impl=attn_impl, ring=self.ring)
         self.specs = vsh.param_specs(state, self.mapping)
         vsh.check_param_divisibility(state, self.specs, self.mesh)
         self.dtype = np.dtype(jax.tree.leaves(state[self.stack_names[0]])[0].dtype)
@@ -172,7 +180,7 @@ class DiTRunner:
             self._pre = jax.jit(self._prologue)
             self._links = {n: jax.jit(self._link_fn(n)) for n in self.stack_names[1:]
                            if getattr(model, f"link_{n}", None) is not None}
-            self._post = jax.jit(self._epilogue, static_argnums=(3,))
+            self._post = jax.jit(self._epilogue, static_argnums=(3, 4))
             self._ctx_pre = jax.jit(self._context_prologue)
             self._ctx_chunks = {n: jax.jit(self._kv_chunk_fn(n)) for n in self.kv_stacks}
 
@@ -200,7 +208,68 @@ class DiTRunner:
         return vsh.logical_spec(self.model.act_spec(name, tuple(shape)), self.mapping, self.mesh)
 
     def _specs(self, tree):
-        return {k: (self._specs(v) if isinstance(v, dict) else self.act_spec(k, v.shape)) for k, v in tree.items()}
+        return {k: (self._specs(v) if isinstance(v, dict) else P() if k == _VALID else self.act_spec(k, v.shape))
+                for k, v in tree.items()}
+
+    # ------------------------------------------------------------------ padded tokens
+    def _token_dims(self, tree):
+        """``[(leaf, dim)]``: the dimension of each leaf split over ``sp``."""
+        specs = self._specs(tree)
+        out = []
+        for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec)):
+            for d, ax in enumerate(spec):
+                if ax == "sp" or (isinstance(ax, tuple) and "sp" in ax):
+                    out.append((leaf, d))
+        return out
+
+    def token_count(self, tree) -> int | None:
+        """The real token count of prepared inputs ``tree`` (arrays or shapes) when it needs padding
+        to a multiple of ``sp``; None when it divides (or ``sp`` is 1)."""
+        sp = self.mesh.shape["sp"]
+        if sp == 1:
+            return None
+        lens = {leaf.shape[d] for leaf, d in self._token_dims(tree)}
+        if all(n % sp == 0 for n in lens):
+            return None
+        if len(lens) > 1:
+            raise vmesh.ShardingConfigError(f"the inputs split over sp have different token counts {sorted(lens)}; "
+                                            f"sp={sp} pads one sequence")
+        return lens.pop()
+
+    def _pad(self, tree, valid):
+        if valid is None:
+            return tree
+        sp = self.mesh.shape["sp"]
+        to = -(-valid // sp) * sp
+        dims = {id(leaf): d for leaf, d in self._token_dims(tree)}
+
+        def one(x):
+            d = dims.get(id(x))
+            if d is None:
+                return x
+            pad = [(0, 0)] * x.ndim
+            pad[d] = (0, to - x.shape[d])
+            return jnp.pad(x, pad)
+        return jax.tree.map(one, tree)
+
+    def _unpad(self, tree, specs, valid):
+        if valid is None:
+            return tree
+
+        def one(x, s):
+            for d, ax in enumerate(s):
+                if ax == "sp" or (isinstance(ax, tuple) and "sp" in ax):
+                    return jax.lax.slice_in_dim(x, 0, valid, axis=d)
+            return x
+        return jax.tree.map(one, tree, specs, is_leaf=lambda x: _is_spec(x) or not isinstance(x, dict))
+
+    @staticmethod
+    def _split_valid(consts, par):
+        """An offloaded pass's constants without ``__valid__``, and ``par`` for its token count."""
+        if _VALID not in consts:
+            return consts, par
+        consts = dict(consts)
+        return consts, par.with_valid(consts.pop(_VALID))
 
     def _kv_specs(self, tree):
         """Specs of a context tree ``{stack: {name: [layers, ...]}}``: the layer axis whole, the
@@ -239,7 +308,7 @@ class DiTRunner:
         for name, shape in shapes.items():
             for d, ax in enumerate(self.act_spec(name, shape)):
                 for a in (ax,) if isinstance(ax, str) else (ax or ()):
-                    if shape[d] % sizes[a]:
+                    if a != "sp" and shape[d] % sizes[a]:  # tokens are padded to a multiple of sp
                         what = {"sp": "tokens (sequence parallel)", "dp": "batch", "tp": "width"}.get(a, a)
                         raise vmesh.ShardingConfigError(
                             f"input {name!r} dim {d} (size {shape[d]}, {what}) is not divisible by {a}={sizes[a]}")
@@ -247,6 +316,13 @@ class DiTRunner:
     def _host_tables(self, shapes: dict):
         key_fn = getattr(self.model, "table_key", None)
         return (None, None) if key_fn is None else (key_fn(shapes), self.model.tables)
+
+    def _table_spec(self, name, shape) -> P:
+        """A host table's placement: its activation spec, the token axis kept whole when ``sp`` does
+        not divide it (the program pads it with the tokens)."""
+        sp = self.mesh.shape["sp"]
+        spec = self.act_spec(name, shape)
+        return P(*[None if a == "sp" and shape[d] % sp else a for d, a in enumerate(spec)])
 
     def tables(self, shapes: dict) -> dict:
         """The model's host tables (e.g. RoPE) for inputs of ``shapes`` (name -> shape), placed with
@@ -256,7 +332,7 @@ class DiTRunner:
             return {}
         if key not in self._tables:
             t = {k: np.asarray(v) for k, v in fn(key).items()}
-            self._tables[key] = vsh.place(t, {k: NamedSharding(self.mesh, self.act_spec(k, v.shape)) for k, v in t.items()})
+            self._tables[key] = vsh.place(t, {k: NamedSharding(self.mesh, self._table_spec(k, v.shape)) for k, v in t.items()})
         return self._tables[key]
 
     # ------------------------------------------------------------------ units, merged inside shard_map
@@ -272,7 +348,8 @@ class DiTRunner:
                 return step(nnx.merge(graph, s), c, consts, par), None
             return step(nnx.merge(graph, s[0]), c, {**consts, "kv": s[1]}, par), None  # this layer's K/V
 
-        out, _ = jax.lax.scan(body, carry, blocks if kv is None else (blocks, kv))
+        with vsh.comm_repeat(jax.tree.leaves(blocks)[0].shape[0]):  # traced once, runs once per layer
+            out, _ = jax.lax.scan(body, carry, blocks if kv is None else (blocks, kv))
         return out
 
     def _link(self, name, carry, consts, par):
@@ -302,40 +379,55 @@ class DiTRunner:
     def _forward(self, rest, stacks, inputs, tables, context=None):
         a = self._prepared(inputs, tables)
         context = context or {}
+        valid = self.token_count(a)
+        a = self._pad(a, valid)
+        par = self.par.with_valid(valid)
         carry_s, consts_s = self._embed_shapes(rest, a)
         for n in self.stack_names[1:]:
             carry_s = jax.eval_shape(lambda c, k, n=n: self._link(n, c, k, vsh.LOCAL), carry_s, consts_s)
         out_s = jax.eval_shape(lambda r, c, k: self._head(r, c, k, vsh.LOCAL), rest, carry_s, consts_s)
 
         def inner(rest, stacks, a, ctx):
-            carry, consts = self._embed(rest, a, self.par)
+            carry, consts = self._embed(rest, a, par)
             for i, n in enumerate(self.stack_names):
                 if i:
-                    carry = self._link(n, carry, consts, self.par)
-                carry = self._scan(n, stacks[n], carry, consts, self.par, ctx.get(n))
-            return self._head(rest, carry, consts, self.par)
+                    carry = self._link(n, carry, consts, par)
+                carry = self._scan(n, stacks[n], carry, consts, par, ctx.get(n))
+            return self._head(rest, carry, consts, par)
 
         out_specs = self._specs(out_s)
         y = self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a), self._kv_specs(context)),
                        out_specs)(rest, stacks, a, context)
-        return self._finish(self._gather(y, out_specs), _shapes_key(inputs))
+        y = self._unpad(self._gather(y, out_specs), out_specs, valid)
+        return self._finish(y, _shapes_key(inputs))
 
     # ------------------------------------------------------------------ offloaded
     def _prologue(self, rest, inputs, tables):
         a = self._prepared(inputs, tables)
+        valid = self.token_count(a)
+        a = self._pad(a, valid)
         carry_s, consts_s = self._embed_shapes(rest, a)
-        return self._smap(lambda r, a: self._embed(r, a, self.par), (self.rest_specs, self._specs(a)),
-                          (self._specs(carry_s), self._specs(consts_s)))(rest, a)
+        carry, consts = self._smap(lambda r, a: self._embed(r, a, self.par.with_valid(valid)),
+                                   (self.rest_specs, self._specs(a)),
+                                   (self._specs(carry_s), self._specs(consts_s)))(rest, a)
+        if valid is not None:  # the chunks' token count: an argument, so one chunk program serves any count
+            consts = {**consts, _VALID: vsh.with_constraint(jnp.int32(valid), self.mesh, P())}
+        return carry, consts
 
     def _chunk_fn(self, name):
         def chunk(blocks, carry, consts, kv=None):
             if kv is None:
-                return self._smap(lambda b, c, k: self._scan(name, b, c, k, self.par),
-                                  (self.stack_specs[name], self._specs(carry), self._specs(consts)),
+                def body(b, c, k):
+                    k, par = self._split_valid(k, self.par)
+                    return self._scan(name, b, c, k, par)
+                return self._smap(body, (self.stack_specs[name], self._specs(carry), self._specs(consts)),
                                   self._specs(carry))(blocks, carry, consts)
             kv = {name: kv}
-            return self._smap(lambda b, c, k, x: self._scan(name, b, c, k, self.par, x[name]),
-                              (self.stack_specs[name], self._specs(carry), self._specs(consts), self._kv_specs(kv)),
+
+            def body_kv(b, c, k, x):
+                k, par = self._split_valid(k, self.par)
+                return self._scan(name, b, c, k, par, x[name])
+            return self._smap(body_kv, (self.stack_specs[name], self._specs(carry), self._specs(consts), self._kv_specs(kv)),
                               self._specs(carry))(blocks, carry, consts, kv)
         return chunk
 
@@ -392,17 +484,23 @@ class DiTRunner:
 
     def _link_fn(self, name):
         def link(carry, consts):
-            out_s = jax.eval_shape(lambda c, k: self._link(name, c, k, vsh.LOCAL), carry, consts)
-            return self._smap(lambda c, k: self._link(name, c, k, self.par), (self._specs(carry), self._specs(consts)),
-                              self._specs(out_s))(carry, consts)
+            local, _ = self._split_valid(consts, vsh.LOCAL)
+            out_s = jax.eval_shape(lambda c, k: self._link(name, c, k, vsh.LOCAL), carry, local)
+
+            def body(c, k):
+                k, par = self._split_valid(k, self.par)
+                return self._link(name, c, k, par)
+            return self._smap(body, (self._specs(carry), self._specs(consts)), self._specs(out_s))(carry, consts)
         return link
 
-    def _epilogue(self, rest, carry, consts, shapes):
+    def _epilogue(self, rest, carry, consts, shapes, valid):
+        consts = {k: v for k, v in consts.items() if k != _VALID}
+        par = self.par.with_valid(valid)
         out_s = jax.eval_shape(lambda r, c, k: self._head(r, c, k, vsh.LOCAL), rest, carry, consts)
         out_specs = self._specs(out_s)
-        y = self._smap(lambda r, c, k: self._head(r, c, k, self.par),
+        y = self._smap(lambda r, c, k: self._head(r, c, k, par),
                        (self.rest_specs, self._specs(carry), self._specs(consts)), out_specs)(rest, carry, consts)
-        return self._finish(self._gather(y, out_specs), shapes)
+        return self._finish(self._unpad(self._gather(y, out_specs), out_specs, valid), shapes)
 
     # ------------------------------------------------------------------ call
     def _without_context(self, inputs: dict, context) -> dict:
@@ -417,13 +515,14 @@ class DiTRunner:
         tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
         if self.offload is None:
             return self._fwd(self.rest, self.stacks, inputs, tables, context)
+        valid = self.token_count(jax.eval_shape(self._prepared, inputs, tables))
         carry, consts = self._pre(self.rest, inputs, tables)
         for i, n in enumerate(self.stack_names):
             if i and n in self._links:
                 carry = self._links[n](carry, consts)
             kv = (context or {}).get(n)
             carry = self.offload.run(n, carry, consts, per_chunk=kv)
-        return self._post(self.rest, carry, consts, _shapes_key(inputs))
+        return self._post(self.rest, carry, consts, _shapes_key(inputs), valid)
 
     @property
     def params(self):
@@ -472,7 +571,7 @@ class DiTRunner:
     def signature(self) -> tuple:
         """What :meth:`apply`'s program depends on besides its inputs: equal signatures, one program."""
         return (type(self.model).__name__, self.cfg, self.dtype.name, self.parallelism, tuple(self.mesh.shape.items()),
-                tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl)
+                tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl, self.ring)
 
 
 #: the jitted context programs, by runner signature (shared by later prompts and the other expert)

@@ -1,6 +1,7 @@
 """Sharding as metadata: logical axis names on every parameter and activation, ONE table mapping
-them to mesh axes; Megatron tensor parallelism and DeepSpeed-Ulysses sequence parallelism as a
-small context object the model's layers call into inside ``shard_map``.
+them to mesh axes; Megatron tensor parallelism and USP sequence parallelism (DeepSpeed-Ulysses x
+ring attention, :func:`usp_attention`) as a small context object the model's layers call into
+inside ``shard_map``.
 
 Every parameter of an NNX model carries its logical axes (``vidax.core.nn.logical`` /
 ``nn.Linear(axes=...)``; stacked blocks get a leading ``"layers"``)::
@@ -27,16 +28,19 @@ materialises a full array on one device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from vidax.core.attention import attention
-from vidax.core.mesh import AXES, ShardingConfigError, axis_sizes
+from vidax.core.attention import attention, attention_lse, merge_lse
+from vidax.core.mesh import AXES, ShardingConfigError, axis_sizes, usp_split
 
 PARALLELISMS = ("none", "tp", "sp", "tp+sp")
 
@@ -228,21 +232,157 @@ def row_parallel_linear(layer: nnx.Linear, x, axis: str):
     return y if bias is None else y + bias
 
 
+_COMM = contextvars.ContextVar("vidax_sp_comm", default=None)
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Bytes one device sends for sequence-parallel attention in the programs traced inside this
+    block (``{"all_to_all": ..., "ring": ..., "gather": ...}``, per call of the traced program):
+    recorded by :func:`usp_attention` from its local shapes at trace time, times the layers of the
+    stack a scan runs it over (:func:`comm_repeat`). What ``vidax plan`` reports as the sampling
+    step's communication; an estimate of what the interconnect carries, not a measurement."""
+    rec = {"all_to_all": 0, "ring": 0, "gather": 0, "_scale": 1}
+    token = _COMM.set(rec)
+    try:
+        yield rec
+    finally:
+        _COMM.reset(token)
+        rec.pop("_scale", None)
+
+
+@contextlib.contextmanager
+def comm_repeat(n: int):
+    """What is traced inside runs ``n`` times per call (a ``lax.scan`` over ``n`` layers)."""
+    rec = _COMM.get()
+    if rec is None:
+        yield
+        return
+    rec["_scale"] *= int(n)
+    try:
+        yield
+    finally:
+        rec["_scale"] //= int(n)
+
+
+def _record(kind: str, nbytes: float) -> None:
+    rec = _COMM.get()
+    if rec is not None:
+        rec[kind] += int(nbytes) * rec["_scale"]
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
 def ulysses_attention(q, k, v, *, axis: str = "sp", axis_size: int, impl: str | None = None):
-    """DeepSpeed-Ulysses self-attention inside ``shard_map``.
+    """DeepSpeed-Ulysses self-attention inside ``shard_map`` (``sp`` must divide the heads).
 
     In: ``[B, L/sp, H, D]`` (this device's tokens, all of its heads). all_to_all -> ``[B, L, H/sp, D]``
-    (every token, a slice of the heads), ordinary attention, all_to_all back."""
+    (every token, a slice of the heads), ordinary attention, all_to_all back. :func:`usp_attention`
+    is the general form (any head count, padded tokens, joint text tokens)."""
     if axis_size == 1:
         return attention(q, k, v, impl=impl)
     if q.shape[2] % axis_size:
         raise ShardingConfigError(f"Ulysses: {q.shape[2]} local heads are not divisible by {axis}={axis_size}")
+    return usp_attention(q, k, v, axis=axis, axis_size=axis_size, ring=1, impl=impl)[0]
 
-    def to_heads(t):
-        return jax.lax.all_to_all(t, axis, split_axis=2, concat_axis=1, tiled=True)
 
-    o = attention(to_heads(q), to_heads(k), to_heads(v), impl=impl)
-    return jax.lax.all_to_all(o, axis, split_axis=1, concat_axis=2, tiled=True)
+def usp_attention(q, k, v, *, axis: str = "sp", axis_size: int, ring: int | None = None, valid=None,
+                  impl: str | None = None, extra_q=None, extra_k=None, extra_v=None, extra_mask=None,
+                  extra_first: bool = False, bound: bool = True):
+    """USP self-attention inside ``shard_map``: Ulysses (heads) x ring (key/value blocks).
+
+    ``q``/``k``/``v``: ``[B, Ll, H, D]``, this device's ``Ll`` tokens of a sequence split over
+    ``axis`` (``axis_size`` devices, ``Ll * axis_size`` tokens of which the first ``valid`` are
+    real: the rest is padding, masked as keys; None = all real). Optional joint tokens whole on
+    every device (a prompt's): ``extra_k``/``extra_v`` ``[B, Le, H, D]`` are keys of every query,
+    ``extra_mask`` ``[B, Le]`` their key mask, ``extra_q`` their queries (``extra_first``: the
+    reference's order, text before video; it only fixes the order of a single attention call).
+
+    ``sp = ulysses * ring`` (:func:`vidax.core.mesh.usp_split`, ``ring`` None = chosen from the
+    heads). Devices ``g*ulysses .. g*ulysses + ulysses-1`` form Ulysses group ``g``: an all_to_all
+    inside it gives each the group's contiguous chunk of ``Ll * ulysses`` tokens and ``H /
+    ulysses`` heads (the joint tokens are cut to the same heads). With ``ring == 1`` one attention
+    call (the backend's fused kernel) runs over every key; else the chunks' keys/values travel the
+    ring (``ppermute`` between the groups' same-rank devices) and each step's attention (with its
+    log-sum-exp) is merged by the online softmax, the joint keys as one more block. The outputs go
+    back by the inverse all_to_all; the joint queries' output is assembled from every head slice
+    (ring member 0's, a psum of disjoint slices: exactly the same on every device).
+
+    Returns ``(out [B, Ll, H, D], extra_out [B, Leq, H, D] or None)``."""
+    sp = axis_size
+    h = q.shape[2]
+    u, r = usp_split(sp, h, ring) if sp > 1 else (1, 1)
+    groups = None if r == 1 else [[g * u + j for j in range(u)] for g in range(r)]
+
+    def a2a(t, split_axis, concat_axis):
+        return jax.lax.all_to_all(t, axis, split_axis=split_axis, concat_axis=concat_axis, tiled=True,
+                                  axis_index_groups=groups)
+
+    if u > 1:
+        _record("all_to_all", (_nbytes(q, k, v) + _nbytes(q)) * (u - 1) / u)  # q, k, v there, the output (~ q) back
+        q, k, v = a2a(q, 2, 1), a2a(k, 2, 1), a2a(v, 2, 1)
+    if r > 1:
+        _record("ring", (r - 1) * _nbytes(k, v))  # this device's chunk of k and v (its heads), r - 1 hops
+    idx = jax.lax.axis_index(axis) if sp > 1 else 0
+    ui, ri = idx % u, idx // u
+    hu = h // u
+    if u > 1 and extra_k is not None:
+        def cut(t):
+            return None if t is None else jax.lax.dynamic_slice_in_dim(t, ui * hu, hu, axis=2)
+        extra_q, extra_k, extra_v = cut(extra_q), cut(extra_k), cut(extra_v)
+    b, lc = q.shape[0], q.shape[1]
+    lq = 0 if extra_q is None else extra_q.shape[1]
+    em = None if extra_mask is None else jnp.asarray(extra_mask, bool)
+
+    def seq_mask(chunk):  # [1, Lc]: the real tokens of ring chunk ``chunk``
+        return None if valid is None else ((chunk * lc + jnp.arange(lc)) < valid)[None]
+
+    def cat(seq, extra):
+        return seq if extra is None else jnp.concatenate([extra, seq] if extra_first else [seq, extra], axis=1)
+
+    qc = cat(q, extra_q)
+    if r == 1:
+        kc, vc = cat(k, extra_k), cat(v, extra_v)
+        mask = None
+        sm = seq_mask(ri)
+        if sm is not None or em is not None:
+            sm = jnp.ones((b, lc), bool) if sm is None else jnp.broadcast_to(sm, (b, lc))
+            if extra_k is not None:
+                ek = jnp.ones((b, extra_k.shape[1]), bool) if em is None else jnp.broadcast_to(em, (b, extra_k.shape[1]))
+                sm = cat(sm, ek)
+            mask = sm[:, None, None, :]
+        o = attention(qc, kc, vc, mask=mask, impl=impl)
+    else:
+        perm = [(g * u + j, ((g + 1) % r) * u + j) for g in range(r) for j in range(u)]
+        kb, vb, acc = k, v, None
+        for step in range(r):
+            part = attention_lse(qc, kb, vb, kmask=seq_mask((ri - step) % r), impl=impl)
+            acc = part if acc is None else merge_lse(acc, part)
+            if step < r - 1:
+                kb, vb = jax.lax.ppermute((kb, vb), axis, perm)
+        if extra_k is not None:
+            acc = merge_lse(acc, attention_lse(qc, extra_k, extra_v, kmask=em, impl=impl))
+        o = acc[0].astype(v.dtype)
+    if extra_q is None:
+        o_seq, o_extra = o, None
+    elif extra_first:
+        o_extra, o_seq = o[:, :lq], o[:, lq:]
+    else:
+        o_seq, o_extra = o[:, :lc], o[:, lc:]
+    if u > 1:
+        o_seq = a2a(o_seq, 1, 2)
+    if o_extra is not None and sp > 1:
+        _record("gather", 2 * _nbytes(o_extra) * u * (sp - 1) / sp)  # an all-reduce of the whole joint output
+        # this device's heads of the joint queries' output, placed among zeros (ring member 0's
+        # only) and summed over the axis: whole and identical on every device
+        full = jnp.zeros((*o_extra.shape[:2], h, o_extra.shape[3]), o_extra.dtype)
+        mine = jnp.where(ri == 0, o_extra, jnp.zeros_like(o_extra))
+        o_extra = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, mine, ui * hu, axis=2), axis)
+    elif o_extra is not None and bound:
+        o_extra = jax.lax.psum(o_extra, axis)  # typed replicated over the (size-1) axis
+    return o_seq, o_extra
 
 
 @dataclass(frozen=True)
@@ -254,16 +394,25 @@ class ParallelContext:
     the end so a block's slice of a stacked parameter reads the same) mapped through ``mapping``:
     a linear layer whose kernel's input axis is sharded is row-parallel (psum, bias once); one
     whose output axis is sharded is column-parallel (local, no communication); a norm whose
-    weight is sharded reduces its statistics across the axis. Self-attention goes through Ulysses
-    over ``sp``; cross-attention stays local (its keys are replicated over sp)."""
+    weight is sharded reduces its statistics across the axis. Self-attention goes through USP
+    (Ulysses x ring, :func:`usp_attention`) over ``sp``; cross-attention stays local (its keys are
+    replicated over sp). ``ring``: the ring degree asked for (None: chosen per call from the
+    heads); ``valid``: the real token count when the runner padded the tokens to a multiple of
+    ``sp`` (a Python int, or a traced scalar in an offloaded chunk; None: no padding)."""
 
     mapping: tuple = ()  # ((logical, mesh_axis), ...)
     sizes: tuple = ()  # ((axis, size), ...)
     attn_impl: str | None = None
+    ring: int | None = None
+    valid: object = None
 
     @classmethod
-    def create(cls, mapping: Mapping[str, str], mesh, *, attn_impl=None) -> "ParallelContext":
-        return cls(tuple(sorted(mapping.items())), tuple(sorted(axis_sizes(mesh).items())), attn_impl)
+    def create(cls, mapping: Mapping[str, str], mesh, *, attn_impl=None, ring: int | None = None) -> "ParallelContext":
+        return cls(tuple(sorted(mapping.items())), tuple(sorted(axis_sizes(mesh).items())), attn_impl, ring)
+
+    def with_valid(self, valid) -> "ParallelContext":
+        """This context for a call whose tokens were padded (``valid`` real ones; None: none padded)."""
+        return self if valid is None and self.valid is None else replace(self, valid=valid)
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -291,13 +440,44 @@ class ParallelContext:
 
     def token_slice(self, table, n: int, axis: int = 0):
         """This shard's ``n`` rows (along ``axis``) of a per-token ``table`` that is whole on every
-        device, when the tokens are split over ``sp`` (the whole table otherwise)."""
-        if self.size("sp") == 1:
+        device, when the tokens are split over ``sp`` (the whole table otherwise); a table shorter
+        than the padded tokens is padded with zeros first."""
+        sp = self.size("sp")
+        if sp == 1:
             return table
+        if table.shape[axis] < n * sp:
+            pad = [(0, 0)] * table.ndim
+            pad[axis] = (0, n * sp - table.shape[axis])
+            table = jnp.pad(table, pad)
         return jax.lax.dynamic_slice_in_dim(table, jax.lax.axis_index("sp") * n, n, axis)
 
+    def usp(self, heads: int) -> tuple[int, int]:
+        """``(ulysses, ring)`` degrees of an attention over ``heads`` local heads."""
+        sp = self.size("sp")
+        return usp_split(sp, heads, self.ring) if sp > 1 else (1, 1)
+
     def self_attention(self, q, k, v):
-        return ulysses_attention(q, k, v, axis="sp", axis_size=self.size("sp"), impl=self.attn_impl)
+        return self.joint_attention(q, k, v)[0]
+
+    def joint_attention(self, q, k, v, extra_q=None, extra_k=None, extra_v=None, extra_mask=None,
+                        extra_first: bool = False):
+        """Self-attention over this device's (sp-split) tokens joined with tokens whole on every
+        device (a prompt's): :func:`usp_attention`. Returns ``(out, extra_out)``."""
+        return usp_attention(q, k, v, axis="sp", axis_size=self.size("sp"), ring=self.ring, valid=self.valid,
+                             impl=self.attn_impl, extra_q=extra_q, extra_k=extra_k, extra_v=extra_v,
+                             extra_mask=extra_mask, extra_first=extra_first, bound=bool(self.sizes))
+
+    def gather_tokens(self, x):
+        """``x`` [B, Ll, ...] split over sp -> ``(every token [B, Ll*sp, ...], key mask [1, Ll*sp]
+        or None)``, typed replicated over sp (a psum of each device's slice placed among zeros);
+        the mask marks the real tokens when the runner padded them."""
+        sp = self.size("sp")
+        if sp == 1:
+            return x, None
+        n = x.shape[1]
+        full = jnp.zeros((x.shape[0], n * sp, *x.shape[2:]), x.dtype)
+        full = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index("sp") * n, axis=1), "sp")
+        return full, None if self.valid is None else (jnp.arange(n * sp) < self.valid)[None]
 
     def cross_attention(self, q, k, v):
         return attention(q, k, v, impl=self.attn_impl)
@@ -313,4 +493,5 @@ def with_constraint(x, mesh: Mesh, spec: P):
 
 __all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
-           "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "with_constraint"]
+           "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "usp_attention",
+           "with_constraint", "count_comm", "comm_repeat"]

@@ -18,13 +18,15 @@ kind         reference layout                             vidax layout
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .io import Checkpoint, HeadersChecked, LazyTensor, reading_headers_only  # noqa: F401 - re-exported
+from .io import Checkpoint, HeadersChecked, LazyTensor, _box, reading_headers_only  # noqa: F401 - re-exported
 
 _TRANSFORMS = {
     "none": lambda a: a,
@@ -42,6 +44,87 @@ _SHAPE = {
     "conv3d": lambda s: (s[2], s[3], s[4], s[1], s[0]) if len(s) == 5 else None,
     "flat": lambda s: (s[0],) if len(s) >= 1 and all(d == 1 for d in s[1:]) else None,
 }
+#: each transform as an axis permutation (vidax axis j = reference axis PERM[j]); ``flat`` drops the 1s
+_PERM = {"none": None, "linear": (1, 0), "conv1d": (2, 1, 0), "conv2d": (2, 3, 1, 0), "conv3d": (2, 3, 4, 1, 0),
+         "flat": None}
+
+_LAZY = contextvars.ContextVar("vidax_lazy_params", default=False)
+
+
+@contextlib.contextmanager
+def lazy_params(on: bool = True):
+    """Inside this block :func:`load_params` reads nothing: every parameter comes back as a
+    :class:`MappedTensor` that reads (and transforms, and casts) only the part a device asks for
+    when it is placed (``vidax.core.sharding.place``: ``make_array_from_callback``), so each host
+    reads only the rows of its own devices' shards and never holds a whole sharded tensor."""
+    token = _LAZY.set(bool(on))
+    try:
+        yield
+    finally:
+        _LAZY.reset(token)
+
+
+class MappedTensor:
+    """A parameter in the vidax layout backed by checkpoint tensors (one, or one per stacked
+    layer), read on demand: :meth:`read` with a basic index reads only the reference tensors' part
+    that index needs (a safetensors slice), applies the layout transform and casts. ``reads``
+    records each read's index (for tests). Anything else that needs its values (``np.asarray``)
+    reads it whole."""
+
+    def __init__(self, name: str, shape, dtype, kind: str, sources: dict, stacked: bool):
+        self.name, self.shape, self.dtype = name, tuple(int(d) for d in shape), np.dtype(dtype)
+        self.kind, self.sources, self.stacked = kind, sources, stacked
+        self.reads: list = []
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def _one(self, t, box) -> np.ndarray:
+        """The box ``box`` (unit-step slices in the vidax layout) of one reference tensor's transform."""
+        perm = _PERM[self.kind]
+        shape = tuple(t.shape)
+        if self.kind == "flat":
+            src = (box[0],) + (slice(None),) * (len(shape) - 1)
+        elif perm is None:
+            src = tuple(box)
+        else:
+            src = [slice(None)] * len(shape)
+            for j, a in enumerate(perm):
+                src[a] = box[j]
+            src = tuple(src)
+        part = t.read(index=src) if callable(getattr(t, "read", None)) else np.asarray(t)[src]
+        return _TRANSFORMS[self.kind](part).astype(self.dtype)
+
+    def read(self, index=None) -> np.ndarray:
+        if reading_headers_only():
+            raise HeadersChecked(self.name)
+        self.reads.append(index)
+        plan = _box(index if index is not None else (), self.shape)
+        if plan is None:
+            return self.read()[index]
+        box, rest = plan
+        if not self.stacked:
+            out = self._one(self.sources[None], box)
+        else:
+            layers = range(box[0].start, box[0].stop)
+            out = np.empty(tuple(s.stop - s.start for s in box), self.dtype)
+            for k, i in enumerate(layers):
+                out[k] = self._one(self.sources[i], box[1:])
+        return np.asarray(out[rest])
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.read()
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self):
+        return f"MappedTensor({self.name}, {self.shape}, {self.dtype})"
+
+
 # vidax shape -> the reference shape it comes from (for error messages)
 _REF_SHAPE = {
     "none": lambda s: tuple(s),
@@ -233,9 +316,13 @@ def load_params(
         return a
 
     out: dict = {}
+    lazy = _LAZY.get()
     for dst, leaf in expected.items():
         rule = by_dst[dst]
         tgt = np.dtype(dtype) if dtype is not None else np.dtype(leaf.dtype)
+        if lazy:
+            _set(out, dst, MappedTensor(dst, leaf.shape, tgt, rule.kind, found[dst], rule.stacked))
+            continue
         fn = _TRANSFORMS[rule.kind]
         if rule.stacked:
             arr = np.empty(tuple(leaf.shape), tgt)

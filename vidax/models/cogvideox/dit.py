@@ -48,7 +48,6 @@ from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
 from vidax.core.runner import DiTRunner, run_local
-from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
 
@@ -386,37 +385,13 @@ def joint_attention(par: vsh.ParallelContext, txt, vid):
     ``[B, L, H_local, d]``; returns ``(text out, video out)`` in the same layout.
 
     Inside ``shard_map`` with ``sp > 1`` the video tokens are split over ``sp`` and the text tokens
-    replicated: the video q/k/v go through the Ulysses all-to-all (every video token, a slice of
-    the heads), the text q/k/v are sliced to the same heads (no all-to-all: they are already
-    whole on every device), one attention call runs over the joint sequence, the video output goes
-    back through the all-to-all and the text output is gathered over the heads (a psum of disjoint
-    head slices, so it is typed replicated over sp, as the text carry is)."""
-    qt, kt, vt = txt
-    qv, kv, vv = vid
-    s = par.size("sp")
-    bound = "sp" in dict(par.sizes)  # inside shard_map over a (dp, tp, sp) mesh
-    if s > 1:
-        if qv.shape[2] % s:
-            raise vmesh.ShardingConfigError(f"joint attention: {qv.shape[2]} local heads are not divisible by sp={s}")
-        to_heads = partial(jax.lax.all_to_all, axis_name="sp", split_axis=2, concat_axis=1, tiled=True)
-        qv, kv, vv = to_heads(qv), to_heads(kv), to_heads(vv)
-        hl = qt.shape[2] // s
-        i = jax.lax.axis_index("sp")
-        local = partial(jax.lax.dynamic_slice_in_dim, start_index=i * hl, slice_size=hl, axis=2)
-        qt, kt, vt = local(qt), local(kt), local(vt)
-    lt = qt.shape[1]
-    o = attention(jnp.concatenate([qt, qv], 1), jnp.concatenate([kt, kv], 1), jnp.concatenate([vt, vv], 1),
-                  impl=par.attn_impl)
-    ot, ov = o[:, :lt], o[:, lt:]
-    if s > 1:
-        ov = jax.lax.all_to_all(ov, "sp", split_axis=1, concat_axis=2, tiled=True)
-        # every device holds the text output of its heads: place it among zeros and sum over sp (the
-        # same bytes as an all-gather; the result is the same on every sp device, and typed so)
-        full = jnp.zeros((*ot.shape[:2], hl * s, ot.shape[3]), ot.dtype)
-        ot = jax.lax.dynamic_update_slice_in_dim(full, ot, i * hl, axis=2)
-    if bound:
-        # the text attended to sp-split video tokens; its result is whole on every sp device
-        ot = jax.lax.psum(ot, "sp")
+    replicated: the core's USP attention (``ParallelContext.joint_attention``) takes the video
+    q/k/v through Ulysses (every video token of a group, a slice of the heads) and/or the ring,
+    the text q/k/v are cut to the same heads (they are whole on every device), padded video tokens
+    are masked, and the text output comes back whole (typed replicated over sp, as the text carry
+    is)."""
+    (qt, kt, vt), (qv, kv, vv) = txt, vid
+    ov, ot = par.joint_attention(qv, kv, vv, qt, kt, vt, extra_first=True)
     return ot, ov
 
 
@@ -628,12 +603,10 @@ def video_tokens(cfg: CogVideoXConfig, latent_frames: int, h: int, w: int) -> in
 def parallel_constraints(cfg: CogVideoXConfig, *, tokens: int | None = None, batch: int | None = None):
     """Divisibility rules on a (dp, tp, sp) mesh. The text length has none: its tokens stay whole
     on every device (sliced by heads inside the joint attention)."""
-    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
-                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+    r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
     if tokens is not None:
-        r.append(vmesh.Divisible("video tokens", tokens, ("sp",), "joint sequence parallelism splits the f*h*w video "
-                                                                  "patch tokens (the text tokens stay whole)"))
+        r.append(vmesh.SpTokens("video tokens", tokens))
     if batch is not None:
         r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
     return r
@@ -745,11 +718,15 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
         return _CogCompat(config, jax.device_put(state), cfg)
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m)
+    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
+               ring=vmesh.ring_degree(mesh))
     return _CogCompat(config, None, cfg, r)
 
 

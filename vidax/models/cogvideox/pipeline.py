@@ -52,6 +52,7 @@ from vidax.schedulers import from_diffusers_config
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 _CONFIG_FILES = ("model_index.json", "*/config.json", "scheduler/scheduler_config.json")
 _EMB_DIMS = ("batch", "token", "channel")
@@ -80,7 +81,7 @@ class TinyPreset:
 def _tiny_presets() -> dict:
     base = cdit.CogVideoXConfig(num_heads=4, head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
                                 text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8, sample_frames=5,
-                                max_text_seq_length=64)
+                                max_text_seq_length=226)  # the release's: a 20-word prompt fits (byte tokens)
     rot = replace(base, use_rotary_positional_embeddings=True)
     v15 = replace(rot, patch_size_t=2, patch_bias=False, sample_width=16, sample_height=16, sample_frames=9)
     sched2b = {"_class_name": "CogVideoXDDIMScheduler", **RELEASED_SCHEDULER, "snr_shift_scale": 3.0}
@@ -260,7 +261,8 @@ class CogVideoX(Pipeline):
 
     def load_dit(self):
         """``(state on one device, cfg)``, or with a mesh / offloading ``(DiTRunner, cfg)``."""
-        state, cfg = self._load_dit_host()
+        with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
+            state, cfg = self._load_dit_host()
         if not self.scaled:
             return jax.device_put(state), cfg
         return cdit.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,

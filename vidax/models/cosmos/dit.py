@@ -559,11 +559,10 @@ def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------- sharding
 def parallel_constraints(cfg: CosmosDiTConfig, *, tokens: int | None = None, batch: int | None = None):
-    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
-                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+    r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
     if tokens is not None:
-        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w patch tokens"))
+        r.append(vmesh.SpTokens("tokens", tokens))
     if batch is not None:
         r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
     return r
@@ -735,9 +734,13 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
         return _CosmosDiTCompat(config, jax.device_put(state), cfg)
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m)
+    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
+               ring=vmesh.ring_degree(mesh))
     return _CosmosDiTCompat(config, None, cfg, r)

@@ -53,6 +53,7 @@ from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.weights.source import is_url
 from vidax.models.wan.tiles import TileStages, tiling_option
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,8 @@ class CosmosPredict(TileStages, Pipeline):
     def load_dit(self):
         """DiT state + config on one device, or (``mesh`` / ``offload_chunk_size``) a
         :class:`~vidax.core.runner.DiTRunner` that places or streams it."""
-        params, cfg = self._load_dit_host()
+        with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
+            params, cfg = self._load_dit_host()
         if not self.scaled:
             return jax.device_put(params), cfg
         return cdit.runner(params, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,

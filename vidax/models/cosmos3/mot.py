@@ -244,27 +244,11 @@ def joint_attention(q, k, v, k_text, v_text, text_mask, par: vsh.ParallelContext
     (this device's vision tokens under sequence parallelism); ``k_text``/``v_text``: [B, Lu, Hl, hd]
     (replicated over sp); ``text_mask``: [B, Lu] (1 = a real text token).
 
-    Under sp (Ulysses) the vision q/k/v go all-to-all to every token and a slice of the heads; the
-    text keys are already whole on every device, so each takes its own head slice: only the vision
-    part is exchanged."""
-    sp = par.size("sp")
-    if sp > 1:
-        def to_heads(t):
-            return jax.lax.all_to_all(t, "sp", split_axis=2, concat_axis=1, tiled=True)
-
-        q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        hs = q.shape[2]
-        start = jax.lax.axis_index("sp") * hs
-        k_text = jax.lax.dynamic_slice_in_dim(k_text, start, hs, axis=2)
-        v_text = jax.lax.dynamic_slice_in_dim(v_text, start, hs, axis=2)
-    keys = jnp.concatenate([k_text.astype(k.dtype), k], axis=1)
-    vals = jnp.concatenate([v_text.astype(v.dtype), v], axis=1)
-    lg = k.shape[1]
-    mask = jnp.concatenate([jnp.asarray(text_mask, bool), jnp.ones((q.shape[0], lg), bool)], axis=1)
-    o = attention(q, keys, vals, mask=mask[:, None, None, :], impl=par.attn_impl)
-    if sp > 1:
-        o = jax.lax.all_to_all(o, "sp", split_axis=1, concat_axis=2, tiled=True)
-    return o
+    Under sp the core's USP attention (Ulysses x ring) exchanges only the vision part; the text
+    keys are already whole on every device, so each takes its own head slice, masked by
+    ``text_mask`` (padded vision tokens are masked too)."""
+    return par.joint_attention(q, k, v, None, k_text.astype(k.dtype), v_text.astype(v.dtype),
+                               extra_mask=jnp.asarray(text_mask, bool), extra_first=True)[0]
 
 
 class Cosmos3Embed(nnx.Module):
@@ -539,14 +523,13 @@ AXIS_DELTAS = {"kv_heads": "tp", "vocab": "tp"}
 
 
 def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
-    r = [vmesh.Divisible("num_attention_heads", cfg.num_attention_heads, ("tp", "sp"),
-                         "query heads are split over tp (weights) and sp (Ulysses): tp*sp must divide them"),
+    r = [vmesh.UlyssesHeads("num_attention_heads", cfg.num_attention_heads),
          vmesh.Divisible("num_key_value_heads", cfg.num_key_value_heads, ("tp",),
                          "key/value heads are split over tp"),
          vmesh.Divisible("intermediate_size", cfg.intermediate_size, ("tp",), "the MLPs are split over tp"),
          vmesh.Divisible("vocab_size", cfg.vocab_size, ("tp",), "the token-embedding table is split over tp")]
     if tokens is not None:
-        r.append(vmesh.Divisible("vision tokens", tokens, ("sp",), "sequence parallel splits the vision tokens"))
+        r.append(vmesh.SpTokens("vision tokens", tokens))
     if batch is not None:
         r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
     return r
@@ -565,16 +548,18 @@ class Cosmos3Runner:
     vision pathway's (streamed every step)."""
 
     def __init__(self, state, cfg: Cosmos3Config, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None):
+                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
+                 ring: int | None = None):
         if isinstance(state, nnx.Module):
             state = nnx.state(state)
         self.cfg, self.attn_impl = cfg, attn_impl
+        self.ring = ring if ring is not None else vmesh.ring_degree(mesh)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.mesh = vmesh.make_mesh(mesh)
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh)
+        vmesh.check_divisible(parallel_constraints(cfg), self.mesh, ring=self.ring)
         self.mapping = mapping = vsh.axis_rules(self.parallelism, AXIS_DELTAS)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl)
+        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl, ring=self.ring)
         self.specs = vsh.param_specs(state, mapping)
         vsh.check_param_divisibility(state, self.specs, self.mesh)
         self.dtype = state_dtype(state)
@@ -590,7 +575,7 @@ class Cosmos3Runner:
             self.und = vsh.place(state["layers"]["und"], und_sh)
             self.gen = vsh.place(state["layers"]["gen"], gen_sh)
             self._text = jax.jit(self._text_resident)
-            self._vision = jax.jit(self._vision_resident)
+            self._vision = jax.jit(self._vision_resident, static_argnames=("valid",))
         else:
             self.und = self.gen = None
             self.offload = voff.OffloadRunner(prefetch=prefetch)
@@ -611,8 +596,9 @@ class Cosmos3Runner:
     def _text_unit(self, und, x, cos, sin):
         return run_text((self.graphs["und"], und), x, cos, sin, self.groups, self.par)
 
-    def _vision_unit(self, gen, h, cos, sin, k, v, tm):
-        return run_vision((self.graphs["gen"], gen), h, cos, sin, (k, v), tm, self.groups, self.par)
+    def _vision_unit(self, gen, h, cos, sin, k, v, tm, *valid):
+        par = self.par.with_valid(valid[0]) if valid else self.par
+        return run_vision((self.graphs["gen"], gen), h, cos, sin, (k, v), tm, self.groups, par)
 
     def _embed_text_fn(self, rest, ids):
         return nnx.merge(self.graphs["embed"], rest["embed"]).text(ids)
@@ -635,11 +621,12 @@ class Cosmos3Runner:
                                (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
         return k, v
 
-    def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm):
+    def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm, valid=None):
         tok3 = self.spec("batch", "tokens", None)
         h = self._embed_vision_fn(rest, patches, t, noisy)
-        h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
+        unit = self._vision_unit if valid is None else (lambda *a: self._vision_unit(*a, valid))
+        h = self._smap(unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
+                        self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
         return self._head_fn(rest, h)
 
     # ---------------------------------------------------------------- offloaded chunks
@@ -652,13 +639,14 @@ class Cosmos3Runner:
         vs = jax.lax.dynamic_update_slice_in_dim(vs, v.astype(vs.dtype), i, axis=0)
         return x, ks, vs, i + self.chunk
 
-    def _vision_chunk(self, gen, carry, ks, vs, cos, sin, tm):
+    def _vision_chunk(self, gen, carry, ks, vs, cos, sin, tm, *valid):
         h, i = carry
         k = jax.lax.dynamic_slice_in_dim(ks, i, self.chunk, axis=0)
         v = jax.lax.dynamic_slice_in_dim(vs, i, self.chunk, axis=0)
         tok3 = self.spec("batch", "tokens", None)
         h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
+                                           self.spec("batch", None), *(self.spec(),) * len(valid)),
+                       tok3)(gen, h, cos, sin, k, v, tm, *valid)
         return h, i + self.chunk
 
     def _zero(self):
@@ -683,11 +671,23 @@ class Cosmos3Runner:
         self.check_inputs(patches.shape[0], patches.shape[1])
         t, noisy = jnp.asarray(t, F32), jnp.asarray(noisy, F32)
         cos, sin, tm = jnp.asarray(cos, F32), jnp.asarray(sin, F32), jnp.asarray(text_mask, bool)
+        # any vision token count on any sp: padded to a multiple of sp (masked as keys), cut after
+        n, sp = patches.shape[1], self.mesh.shape["sp"]
+        valid = None if n % sp == 0 else n
+        if valid is not None:
+            to = -(-n // sp) * sp
+
+            def pad(a):  # the token axis is axis 1 of every per-token input
+                return jnp.pad(a, [(0, 0), (0, to - n)] + [(0, 0)] * (a.ndim - 2)) if a.ndim >= 2 and a.shape[1] == n else a
+            patches, t, noisy, cos, sin = (pad(a) for a in (patches, t, noisy, cos, sin))
         if self.offload is None:
-            return self._vision(self.rest, self.gen, patches, t, noisy, cos, sin, cache[0], cache[1], tm)
-        h = self._embed_vision(self.rest, patches, t, noisy)
-        h, _ = self.offload.run("vision", (h, self._zero()), cache[0], cache[1], cos, sin, tm)
-        return self._head(self.rest, h)
+            y = self._vision(self.rest, self.gen, patches, t, noisy, cos, sin, cache[0], cache[1], tm, valid=valid)
+        else:
+            h = self._embed_vision(self.rest, patches, t, noisy)
+            extra = () if valid is None else (jax.device_put(jnp.int32(valid), NamedSharding(self.mesh, self.spec())),)
+            h, _ = self.offload.run("vision", (h, self._zero()), cache[0], cache[1], cos, sin, tm, *extra)
+            y = self._head(self.rest, h)
+        return y if valid is None else y[:, :n]
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -767,10 +767,14 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
     # fail on an impossible layout before reading a single tensor
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m)
+    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
-    state, cfg = load_model(folder, cfg, dtype=dtype)
-    r = Cosmos3Runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_model(folder, cfg, dtype=dtype)
+    r = Cosmos3Runner(state, cfg, m, parallelism, ring=vmesh.ring_degree(mesh), offload_chunk_size=offload_chunk_size,
+                      prefetch=prefetch,
                       attn_impl=attn_impl)
     return _Cosmos3Compat(config, None, cfg, r)

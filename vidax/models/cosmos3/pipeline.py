@@ -47,6 +47,7 @@ from vidax.schedulers import from_diffusers_config
 from vidax.text.tokenizer import load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
 from vidax.models.wan.tiles import TileStages, tiling_option
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,8 @@ class Cosmos3Omni(TileStages, Pipeline):
 
     def load_model(self):
         """The MoT state on one device, or a :class:`~vidax.models.cosmos3.mot.Cosmos3Runner`."""
-        state, cfg = self._load_host()
+        with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
+            state, cfg = self._load_host()
         if not self.scaled:
             return jax.device_put(state), cfg
         return mot.Cosmos3Runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
@@ -340,7 +342,8 @@ class Cosmos3Omni(TileStages, Pipeline):
         known = int(np.prod([max(1, int(v)) for v in sizes.values()]))
         sizes = {a: (n // known if int(v) == -1 else int(v)) for a, v in sizes.items()}
         try:
-            vmesh.check_divisible(mot.parallel_constraints(self.model_config()), sizes, max_devices=n)
+            vmesh.check_divisible(mot.parallel_constraints(self.model_config()), sizes, max_devices=n,
+                                  ring=vmesh.ring_degree(mesh))
         except vmesh.ShardingConfigError as e:
             raise OptionError("mesh", f"{mesh!r}: {e}") from None
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from vidax.models.hunyuanvideo.dit import HunyuanVideoConfig
 from vidax.weights import Derived, KeyMap, Rule, View, view_of
+from vidax.weights.views import window
 from vidax.weights import linear_rules as linear
 
 
@@ -20,8 +21,8 @@ def split_proj_out(ckpt, dim: int):
         m = re.fullmatch(r"single_transformer_blocks\.(\d+)\.proj_out\.weight", name)
         if m and len(t.shape) == 2 and t.shape[1] > dim:
             o, i = t.shape
-            out[name + ":attn"] = Derived(name + ":attn", (o, dim), lambda a: a[:, :dim], t)
-            out[name + ":mlp"] = Derived(name + ":mlp", (o, i - dim), lambda a: a[:, dim:], t)
+            out[name + ":attn"] = window(name + ":attn", t, 1, 0, dim)  # lazily: a device's part only
+            out[name + ":mlp"] = window(name + ":mlp", t, 1, dim, i)
         else:
             out[name] = t
     return view_of(out, ckpt)
@@ -130,12 +131,12 @@ def original_to_diffusers(ckpt, cfg: HunyuanVideoConfig) -> View:
                 n3 = t.shape[0] // 3
                 for j, nm in enumerate(QKV[mid]):
                     key = f"{base}.{nm}.{wb}"
-                    out[key] = Derived(key, (n3, *t.shape[1:]), lambda a, j=j, n3=n3: a[j * n3:(j + 1) * n3], t)
+                    out[key] = window(key, t, 0, j * n3, (j + 1) * n3)
             elif kind == "single_blocks" and mid == "linear1":
                 for nm, a0, a1 in (("attn.to_q", 0, d), ("attn.to_k", d, 2 * d), ("attn.to_v", 2 * d, 3 * d),
                                    ("proj_mlp", 3 * d, t.shape[0])):
                     key = f"{base}.{nm}.{wb}"
-                    out[key] = Derived(key, (a1 - a0, *t.shape[1:]), lambda a, a0=a0, a1=a1: a[a0:a1], t)
+                    out[key] = window(key, t, 0, a0, a1)
             else:
                 out[f"{base}.{ORIGINAL_BLOCK_RENAMES[kind].get(mid, mid)}.{wb}"] = t
             continue

@@ -201,6 +201,10 @@ def joint_attention(qv, kv, vv, qt, kt, vt, text_len, par: vsh.ParallelContext):
     goes back to token shards and the text output is gathered over the heads."""
     sp = par.size("sp")
     lt = qt.shape[1]
+    if sp > 1 and (par.valid is not None or par.usp(qv.shape[2])[1] > 1):
+        # padded video tokens or a ring: the core's USP attention, the text padding as a key mask
+        tm = jnp.arange(lt, dtype=jnp.int32)[None, :] < text_len.astype(jnp.int32)[:, None]
+        return par.joint_attention(qv, kv, vv, qt, kt, vt, extra_mask=tm)
     if sp > 1:
         hl = qv.shape[2]
         if hl % sp:
@@ -654,12 +658,10 @@ def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=No
 #: (gathered after; they hold a quarter of the weights). The token refiner, embedders and head stay
 #: whole. SP keeps every weight whole and splits the video tokens.
 def parallel_constraints(cfg: HunyuanVideoConfig, *, tokens: int | None = None, batch: int | None = None):
-    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"),
-                         "attention heads are split over tp (weights) and sp (Ulysses all_to_all): tp*sp must divide them"),
+    r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("mlp_dim", cfg.mlp_dim, ("tp",), "the MLP width is split over tp")]
     if tokens is not None:
-        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the f*h*w video tokens "
-                                                            "(the text tokens stay whole on every device)"))
+        r.append(vmesh.SpTokens("video tokens", tokens))
     if batch is not None:
         r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
     return r
@@ -760,9 +762,13 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
         return _Compat(config, jax.device_put(state), cfg)
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m)
+    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         parse_chunk_sizes(offload_chunk_size, cfg)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
+               ring=vmesh.ring_degree(mesh))
     return _Compat(config, None, cfg, r)

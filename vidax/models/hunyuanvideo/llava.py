@@ -19,7 +19,7 @@ from flax import nnx
 from vidax.core import nn
 from vidax.text import clip as clipmod
 from vidax.text import lm as lmmod
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights import Checkpoint, KeyMap, Rule, load_params, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -117,25 +117,44 @@ def _prefix_view(ckpt, marker: str) -> dict:
         i = n.find(marker)
         if i >= 0:
             out[n[i + len(marker):]] = ckpt[n]
-    return out
+    return Checkpoint(out, ckpt.source) if isinstance(ckpt, Checkpoint) else out  # (errors name the folder)
+
+
+def _open(folder):
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    return config, settings_from_hf(config), clipmod.CLIPVisionConfig.from_hf(config["vision_config"]), open_checkpoint(folder)
+
+
+def load_vision_tower(folder) -> clipmod.CLIPVisionEncoder:
+    """The LLaVA folder's CLIP vision tower (``vision_tower.*``)."""
+    _, _, vcfg, ckpt = _open(folder)
+    return clipmod.from_params(vcfg, clipmod.load_params_from(_prefix_view(ckpt, "vision_tower."), vcfg, naming="hf"))
+
+
+def load_projector(folder, lm_hidden: int | None = None) -> nn.Split:
+    """The LLaVA folder's multimodal projector (``multi_modal_projector.*``): vision width -> the
+    LM's (``lm_hidden``, default from the config)."""
+    config, s, vcfg, ckpt = _open(folder)
+    if lm_hidden is None:
+        lm_hidden = lmmod.LMConfig.from_hf(config).hidden_size
+    rules = [Rule("linear_1.weight", "linear_1.kernel", "linear"), Rule("linear_2.weight", "linear_2.kernel", "linear")]
+    if s.projector_bias:
+        rules += [Rule("linear_1.bias", "linear_1.bias"), Rule("linear_2.bias", "linear_2.bias")]
+    build = _proj_build(vcfg.hidden_size, lm_hidden, s)
+    pure = load_params(_prefix_view(ckpt, "multi_modal_projector."), KeyMap(rules), nn.shapes(build), dtype=np.float32,
+                       what="LLaVA multimodal projector")
+    return nn.Split.from_pure(build, pure)
 
 
 def load_llava(folder, mesh=None) -> LlavaEncoder:
     """A transformers ``LlavaForConditionalGeneration`` folder (hub naming ``vision_tower.* /
     multi_modal_projector.* / language_model.*`` or transformers 5's ``model.*``). ``mesh``: the
-    LM's tensor-parallel mesh (:func:`vidax.text.lm.load_lm`); the vision tower and projector are small."""
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    LM's tensor-parallel mesh (:func:`vidax.text.lm.load_lm`); the vision tower and projector are small.
+    Its three parts load apart (:func:`load_vision_tower`, :func:`load_projector`, the LM), which
+    is how validation checks each one's headers."""
+    config = json.loads((Path(folder) / "config.json").read_text())
     s = settings_from_hf(config)
-    vcfg = clipmod.CLIPVisionConfig.from_hf(config["vision_config"])
-    ckpt = open_checkpoint(folder)
-    vis = _prefix_view(ckpt, "vision_tower.")
-    vision = clipmod.from_params(vcfg, clipmod.load_params_from(vis, vcfg, naming="hf"))
+    vision = load_vision_tower(folder)
     lm = lmmod.load_lm(folder, dtype=np.float32, mesh=mesh)
-    proj_ckpt = _prefix_view(ckpt, "multi_modal_projector.")
-    rules = [Rule("linear_1.weight", "linear_1.kernel", "linear"), Rule("linear_2.weight", "linear_2.kernel", "linear")]
-    if s.projector_bias:
-        rules += [Rule("linear_1.bias", "linear_1.bias"), Rule("linear_2.bias", "linear_2.bias")]
-    build = _proj_build(vcfg.hidden_size, lm.cfg.hidden_size, s)
-    pure = load_params(proj_ckpt, KeyMap(rules), nn.shapes(build), dtype=np.float32, what="LLaVA multimodal projector")
-    return LlavaEncoder(vision, nn.Split.from_pure(build, pure), lm, s)
+    return LlavaEncoder(vision, load_projector(folder, lm.cfg.hidden_size), lm, s)

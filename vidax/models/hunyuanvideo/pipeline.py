@@ -38,6 +38,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
                             to_unit_range, unpack_state)
 from vidax.schedulers import make_scheduler
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +199,13 @@ class HunyuanVideoT2V(Pipeline):
         if self.image_to_video:
             from vidax.models.hunyuanvideo import llava
 
-            text = ("text encoder (LLaVA)", lambda: llava.load_llava(self.folder / "text_encoder"))
+            te = self.folder / "text_encoder"  # the LLaVA tower's three parts, each checked on its own
+            text = [("text encoder (LLaVA language model)", lambda: lm.load_lm(te, dtype=np.float32)),
+                    ("text encoder (LLaVA vision tower)", lambda: llava.load_vision_tower(te)),
+                    ("text encoder (LLaVA projector)", lambda: llava.load_projector(te))]
         else:
-            text = ("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))
-        return [text, ("CLIP text encoder (text_encoder_2)",
+            text = [("text encoder", lambda: lm.load_lm(self.folder / "text_encoder", dtype=np.float32))]
+        return [*text, ("CLIP text encoder (text_encoder_2)",
                        lambda: clip_text.load_clip_text(self.folder / "text_encoder_2", dtype=np.float32)),
                 ("DiT", lambda: hdit.load_dit(self.folder / "transformer", self.dit_config(), dtype=self.dtype)),
                 ("VAE", self.load_vae)]
@@ -299,7 +303,7 @@ class HunyuanVideoT2V(Pipeline):
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            with self.lora_merging("dit"), lazy_params(self.scaled and self.offload_chunk_size is None):
                 state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if not self.scaled:
             return jax.device_put(state), cfg

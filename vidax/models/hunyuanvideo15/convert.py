@@ -8,6 +8,7 @@ import numpy as np
 from vidax.models.hunyuanvideo import convert as h10
 from vidax.models.hunyuanvideo15.dit import HunyuanVideo15Config
 from vidax.weights import Derived, KeyMap, Rule, View, view_of
+from vidax.weights.views import window
 from vidax.weights import linear_rules as linear
 
 _SHARED = ("embed.patch.", "embed.refiner.", "double.", "head.")  # 1.0's names for 1.0's modules
@@ -100,7 +101,7 @@ def original_to_diffusers(ckpt) -> View:
                 n3 = t.shape[0] // 3
                 for j, nm in enumerate(("to_q", "to_k", "to_v")):
                     key = f"{base}.attn.{nm}.{wb}"
-                    out[key] = Derived(key, (n3, *t.shape[1:]), lambda a, j=j, n3=n3: a[j * n3:(j + 1) * n3], t)
+                    out[key] = window(key, t, 0, j * n3, (j + 1) * n3)
             else:
                 out[f"{base}.{ORIGINAL_REFINER.get(mid, mid)}.{wb}"] = t
         elif head == "final_layer.adaLN_modulation.1":

@@ -351,8 +351,12 @@ class _Compat(compat.CompatModel):
 def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
                  prefetch: bool = True, attn_impl=None, **_):
     cfg = HunyuanVideo15Config.from_diffusers(config)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+    from vidax.weights.keymap import lazy_params
+
+    one_device = mesh is None and parallelism in (None, "none") and offload_chunk_size is None
+    with lazy_params(offload_chunk_size is None and not one_device):  # placed: each host reads only its shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+    if one_device:
         return _Compat(config, jax.device_put(state), cfg)
     r = runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
     return _Compat(config, None, cfg, r)

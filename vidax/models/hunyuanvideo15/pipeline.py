@@ -41,6 +41,7 @@ from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pi
                             to_uint8, to_unit_range, unpack_state)
 from vidax.schedulers import make_scheduler
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,8 @@ class HunyuanVideo15T2V(Pipeline):
         if self.preset:
             state = hdit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
+            with lazy_params(self.mesh is not None and self.offload_chunk_size is None):  # a host reads its shards
+                state, cfg = hdit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg
         return hdit.runner(state, cfg, self.mesh, self.parallelism,

@@ -202,15 +202,10 @@ def _mod(table, temb, n):
 
 
 def _gather_tokens(x, par):
-    """Video keys/values complete over ``sp`` (the audio queries see every video token)."""
-    if par.size("sp") == 1:
-        return x
-    # gathered with a psum (each device's slice placed in zeros), so the result is typed invariant
-    # over sp: every device then computes the same, replicated audio stream
-    n = x.shape[1]
-    full = jnp.zeros((x.shape[0], n * par.size("sp"), *x.shape[2:]), x.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index("sp") * n, axis=1)
-    return jax.lax.psum(full, "sp")
+    """Video keys/values complete over ``sp`` (the audio queries see every video token), with the
+    key mask of the real tokens when the runner padded them (else None). Gathered with a psum, so
+    the result is typed invariant over sp: every device computes the same, replicated audio stream."""
+    return par.gather_tokens(x)
 
 
 def _lerp(start, end, w):
@@ -335,8 +330,9 @@ class LTX2Block(nnx.Module):
         q_in = (na_ * (1 + a_sc_v2a) + a_sh_v2a).astype(dt)
         kv_in = (nh * (1 + v_sc_v2a) + v_sh_v2a).astype(dt)
         q, k, v = self.v2a.project(q_in, kv_in, ca_, cv, par)
-        k, v = _gather_tokens(k, par), _gather_tokens(v, par)
-        o = self.v2a.finish(q_in, attention(q, k, v, impl=par.attn_impl), par)
+        (k, km), (v, _) = _gather_tokens(k, par), _gather_tokens(v, par)
+        o = self.v2a.finish(q_in, attention(q, k, v, mask=None if km is None else km[:, None, None, :],
+                                            impl=par.attn_impl), par)
         au = (au.astype(F32) + xm * (ga * o.astype(F32))).astype(dt)
 
         # 4. feed-forward per stream
@@ -583,11 +579,11 @@ def context(state, cfg: LTX2DiTConfig, ctx, actx, *, attn_impl=None) -> dict:
 
 # ----------------------------------------------------------------------------------- sharding
 def parallel_constraints(cfg: LTX2DiTConfig, *, tokens: int | None = None, batch: int | None = None):
-    r = [vmesh.Divisible("num_heads", cfg.num_heads, ("tp", "sp"), "video heads are split over tp and sp (Ulysses)"),
+    r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("audio_num_heads", cfg.audio_num_heads, ("tp",), "audio heads are split over tp"),
          vmesh.Divisible("ffn_dim", 4 * cfg.audio_dim, ("tp",), "FFN up/down are split over tp")]
     if tokens is not None:
-        r.append(vmesh.Divisible("tokens", tokens, ("sp",), "sequence parallel splits the video tokens"))
+        r.append(vmesh.SpTokens("video tokens", tokens))
     if batch is not None:
         r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
     return r
@@ -734,9 +730,13 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
         return _Compat(config, jax.device_put(state), cfg)
     m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
     vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m)
+    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
     if offload_chunk_size is not None:
         voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
+    from vidax.weights.keymap import lazy_params
+
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load_dit(folder, cfg, dtype=dtype)
+    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
+               ring=vmesh.ring_degree(mesh))
     return _Compat(config, None, cfg, r)

@@ -21,6 +21,7 @@ from vidax.models.ltx.common import (EMB, LATENT, NOISE_AUDIO, NOISE_DECODE, NOI
 from vidax.models.ltx.sampling import sample_av
 from vidax.pipeline import DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, to_uint8, to_unit_range
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.weights.keymap import lazy_params
 
 
 def _tiny_gemma():
@@ -54,7 +55,7 @@ class LTX2Preset:
     vocoder: laudio.VocoderConfig = field(default_factory=lambda: laudio.VocoderConfig(
         in_channels=32, hidden_channels=16, upsample_kernel_sizes=(7, 4, 4), upsample_factors=(5, 4, 4),
         resnet_kernel_sizes=(3,), resnet_dilations=((1, 3),), output_sampling_rate=8000))
-    max_text_len: int = 64
+    max_text_len: int = 256  # byte tokens: a 20-word prompt fits
     seed: int = 0
 
 
@@ -249,7 +250,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         if self.preset:
             state = ldit2.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            with self.lora_merging("dit"), lazy_params(self.mesh is not None and self.offload_chunk_size is None):
                 state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg

@@ -19,6 +19,7 @@ from vidax.models.ltx.sampling import sample_video
 from vidax.pipeline import DecodeSpan, Geometry, Named, Option, OptionError, Pipeline
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
+from vidax.weights.keymap import lazy_params
 
 
 # ----------------------------------------------------------------------------------- presets
@@ -131,7 +132,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         if self.preset:
             state = ldit.init_state(cfg, seed=self.preset.seed + 2, dtype=self.dtype)
         else:
-            with self.lora_merging("dit"):  # LoRAs merged in float32 before the cast
+            with self.lora_merging("dit"), lazy_params(self.mesh is not None and self.offload_chunk_size is None):
                 state, cfg = ldit.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
         if self.mesh is None and self.offload_chunk_size is None:
             return jax.device_put(state), cfg

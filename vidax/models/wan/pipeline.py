@@ -29,6 +29,7 @@ from vidax.schedulers import SCHEDULERS, load_scheduler
 from vidax.text import t5 as t5mod
 from vidax.text.tokenizer import ByteTokenizer, load_tokenizer
 from vidax.weights.fingerprint import files_fingerprint
+from vidax.weights.keymap import lazy_params
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,8 @@ class WanT2V(wtiles.TileStages, Pipeline):
         """DiT state (``nnx.State``) + config: on one device, or (``mesh`` / ``offload_chunk_size``
         set) a :class:`~vidax.core.runner.DiTRunner` that places or streams it itself.
         ``expert``: 2 loads ``transformer_2`` (Wan2.2 A14B's low-noise expert)."""
-        params, cfg = self._load_dit_host(expert)
+        with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
+            params, cfg = self._load_dit_host(expert)
         if not self.scaled:
             return jax.device_put(params), cfg
         runner = wdit.runner(params, cfg, self.mesh, self.parallelism,
