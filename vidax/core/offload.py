@@ -200,12 +200,15 @@ class OffloadRunner:
             st.samples.append(b)
             st.peak_device_bytes = max(st.peak_device_bytes, b)
 
-    def run(self, name: str, carry, *consts):
-        """``carry = chunk_fn(chunk_i, carry, *consts)`` for every chunk of stack ``name``, in order.
+    def run(self, name: str, carry, *consts, per_chunk: list | None = None):
+        """``carry = chunk_fn(chunk_i, carry, *consts)`` for every chunk of stack ``name``, in order
+        (``chunk_fn(chunk_i, carry, *consts, per_chunk[i])`` when ``per_chunk`` is given: e.g. each
+        chunk's precomputed text keys / values, from :meth:`map`).
 
         The caller's ``carry`` is copied once into a committed buffer (the chunk program donates
         its carry, and every call must see the same argument shardings); ``consts`` are shared."""
         pool = self.pools[name]
+        extra = (lambda i: ()) if per_chunk is None else (lambda i: (per_chunk[i],))
         pool.runs += 1
         n = pool.num_chunks
         carry = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False) if isinstance(a, jax.Array) else a, carry)
@@ -222,7 +225,7 @@ class OffloadRunner:
                 for i in range(n):
                     cur = nxt
                     nxt = self._put(pool, i + 1) if i + 1 < n else None  # overlaps compute i
-                    carry = pool.fn(cur, carry, *consts)
+                    carry = pool.fn(cur, carry, *consts, *extra(i))
                     self._sample(2 if nxt is not None else 1)  # cur and nxt both alive here
                     del cur
                     if nxt is not None:
@@ -231,12 +234,28 @@ class OffloadRunner:
             else:
                 for i in range(n):
                     cur = jax.block_until_ready(self._put(pool, i))
-                    carry = pool.fn(cur, carry, *consts)
+                    carry = pool.fn(cur, carry, *consts, *extra(i))
                     self._sample(1)
                     del cur
                     if i + 1 < n:
                         jax.block_until_ready(carry)
         return carry
+
+    def map(self, name: str, fn: Callable, *args) -> list:
+        """``[fn(chunk_i, *args) for every chunk]`` of stack ``name``: the chunks streamed as in
+        :meth:`run` (the next one's transfer overlapping this one's compute), ``fn`` jitted by the
+        caller; what a sample stage computes once from every block (the text keys / values)."""
+        pool = self.pools[name]
+        n, outs = pool.num_chunks, []
+        nxt = self._put(pool, 0)
+        for i in range(n):
+            cur = nxt
+            nxt = self._put(pool, i + 1) if i + 1 < n else None
+            outs.append(fn(cur, *args))
+            del cur
+            if nxt is not None:
+                jax.block_until_ready(outs[-1])
+        return outs
 
 
 __all__ = ["OffloadConfigError", "OffloadRunner", "OffloadStats", "Pool", "array_device_bytes", "device_bytes_in_use",

@@ -23,6 +23,14 @@ inside the compiled programs outside ``shard_map``: patchify / unpatchify), ``ch
 constants such as RoPE tables: placed once per key and passed to every program as arguments,
 never compiled in).
 
+Text K/V once (optional): ``CONTEXT`` (the inputs only the blocks' cross-attention keys and
+values read, e.g. ``("ctx", "img")``; empty: none), the embed unit's ``kv_context(a, par) -> consts``
+(the embedded context) and a static ``kv(block, consts, par) -> dict`` (``kv_<name>`` for another
+stack): that block's keys / values, stacked over the layers by :meth:`DiTRunner.context` (or
+:func:`context_local`) once per sample stage. A call given ``context=`` that tree instead of the
+``CONTEXT`` inputs hands ``step`` its block's slice as ``consts["kv"]``; activations' logical axes
+come from ``act_spec`` of the per-layer names. :data:`TEXT_KV_ONCE` (default on) switches it off.
+
 jit the unit: one program for the resident forward; offloaded, one prologue, one chunk program per
 stack (every chunk has the same signature) and one epilogue, looped over in Python.
 
@@ -54,6 +62,44 @@ def _is_spec(x) -> bool:
 _STATIC = (bool, int, float, str, tuple)
 _VALID = "__valid__"  # an offloaded pass's real token count, among its constants (padded tokens)
 
+#: compute the text keys / values once per sample stage (families with ``CONTEXT``); False: per step
+#: as before (tests and benchmarks compare the two)
+TEXT_KV_ONCE = True
+
+
+def context_names(model) -> tuple:
+    """The inputs a once-computed context replaces (empty: the model computes its K/V per step)."""
+    return tuple(getattr(model, "CONTEXT", ()) or ()) if TEXT_KV_ONCE else ()
+
+
+def _kv_hook(model, name):
+    return getattr(model, "kv" if name == "blocks" else f"kv_{name}", None)
+
+
+def _kv_scan(fn, graph, blocks, consts, par):
+    """``fn(block, consts, par)`` of every layer of a stack (state ``blocks``), stacked on axis 0."""
+    _, ys = jax.lax.scan(lambda c, s: (c, fn(nnx.merge(graph, s), consts, par)), None, blocks)
+    return ys
+
+
+def _cast_context(inputs: dict, dtype) -> dict:
+    return {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in inputs.items()
+            if v is not None}
+
+
+def context_local(model, inputs: dict, dtype, par=vsh.LOCAL) -> dict:
+    """A (concrete) model's once-computed context on one device: ``{stack: {name: [layers, ...]}}``
+    from the ``CONTEXT`` ``inputs`` (cast to the compute ``dtype``); what :func:`run_local` takes as
+    ``context``."""
+    consts = model.embed.kv_context(_cast_context(inputs, dtype), par)
+    out = {}
+    for name in getattr(model, "STACKS", ("blocks",)):
+        fn = _kv_hook(model, name)
+        if fn is not None:
+            graph, state = nnx.split(getattr(model, name))
+            out[name] = _kv_scan(fn, graph, state, consts, par)
+    return out
+
 
 #: the step cache's jitted units per runner signature (vidax.core.stepcache; weights are arguments)
 _CACHE_UNITS: dict = {}
@@ -63,10 +109,11 @@ def _shapes_key(inputs: dict) -> tuple:
     return tuple(sorted((k, tuple(np.shape(v))) for k, v in inputs.items()))
 
 
-def run_local(model, inputs: dict, tables: dict, dtype, par=vsh.LOCAL):
+def run_local(model, inputs: dict, tables: dict, dtype, par=vsh.LOCAL, context: dict | None = None):
     """A (concrete) model's forward on one device, or compiler-partitioned, through the same hooks
     the runner runs per shard: ``prepare`` -> ``embed`` -> every stack (``link_<name>`` first) ->
-    ``head`` -> ``finish``. ``inputs``: :meth:`pack`'s arrays (no None); ``tables``: its host tables."""
+    ``head`` -> ``finish``. ``inputs``: :meth:`pack`'s arrays (no None); ``tables``: its host tables;
+    ``context``: :func:`context_local`'s tree (then ``inputs`` leave out the ``CONTEXT`` names)."""
     from vidax.core import nn
 
     shapes = tuple(sorted((k, tuple(jnp.shape(v))) for k, v in inputs.items()))
@@ -79,7 +126,13 @@ def run_local(model, inputs: dict, tables: dict, dtype, par=vsh.LOCAL):
         if i and link is not None:
             carry = link(carry, consts, par)
         step = getattr(model, "step" if name == "blocks" else f"step_{name}")
-        carry = nn.scan(getattr(model, name), carry, lambda blk, c, step=step: step(blk, c, consts, par))
+        kv = (context or {}).get(name)
+        if kv is None:
+            carry = nn.scan(getattr(model, name), carry, lambda blk, c, step=step: step(blk, c, consts, par))
+        else:
+            graph, state = nnx.split(getattr(model, name))
+            carry, _ = jax.lax.scan(lambda c, s, step=step: (step(nnx.merge(graph, s[0]), c, {**consts, "kv": s[1]}, par), None),
+                                    carry, (state, kv))
     out = model.head(carry, consts, par)
     finish = getattr(model, "finish", None)
     return out if finish is None else finish(out, dict(shapes))
@@ -134,6 +187,18 @@ class DiTRunner:
             self._links = {n: jax.jit(self._link_fn(n)) for n in self.stack_names[1:]
                            if getattr(model, f"link_{n}", None) is not None}
             self._post = jax.jit(self._epilogue, static_argnums=(3, 4))
+            self._ctx_pre = jax.jit(self._context_prologue)
+            self._ctx_chunks = {n: jax.jit(self._kv_chunk_fn(n)) for n in self.kv_stacks}
+
+    @property
+    def kv_stacks(self) -> tuple:
+        """The stacks whose blocks' keys / values a once-computed context holds."""
+        return tuple(n for n in self.stack_names if _kv_hook(self.model, n) is not None)
+
+    @property
+    def context_inputs(self) -> tuple:
+        """The inputs :meth:`context` takes (empty: this model computes its K/V every step)."""
+        return context_names(self.model) if self.kv_stacks else ()
 
     def _rest(self, tree) -> nnx.State:
         return nnx.State({k: v for k, v in tree.items() if k not in self.stack_names})
@@ -212,6 +277,11 @@ class DiTRunner:
         consts = dict(consts)
         return consts, par.with_valid(consts.pop(_VALID))
 
+    def _kv_specs(self, tree):
+        """Specs of a context tree ``{stack: {name: [layers, ...]}}``: the layer axis whole, the
+        rest by the model's per-layer activation names (e.g. heads split over tp as the weights)."""
+        return {n: {k: P(None, *self.act_spec(k, v.shape[1:])) for k, v in t.items()} for n, t in tree.items()}
+
     def _gathered(self, tree):
         """Specs with the token axis (sp) gathered: what leaves the runner."""
         def one(s):
@@ -275,15 +345,17 @@ class DiTRunner:
     def _embed(self, rest, inputs, par):
         return nnx.merge(self.graphs["embed"], rest["embed"])(inputs, par)
 
-    def _scan(self, name, blocks, carry, consts, par):
+    def _scan(self, name, blocks, carry, consts, par, kv=None):
         step = getattr(self.model, "step" if name == "blocks" else f"step_{name}")
         graph = self.graphs[name]
 
         def body(c, s):
-            return step(nnx.merge(graph, s), c, consts, par), None
+            if kv is None:
+                return step(nnx.merge(graph, s), c, consts, par), None
+            return step(nnx.merge(graph, s[0]), c, {**consts, "kv": s[1]}, par), None  # this layer's K/V
 
         with vsh.comm_repeat(jax.tree.leaves(blocks)[0].shape[0]):  # traced once, runs once per layer
-            out, _ = jax.lax.scan(body, carry, blocks)
+            out, _ = jax.lax.scan(body, carry, blocks if kv is None else (blocks, kv))
         return out
 
     def _link(self, name, carry, consts, par):
@@ -310,8 +382,9 @@ class DiTRunner:
         return jax.eval_shape(lambda r, a: self._embed(r, a, vsh.LOCAL), rest, a)
 
     # ------------------------------------------------------------------ resident
-    def _forward(self, rest, stacks, inputs, tables):
+    def _forward(self, rest, stacks, inputs, tables, context=None):
         a = self._prepared(inputs, tables)
+        context = context or {}
         valid = self.token_count(a)
         a = self._pad(a, valid)
         par = self.par.with_valid(valid)
@@ -320,16 +393,17 @@ class DiTRunner:
             carry_s = jax.eval_shape(lambda c, k, n=n: self._link(n, c, k, vsh.LOCAL), carry_s, consts_s)
         out_s = jax.eval_shape(lambda r, c, k: self._head(r, c, k, vsh.LOCAL), rest, carry_s, consts_s)
 
-        def inner(rest, stacks, a):
+        def inner(rest, stacks, a, ctx):
             carry, consts = self._embed(rest, a, par)
             for i, n in enumerate(self.stack_names):
                 if i:
                     carry = self._link(n, carry, consts, par)
-                carry = self._scan(n, stacks[n], carry, consts, par)
+                carry = self._scan(n, stacks[n], carry, consts, par, ctx.get(n))
             return self._head(rest, carry, consts, par)
 
         out_specs = self._specs(out_s)
-        y = self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a)), out_specs)(rest, stacks, a)
+        y = self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a), self._kv_specs(context)),
+                       out_specs)(rest, stacks, a, context)
         y = self._unpad(self._gather(y, out_specs), out_specs, valid)
         return self._finish(y, _shapes_key(inputs))
 
@@ -347,13 +421,72 @@ class DiTRunner:
         return carry, consts
 
     def _chunk_fn(self, name):
-        def chunk(blocks, carry, consts):
-            def body(b, c, k):
+        def chunk(blocks, carry, consts, kv=None):
+            if kv is None:
+                def body(b, c, k):
+                    k, par = self._split_valid(k, self.par)
+                    return self._scan(name, b, c, k, par)
+                return self._smap(body, (self.stack_specs[name], self._specs(carry), self._specs(consts)),
+                                  self._specs(carry))(blocks, carry, consts)
+            kv = {name: kv}
+
+            def body_kv(b, c, k, x):
                 k, par = self._split_valid(k, self.par)
-                return self._scan(name, b, c, k, par)
-            return self._smap(body, (self.stack_specs[name], self._specs(carry), self._specs(consts)),
-                              self._specs(carry))(blocks, carry, consts)
+                return self._scan(name, b, c, k, par, x[name])
+            return self._smap(body_kv, (self.stack_specs[name], self._specs(carry), self._specs(consts), self._kv_specs(kv)),
+                              self._specs(carry))(blocks, carry, consts, kv)
         return chunk
+
+    # ------------------------------------------------------------------ text K/V once
+    def _context_consts(self, rest, a, par):
+        return nnx.merge(self.graphs["embed"], rest["embed"]).kv_context(a, par)
+
+    def _kv_local(self, name, blocks, consts, par):
+        return _kv_scan(_kv_hook(self.model, name), self.graphs[name], blocks, consts, par)
+
+    def _context_forward(self, rest, stacks, inputs):
+        a = _cast_context(inputs, self.dtype)
+        consts_s = jax.eval_shape(lambda r, a: self._context_consts(r, a, vsh.LOCAL), rest, a)
+        out_s = jax.eval_shape(lambda s, k: {n: self._kv_local(n, s[n], k, vsh.LOCAL) for n in self.kv_stacks},
+                               stacks, consts_s)
+
+        def inner(rest, stacks, a):
+            consts = self._context_consts(rest, a, self.par)
+            return {n: self._kv_local(n, stacks[n], consts, self.par) for n in self.kv_stacks}
+
+        return self._smap(inner, (self.rest_specs, {n: self.stack_specs[n] for n in self.kv_stacks}, self._specs(a)),
+                          self._kv_specs(out_s))(rest, {n: stacks[n] for n in self.kv_stacks}, a)
+
+    def _context_prologue(self, rest, inputs):
+        a = _cast_context(inputs, self.dtype)
+        consts_s = jax.eval_shape(lambda r, a: self._context_consts(r, a, vsh.LOCAL), rest, a)
+        return self._smap(lambda r, a: self._context_consts(r, a, self.par), (self.rest_specs, self._specs(a)),
+                          self._specs(consts_s))(rest, a)
+
+    def _kv_chunk_fn(self, name):
+        def chunk(blocks, consts):
+            out_s = jax.eval_shape(lambda b, k: self._kv_local(name, b, k, vsh.LOCAL), blocks, consts)
+            return self._smap(lambda b, k: self._kv_local(name, b, k, self.par),
+                              (self.stack_specs[name], self._specs(consts)),
+                              self._kv_specs({name: out_s})[name])(blocks, consts)
+        return chunk
+
+    def context(self, inputs: dict) -> dict:
+        """The blocks' text keys / values from the ``CONTEXT`` ``inputs`` (e.g. ``{"ctx": [B, Lt,
+        D]}``, the batch as the steps will run it), computed once: pass it to every step's call
+        (``context=``) in place of those inputs. Resident: one program (``{stack: [layers, ...]}``);
+        offloaded: the blocks streamed once, a list of per-chunk trees per stack."""
+        inputs = {k: jnp.asarray(v) for k, v in inputs.items() if v is not None}
+        if self.offload is None:
+            return _context_program(self)(self.params, inputs)
+        consts = self._ctx_pre(self.rest, inputs)
+        return {n: self.offload.map(n, self._ctx_chunks[n], consts) for n in self.kv_stacks}
+
+    def context_apply(self, params, inputs: dict) -> dict:
+        """Traceable :meth:`context` of the resident runner (``params``: :attr:`params` or
+        :meth:`step_params`)."""
+        inputs = {k: jnp.asarray(v) for k, v in inputs.items() if v is not None}
+        return self._context_forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs)
 
     def _link_fn(self, name):
         def link(carry, consts):
@@ -376,21 +509,29 @@ class DiTRunner:
         return self._finish(self._unpad(self._gather(y, out_specs), out_specs, valid), shapes)
 
     # ------------------------------------------------------------------ call
-    def __call__(self, *args, **kw):
-        """The model's call (``pack``'s signature; default one inputs dict), weights resident or streamed."""
+    def _without_context(self, inputs: dict, context) -> dict:
+        return inputs if context is None else {k: v for k, v in inputs.items() if k not in context_names(self.model)}
+
+    def __call__(self, *args, context=None, **kw):
+        """The model's call (``pack``'s signature; default one inputs dict), weights resident or
+        streamed; ``context``: :meth:`context`'s tree (the ``CONTEXT`` inputs are then not read)."""
         inputs, statics = self._pack(args, kw)
+        inputs = self._without_context(inputs, context)
         self.check_inputs(inputs)
         tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
         if self.cache is not None:
+            if context is not None:
+                raise ValueError("the step cache's units take the text inputs, not a once-computed context")
             return self._cached_call(inputs, tables)
         if self.offload is None:
-            return self._fwd(self.rest, self.stacks, inputs, tables)
+            return self._fwd(self.rest, self.stacks, inputs, tables, context)
         valid = self.token_count(jax.eval_shape(self._prepared, inputs, tables))
         carry, consts = self._pre(self.rest, inputs, tables)
         for i, n in enumerate(self.stack_names):
             if i and n in self._links:
                 carry = self._links[n](carry, consts)
-            carry = self.offload.run(n, carry, consts)
+            kv = (context or {}).get(n)
+            carry = self.offload.run(n, carry, consts, per_chunk=kv)
         return self._post(self.rest, carry, consts, _shapes_key(inputs), valid)
 
     # ------------------------------------------------------------------ step caching (vidax.core.stepcache)
@@ -550,16 +691,18 @@ class DiTRunner:
         sampling step passes to :meth:`apply`, so the tables are arguments of the program."""
         return {**self.params, "tables": self.tables(shapes)}
 
-    def apply(self, params, *args, **kw):
+    def apply(self, params, *args, context=None, **kw):
         """Traceable forward (params stay arguments) for a jitted sampling step; without
-        ``params["tables"]`` the host tables are computed into the program."""
+        ``params["tables"]`` the host tables are computed into the program; ``context``: the tree of
+        :meth:`context_apply` (the ``CONTEXT`` inputs are then not read)."""
         inputs, statics = self._pack(args, kw)
+        inputs = self._without_context(inputs, context)
         self.check_inputs(inputs)
         tables = params.get("tables")
         if tables is None:
             key, fn = self._host_tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
             tables = {} if fn is None else {k: jnp.asarray(v) for k, v in fn(key).items()}
-        return self._forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs, tables)
+        return self._forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs, tables, context)
 
     def lower(self, *args, **kw):
         """``jax.jit(...).lower`` of the resident forward (for ``compile().memory_analysis()``)."""
@@ -575,6 +718,7 @@ class DiTRunner:
         spec.rest = spec.stacks = spec.offload = None
         spec._fwd = spec._pre = spec._post = None  # jitted methods bound to this runner (and its weights)
         spec._links, spec._tables, spec._cunits, spec.cache = {}, {}, {}, None
+        spec._ctx_pre, spec._ctx_chunks = None, {}
         return spec
 
     @property
@@ -584,4 +728,17 @@ class DiTRunner:
                 tuple(int(d.id) for d in self.mesh.devices.flat), self.attn_impl, self.ring)
 
 
-__all__ = ["DiTRunner", "run_local"]
+#: the jitted context programs, by runner signature (shared by later prompts and the other expert)
+_CONTEXTS: dict = {}
+
+
+def _context_program(runner: DiTRunner):
+    key = runner.signature
+    if key not in _CONTEXTS:
+        if len(_CONTEXTS) >= 16:
+            _CONTEXTS.pop(next(iter(_CONTEXTS)))
+        _CONTEXTS[key] = jax.jit(runner.program().context_apply)
+    return _CONTEXTS[key]
+
+
+__all__ = ["DiTRunner", "TEXT_KV_ONCE", "context_local", "context_names", "run_local"]

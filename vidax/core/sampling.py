@@ -59,8 +59,14 @@ def schedule_key(sched) -> str:
     return h.hexdigest()
 
 
+def _batched(cond, uncond, use_cfg: bool, ready: bool):
+    """The model's context: ``cond`` as it is when computed once for the whole batch (``ready``),
+    else the CFG batch ``[cond; uncond]``."""
+    return cond if ready or not use_cfg else jnp.concatenate([cond, uncond], axis=0)
+
+
 def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, prepare: Callable | None = None,
-              with_aux: bool = False, cache_key=None):
+              with_aux: bool = False, cache_key=None, ctx_ready: bool = False):
     """Build the jitted step ``(params, x, state, i, cond, uncond, guidance, key[, aux]) -> (x, state)``.
 
     ``cache_key``: a hashable identity of ``model_fn`` (the model's config, mesh and parallelism:
@@ -77,13 +83,15 @@ def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, pr
     known frames substituted in) and its timesteps (scalar, ``[B]`` or per-token ``[B, L]``); with
     ``with_aux`` the step takes a pytree ``aux`` (passed to ``prepare`` and as ``model_fn``'s last
     argument, ``model_fn(params, x, t, ctx, aux)``). The scheduler always updates ``x`` itself.
+    ``ctx_ready``: ``cond`` is the model's context for the whole (CFG) batch, computed once
+    (:func:`denoise`'s ``context``); ``uncond`` is then unused.
     """
     if cache_key is not None and (prepare is None or hasattr(prepare, "key")):
-        k = (cache_key, schedule_key(sched), use_cfg, donate, with_aux, getattr(prepare, "key", None))
+        k = (cache_key, schedule_key(sched), use_cfg, donate, with_aux, getattr(prepare, "key", None), ctx_ready)
         if k in _STEPS:
             _STEPS.move_to_end(k)
             return _STEPS[k]
-        step = _STEPS[k] = make_step(model_fn, sched, use_cfg, donate, prepare, with_aux)
+        step = _STEPS[k] = make_step(model_fn, sched, use_cfg, donate, prepare, with_aux, ctx_ready=ctx_ready)
         while len(_STEPS) > _STEPS_KEPT:
             _STEPS.popitem(last=False)
         return step
@@ -95,7 +103,7 @@ def make_step(model_fn: Callable, sched, use_cfg: bool, donate: bool = False, pr
         xin, tin = _model_inputs(x, t, b, prepare, aux, i)
         if use_cfg:
             v = _call(model_fn, params, jnp.concatenate([xin, xin], axis=0), jnp.concatenate([tin, tin], axis=0),
-                      jnp.concatenate([cond, uncond], axis=0), aux)
+                      _batched(cond, uncond, use_cfg, ctx_ready), aux)
             vc, vu = v[:b].astype(jnp.float32), v[b:].astype(jnp.float32)
             v = vu + guidance * (vc - vu)
         else:
@@ -141,7 +149,7 @@ def _make_update(sched, use_cfg: bool, donate: bool = False):
 
 
 def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable | None = None,
-                   with_aux: bool = False):
+                   with_aux: bool = False, ctx_ready: bool = False):
     """A step for a model that is called from Python (``model_call(x, t, ctx[, aux]) -> v``)."""
     update = make_update(sched, use_cfg, donate=True)  # denoise() hands it its own copies
     timesteps = np.asarray(sched.timesteps, np.float32)
@@ -155,7 +163,7 @@ def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable
         call = model_call if not with_aux else (lambda xx, tt, cc: model_call(xx, tt, cc, aux))
         if use_cfg:
             v = call(jnp.concatenate([xin, xin], axis=0), jnp.concatenate([tin, tin], axis=0),
-                     jnp.concatenate([cond, uncond], axis=0))
+                     _batched(cond, uncond, use_cfg, ctx_ready))
         else:
             v = call(xin, tin, cond)
         return update(x, state, v, i, guidance, key)
@@ -166,7 +174,7 @@ def _streamed_step(model_call: Callable, sched, use_cfg: bool, prepare: Callable
 def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 1.0, seed: int = 0,
             start: int = 0, state=None, on_step: Callable[[StepInfo, jnp.ndarray, object], None] | None = None,
             model_call: Callable | None = None, stop: int | None = None, prepare: Callable | None = None,
-            aux=None, cache_key=None):
+            aux=None, cache_key=None, context: Callable | None = None):
     """Run steps ``start..stop-1`` (``stop`` defaults to N) from latents ``x`` (channels-last,
     float32; copied once, then donated step to step, as is the scheduler state). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
     returned state on) is the same run as one that never stopped.
@@ -175,14 +183,20 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
     ctx)`` is called from Python each step (models that stream their weights) and only the
     guidance + scheduler update is jitted. ``prepare`` / ``aux``: conditioning hooks, see
     :func:`make_step` (with ``aux`` given, the model also gets it as its last argument);
-    ``cache_key``: see :func:`make_step`."""
+    ``cache_key``: see :func:`make_step`. ``context(params, ctx, aux) -> tree``: computed once here
+    from the text conditioning as the steps batch it (``[cond; uncond]`` with CFG), and every
+    step's model gets that tree in place of ``ctx`` (the text keys / values once per segment: a
+    resumed run recomputes them, nothing of it is in a checkpoint)."""
     use_cfg = uncond is not None and guidance != 1.0
     with_aux = aux is not None
+    ready = context is not None
+    if ready:
+        cond, uncond = context(params, _batched(cond, uncond, use_cfg, False), aux), None
     if model_call is not None:
-        step = _streamed_step(model_call, sched, use_cfg, prepare, with_aux)
+        step = _streamed_step(model_call, sched, use_cfg, prepare, with_aux, ctx_ready=ready)
     else:  # the latents and the scheduler state are donated: each step updates them in place
         step = make_step(model_fn, sched, use_cfg, donate=True, prepare=prepare, with_aux=with_aux,
-                         cache_key=cache_key)
+                         cache_key=cache_key, ctx_ready=ready)
     # our own copies, so the donation never consumes an array the caller still holds
     x = jnp.array(x, jnp.float32, copy=True)
     state = sched.init_state(x) if state is None else jax.tree.map(lambda a: jnp.array(a, copy=True), state)
@@ -196,7 +210,7 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
     multihost = jax.process_count() > 1
     for i in range(start, stop):
         t0 = time.perf_counter()
-        x, state = step(params, x, state, jnp.int32(i), cond, uncond if use_cfg else cond, g, key, *extra)
+        x, state = step(params, x, state, jnp.int32(i), cond, uncond if use_cfg or ready else cond, g, key, *extra)
         if multihost:  # latents sharded over other hosts' devices: gathered, so every process can read them
             x, state = replicate((x, state))
         if on_step is not None:

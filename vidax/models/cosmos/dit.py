@@ -42,7 +42,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
-from vidax.core.runner import DiTRunner, run_local
+from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
@@ -184,11 +184,17 @@ class CosmosAttention(nnx.Module):
         o = par.self_attention(q, k, v)
         return par.linear(self.o, o.reshape(*o.shape[:2], -1))
 
-    def cross_attention(self, x, ctx, ctx_mask, par: vsh.ParallelContext):
+    def context_kv(self, ctx, par: vsh.ParallelContext) -> dict:
+        """The text keys / values [B, S, heads, head_dim] (the same every step)."""
+        hd = self.head_dim
+        return {"k": self.norm_k(_heads(par.linear(self.k, ctx), hd)), "v": _heads(par.linear(self.v, ctx), hd)}
+
+    def cross_attention(self, x, ctx, ctx_mask, par: vsh.ParallelContext, kv: dict | None = None):
+        """``kv``: :meth:`context_kv` computed once (``ctx`` then unused)."""
         hd = self.head_dim
         q = self.norm_q(_heads(par.linear(self.q, x), hd))
-        k = self.norm_k(_heads(par.linear(self.k, ctx), hd))
-        v = _heads(par.linear(self.v, ctx), hd)
+        kv = self.context_kv(ctx, par) if kv is None else kv
+        k, v = kv["k"], kv["v"]
         if ctx_mask is None:
             o = par.cross_attention(q, k, v)
         else:
@@ -250,7 +256,7 @@ class CosmosBlock(nnx.Module):
         x = (x.astype(F32) + gate * self.attn1.self_attention(h, c["cos"], c["sin"], par).astype(F32)).astype(dt)
         shift, scale, gate = modulation(self.mod2)
         h = (_layer_norm(x) * (1 + scale) + shift).astype(dt)
-        o = self.attn2.cross_attention(h, c["ctx"], c.get("ctx_mask"), par)
+        o = self.attn2.cross_attention(h, c.get("ctx"), c.get("ctx_mask"), par, c.get("kv"))
         x = (x.astype(F32) + gate * o.astype(F32)).astype(dt)
         shift, scale, gate = modulation(self.mod3)
         h = (_layer_norm(x) * (1 + scale) + shift).astype(dt)
@@ -297,11 +303,16 @@ class CosmosEmbed(nnx.Module):
         """``a``: ``tokens``, ``t`` [B, Fm], ``ctx`` (+ ``ctx_mask``) and the per-token tables
         (``cos`` / ``sin`` / ``fot`` / ``pos_index``) of this shard. Returns ``({"h"}, consts)``."""
         temb, emb = self.time(a["t"])
-        c = {"emb": emb, "temb": temb, "ctx": self.context(a["ctx"]), **{k: a[k] for k in ("cos", "sin", "fot", "ctx_mask")
-                                                                         if k in a}}
+        c = {"emb": emb, "temb": temb, **{k: a[k] for k in ("cos", "sin", "fot", "ctx_mask") if k in a}}
+        if "ctx" in a:  # (absent when the blocks' text keys / values were computed once)
+            c.update(self.kv_context(a, par))
         if self.pos_t is not None:
             c["pos"] = self.positions(a["pos_index"])
         return {"h": self.patch(a["tokens"])}, c
+
+    def kv_context(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+        """The projected text context the cross-attention keys / values read."""
+        return {"ctx": self.context(a["ctx"])}
 
     def positions(self, index):
         """The learnable absolute positions [L, D] of tokens with (t, h, w) ``index`` [L, 3]
@@ -333,6 +344,9 @@ class CosmosTransformer(nnx.Module):
     """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`."""
 
+    #: the input only the cross-attention keys / values read (computed once per sample stage)
+    CONTEXT = ("ctx",)
+
     def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = CosmosEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -344,10 +358,17 @@ class CosmosTransformer(nnx.Module):
         return {"h": blk(carry["h"], c, par)}
 
     @staticmethod
+    def kv(blk, c, par):
+        """This block's text keys / values, from ``embed.kv_context``."""
+        return blk.attn2.context_kv(c["ctx"], par)
+
+    @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
         """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
         if name in ("tokens", "h", "y"):
             return ("batch", "tokens", None)
+        if name in ("k", "v"):  # once-computed text keys / values: heads split as the weights
+            return ("batch", None, "heads", None)
         if name in ("cos", "sin", "pos", "pos_index"):
             return ("tokens", None)
         if name == "fot":
@@ -370,8 +391,11 @@ class CosmosTransformer(nnx.Module):
         cfg, x = self.cfg, a["x"]
         tokens, grid = patchify(cfg, model_input(cfg, x.astype(dtype), a.get("cond_mask"), a.get("pad_mask")).astype(dtype))
         t = a["t"]
-        return {"tokens": tokens, "t": time_per_frame(cfg, t, x.shape[0], grid[0]), "ctx": a["ctx"].astype(dtype),
-                **{k: a[k] for k in ("cos", "sin", "fot", "pos_index", "ctx_mask") if k in a}}
+        out = {"tokens": tokens, "t": time_per_frame(cfg, t, x.shape[0], grid[0]),
+               **{k: a[k] for k in ("cos", "sin", "fot", "pos_index", "ctx_mask") if k in a}}
+        if "ctx" in a:
+            out["ctx"] = a["ctx"].astype(dtype)
+        return out
 
     def finish(self, out: dict, shapes: dict):
         return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
@@ -394,19 +418,26 @@ class CosmosTransformer(nnx.Module):
         return out
 
     def __call__(self, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
-                 par: vsh.ParallelContext = vsh.LOCAL, rope=None):
+                 par: vsh.ParallelContext = vsh.LOCAL, rope=None, context=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents (C = ``in_channels`` minus one when a
         ``cond_mask`` [B, F, H, W, 1] is given); ``t``: [B] or [B, F] (per latent frame); ``ctx``:
         [B, S, context_dim]; ``pad_mask``: [1|B, H, W] at the latent size (zeros if None);
         ``ctx_mask``: [B, S] bool (True = attend); ``fps``: scales the temporal RoPE (None: images).
         ``rope``: the (cos, sin) tables of the grid (:func:`rope_tables`) as arguments (None: computed
-        here). Returns [B, F, H, W, out_channels]."""
+        here); ``context``: the blocks' keys / values from :meth:`context` (``ctx`` then unused).
+        Returns [B, F, H, W, out_channels]."""
         inputs = self.pack(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps)
-        inputs = {k: v for k, v in inputs.items() if v is not None and k != "fps"}
+        inputs = {k: v for k, v in inputs.items() if v is not None and k != "fps"
+                  and not (context is not None and k in self.CONTEXT)}
         tables = {k: jnp.asarray(v) for k, v in self.tables((token_grid(self.cfg, jnp.shape(x)), fps)).items()}
         if rope is not None:
             tables["cos"], tables["sin"] = rope
-        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par)
+        return run_local(self, inputs, tables, self.embed.patch.kernel[...].dtype, par, context)
+
+    def context(self, ctx, *, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+        """The blocks' cross-attention keys / values of ``ctx`` [B, S, context_dim] (its projection
+        included): computed once per sample stage, passed to every step as ``context``."""
+        return context_local(self, {"ctx": ctx}, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- geometry helpers
@@ -503,11 +534,17 @@ param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, K
 
 
 def forward(state, cfg: CosmosDiTConfig, x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None,
-            attn_impl=None, rope=None):
+            attn_impl=None, rope=None, context=None):
     """Velocity prediction from a state (pure; ``jax.jit(forward, static_argnums=1,
     static_argnames="fps")``). See :meth:`CosmosTransformer.__call__`."""
     return merge(state, cfg)(x, t, ctx, cond_mask=cond_mask, pad_mask=pad_mask, ctx_mask=ctx_mask, fps=fps,
-                             par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope)
+                             par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope, context=context)
+
+
+def context(state, cfg: CosmosDiTConfig, ctx, *, attn_impl=None) -> dict:
+    """The blocks' text keys / values from a state (pure): computed once per sample stage and passed
+    to every :func:`forward` as ``context`` (``ctx`` then unused)."""
+    return merge(state, cfg).context(ctx, par=vsh.ParallelContext(attn_impl=attn_impl))
 
 
 def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:

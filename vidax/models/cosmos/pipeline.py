@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import runner as vrunner
 from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat, text as ctext
@@ -180,18 +181,28 @@ _SCHEDS: dict = {}
 
 
 @functools.lru_cache(maxsize=16)
-def _single_device_step(cfg: cdit.CosmosDiTConfig, sched_key: tuple, use_cfg: bool):
-    """The jitted sampling step (model + guidance + scheduler) for one device."""
+def _single_device_step(cfg: cdit.CosmosDiTConfig, sched_key: tuple, use_cfg: bool, kv: bool = False):
+    """The jitted sampling step (model + guidance + scheduler) for one device; ``kv``: ``ctx`` is the
+    blocks' text keys / values computed once (:func:`_single_device_context`)."""
     sched = _SCHEDS[sched_key]
     inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
 
     @jax.jit
     def step(p, x, state, i, ctx, g, aux):  # p: (the DiT state, its RoPE tables)
         xin, t, cm = inputs(x, i, aux)
-        v = cdit.forward(p[0], cfg, xin, t, ctx, cond_mask=cm, rope=p[1])
+        if kv:
+            v = cdit.forward(p[0], cfg, xin, t, None, cond_mask=cm, rope=p[1], context=ctx)
+        else:
+            v = cdit.forward(p[0], cfg, xin, t, ctx, cond_mask=cm, rope=p[1])
         return _step_update(sched, use_cfg, x, state, v, i, aux, g)
 
     return step
+
+
+@functools.lru_cache(maxsize=8)
+def _single_device_context(cfg: cdit.CosmosDiTConfig):
+    """The jitted one-device program of the blocks' text keys / values (once per sample stage)."""
+    return jax.jit(lambda state, ctx: cdit.context(state, cfg, ctx))
 
 
 class CosmosPredict(TileStages, Pipeline):
@@ -434,15 +445,22 @@ class CosmosPredict(TileStages, Pipeline):
             runner.use_cache(self.step_cache)
         inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
         update = partial(_step_update, sched, use_cfg)
+        # the text keys / values (and the text projection) are computed once here, not every step
+        kv = bool(vrunner.context_names(cdit.CosmosTransformer)) and self.step_cache is None  # (not with --cache)
+        if kv:
+            ctx = _single_device_context(cfg)(params, ctx) if runner is None else runner.context({"ctx": ctx})
+        ckw = {"context": ctx} if kv else {}
 
         g = jnp.float32(guidance)
         if runner is None:  # one compiled step per (config, schedule, guidance mode), reused across runs
-            step = _single_device_step(cfg, _sched_key(sched), use_cfg)
+            step = _single_device_step(cfg, _sched_key(sched), use_cfg, kv)
             pt, ph, pw = cfg.patch_size
             p = (params, cdit.rope_tables(cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)))
             call = lambda x, state, i: step(p, x, state, i, ctx, g, aux)  # noqa: E731
         elif runner.offload is None and runner.cache is None:
             def model(p, xin, t, ctx, cm):
+                if kv:
+                    return runner.apply(p, xin, t, None, cond_mask=cm, context=ctx)
                 return runner.apply(p, xin, t, ctx, cond_mask=cm)
 
             @jax.jit
@@ -457,7 +475,7 @@ class CosmosPredict(TileStages, Pipeline):
 
             def call(x, state, i):
                 xin, t, cm = pre(x, i, aux)
-                return post(x, state, runner(xin, t, ctx, cond_mask=cm), i, aux, g)
+                return post(x, state, runner(xin, t, None if kv else ctx, cond_mask=cm, **ckw), i, aux, g)
 
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
         n = len(sched.timesteps)

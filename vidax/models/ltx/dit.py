@@ -30,7 +30,7 @@ from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.models.ltx import layers as L
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 F32 = jnp.float32
@@ -102,8 +102,14 @@ class LTXEmbed(nnx.Module):
         temb, emb = self.time(t, dt)  # [B, T, 6D], [B, T, D]
         b, n = temb.shape[:2]
         consts = {"temb6": temb.reshape(b, n, 6, -1).astype(F32), "emb": emb.astype(F32),
-                  "ctx": self.caption(a["ctx"].astype(dt)), "bias": a["bias"], "cos": a["cos"], "sin": a["sin"]}
+                  "bias": a["bias"], "cos": a["cos"], "sin": a["sin"]}
+        if "ctx" in a:  # (absent when the blocks' text keys / values were computed once)
+            consts.update(self.kv_context(a, par))
         return {"h": h}, consts
+
+    def kv_context(self, a, par=vsh.LOCAL) -> dict:
+        """The projected caption the cross-attention keys / values read."""
+        return {"ctx": self.caption(a["ctx"].astype(self.proj_in.kernel[...].dtype))}
 
 
 class LTXBlock(nnx.Module):
@@ -126,7 +132,7 @@ class LTXBlock(nnx.Module):
         rope = ("interleaved", c["cos"], c["sin"])
         o = self.attn1(h, q_rope=rope, par=par, mode="self")
         x = (x.astype(F32) + o.astype(F32) * gate1).astype(dt)
-        x = x + self.attn2(x, c["ctx"], bias=c["bias"], par=par, mode="cross")
+        x = x + self.attn2(x, c.get("ctx"), bias=c["bias"], par=par, mode="cross", kv=c.get("kv"))
         h = (L.rms(x, self.eps).astype(F32) * (1 + scale2) + shift2).astype(dt)
         f = self.ff(h, par)
         return (x.astype(F32) + f.astype(F32) * gate2).astype(dt)
@@ -149,6 +155,9 @@ class LTXHead(nnx.Module):
 class LTXTransformer(nnx.Module):
     """The LTX-Video DiT: ``embed`` -> stacked ``blocks`` -> ``head`` over named activations."""
 
+    #: the input only the cross-attention keys / values read (computed once per sample stage)
+    CONTEXT = ("ctx",)
+
     def __init__(self, cfg: LTXDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = LTXEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -160,11 +169,18 @@ class LTXTransformer(nnx.Module):
         return {"h": blk(carry["h"], consts, par)}
 
     @staticmethod
+    def kv(blk, c, par):
+        """This block's text keys / values, from ``embed.kv_context``."""
+        return blk.attn2.context_kv(c["ctx"], par)
+
+    @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
         """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
         rest = (None,) * (len(shape) - 2)
         if name in ("tokens", "h", "y"):
             return ("batch", "tokens", None)
+        if name in ("k", "v"):  # once-computed text keys / values: heads split as the weights
+            return ("batch", None, "heads", None)
         if name == "t":
             return ("batch", "tokens") if len(shape) == 2 and shape[1] > 1 else ("batch", *(None,) * (len(shape) - 1))
         if name in ("temb6", "emb"):
@@ -173,10 +189,15 @@ class LTXTransformer(nnx.Module):
             return (None if shape[0] == 1 else "batch", "tokens", "heads", *rest[1:])
         return ("batch", *(None,) * (len(shape) - 1))  # ctx, bias: replicated over tp and sp
 
-    def __call__(self, inputs: dict, par=vsh.LOCAL) -> dict:
-        carry, consts = self.embed(inputs, par)
-        carry = nn.scan(self.blocks, carry, lambda blk, c: self.step(blk, c, consts, par))
-        return self.head(carry, consts, par)
+    def __call__(self, inputs: dict, par=vsh.LOCAL, context: dict | None = None) -> dict:
+        """``context``: the blocks' keys / values from :meth:`context` (``inputs["ctx"]`` then unused)."""
+        if context is not None:
+            inputs = {k: v for k, v in inputs.items() if k not in self.CONTEXT}
+        return run_local(self, inputs, {}, self.embed.proj_in.kernel[...].dtype, par, context)
+
+    def context(self, ctx, par=vsh.LOCAL) -> dict:
+        """The blocks' text keys / values of ``ctx`` [B, L, caption_channels]: once per sample stage."""
+        return context_local(self, {"ctx": ctx}, self.embed.proj_in.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- rotary tables
@@ -230,8 +251,10 @@ def model_inputs(cfg: LTXDiTConfig, tokens, t, ctx, mask, cos, sin) -> dict:
     if t.ndim == 0:
         t = jnp.broadcast_to(t, (b,))
     mask = jnp.ones(ctx.shape[:2], F32) if mask is None else jnp.asarray(mask, F32)
-    return {"tokens": jnp.asarray(tokens), "t": t, "ctx": jnp.asarray(ctx), "bias": L.mask_bias(mask),
-            "cos": jnp.asarray(cos), "sin": jnp.asarray(sin)}
+    out = {"tokens": jnp.asarray(tokens), "t": t, "bias": L.mask_bias(mask), "cos": jnp.asarray(cos), "sin": jnp.asarray(sin)}
+    if ctx is not None:  # (None: the text keys / values were computed once, ``context``)
+        out["ctx"] = jnp.asarray(ctx)
+    return out
 
 
 # ----------------------------------------------------------------------------------- state
@@ -266,11 +289,18 @@ def state_dtype(state) -> np.dtype:
     return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
 
 
-def forward(state, cfg: LTXDiTConfig, inputs: dict, *, attn_impl=None) -> dict:
+def forward(state, cfg: LTXDiTConfig, inputs: dict, *, attn_impl=None, context=None) -> dict:
     """``{"y": [B, S, Cout]}`` from a state and :func:`model_inputs` (pure; ``jax.jit(forward,
-    static_argnums=1)`` compiles once per shape)."""
+    static_argnums=1)`` compiles once per shape); ``context``: :func:`context`'s keys / values."""
     m = nnx.merge(graphdef(cfg, state_dtype(state).name), state)
-    return m(inputs, vsh.ParallelContext(attn_impl=attn_impl))
+    return m(inputs, vsh.ParallelContext(attn_impl=attn_impl), context)
+
+
+def context(state, cfg: LTXDiTConfig, ctx, *, attn_impl=None) -> dict:
+    """The blocks' text keys / values from a state (pure): once per sample stage, then every
+    :func:`forward` takes them as ``context``."""
+    m = nnx.merge(graphdef(cfg, state_dtype(state).name), state)
+    return m.context(ctx, vsh.ParallelContext(attn_impl=attn_impl))
 
 
 # ----------------------------------------------------------------------------------- sharding

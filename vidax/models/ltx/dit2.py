@@ -41,7 +41,7 @@ from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.models.ltx import layers as L
-from vidax.core.runner import DiTRunner
+from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
 F32 = jnp.float32
@@ -179,14 +179,20 @@ class LTX2Embed(nnx.Module):
         if self.prompt is not None:
             c["pv"] = self.prompt(sig[:, None], dt)[0].astype(F32)
             c["pa"] = self.audio_prompt(sig_a[:, None], dt)[0].astype(F32)
-        ctx, actx = a["ctx"].astype(dt), a["actx"].astype(dt)
-        if self.caption is not None:
-            ctx, actx = self.caption(ctx), self.audio_caption(actx)
-        c.update(ctx=ctx, actx=actx, bias=a["bias"], abias=a["abias"], perturb=a["perturb"], xmod=a["xmod"],
-                 stg=a["stg"])
+        if "ctx" in a:  # (absent when the blocks' text keys / values were computed once)
+            c.update(self.kv_context(a, par))
+        c.update(bias=a["bias"], abias=a["abias"], perturb=a["perturb"], xmod=a["xmod"], stg=a["stg"])
         for k in ("vcos", "vsin", "acos", "asin", "cvcos", "cvsin", "cacos", "casin"):
             c[k] = a[k]
         return {"h": h, "a": au, "layer": jnp.zeros((), jnp.int32)}, c
+
+    def kv_context(self, a, par=vsh.LOCAL) -> dict:
+        """The (projected) video and audio text contexts the cross-attention keys / values read."""
+        dt = self.proj_in.kernel[...].dtype
+        ctx, actx = a["ctx"].astype(dt), a["actx"].astype(dt)
+        if self.caption is not None:
+            ctx, actx = self.caption(ctx), self.audio_caption(actx)
+        return {"ctx": ctx, "actx": actx}
 
 
 def _mod(table, temb, n):
@@ -242,9 +248,34 @@ class LTX2Block(nnx.Module):
             o = _lerp(v.astype(F32), o.astype(F32), w).astype(o.dtype)
         return attn.finish(x, o, par)
 
-    def _cross(self, attn, x, ctx, bias, q_rope, k_rope, par):
-        q, k, v = attn.project(x, ctx, q_rope, k_rope, par)
+    def _cross(self, attn, x, ctx, bias, q_rope, k_rope, par, kv=None):
+        if kv is None:
+            q, k, v = attn.project(x, ctx, q_rope, k_rope, par)
+        else:
+            q, k, v = attn.query(x, q_rope, par), kv[0], kv[1]
         return attn.finish(x, attention(q, k, v, bias=bias, impl=par.attn_impl), par)
+
+    def _text_contexts(self, c, dt):
+        """The video and audio text contexts as the keys / values read them (prompt-modulated)."""
+        cfg = self.cfg
+        ctx, actx = c["ctx"], c["actx"]
+        if cfg.prompt_modulation:
+            if "pv" in c:
+                sh, sc = _mod(self.prompt_sst[...], c["pv"], 2)
+                ash, asc = _mod(self.audio_prompt_sst[...], c["pa"], 2)
+            else:
+                sh, sc = (self.prompt_sst[...].astype(F32)[j][None, None] for j in range(2))
+                ash, asc = (self.audio_prompt_sst[...].astype(F32)[j][None, None] for j in range(2))
+            ctx = (ctx.astype(F32) * (1 + sc) + sh).astype(dt)
+            actx = (actx.astype(F32) * (1 + asc) + ash).astype(dt)
+        return ctx, actx
+
+    def text_kv(self, c, par) -> dict:
+        """The text cross-attention keys / values of both streams (``k`` / ``v``, ``ak`` / ``av``):
+        the same every step unless the prompt modulation follows sigma (``CONTEXT`` is then empty)."""
+        ctx, actx = self._text_contexts(c, c["ctx"].dtype)
+        kv, akv = self.attn2.context_kv(ctx, par), self.audio_attn2.context_kv(actx, par)
+        return {"k": kv["k"], "v": kv["v"], "ak": akv["k"], "av": akv["v"]}
 
     def __call__(self, h, au, c, layer, par=vsh.LOCAL):
         cfg = self.cfg
@@ -264,28 +295,21 @@ class LTX2Block(nnx.Module):
         o = self._self(self.audio_attn1, x, (rt, c["acos"], c["asin"]), pm, par, sharded=False)
         au = (au.astype(F32) + o.astype(F32) * am[2]).astype(dt)
 
-        # 2. text cross-attention per stream
-        ctx, actx = c["ctx"], c["actx"]
-        if cfg.prompt_modulation:
-            if "pv" in c:
-                sh, sc = _mod(self.prompt_sst[...], c["pv"], 2)
-                ash, asc = _mod(self.audio_prompt_sst[...], c["pa"], 2)
-            else:
-                sh, sc = (self.prompt_sst[...].astype(F32)[j][None, None] for j in range(2))
-                ash, asc = (self.audio_prompt_sst[...].astype(F32)[j][None, None] for j in range(2))
-            ctx = (ctx.astype(F32) * (1 + sc) + sh).astype(dt)
-            actx = (actx.astype(F32) * (1 + asc) + ash).astype(dt)
+        # 2. text cross-attention per stream (keys / values computed once when ``c["kv"]`` holds them)
+        kv = c.get("kv")
+        ctx, actx = self._text_contexts(c, dt) if kv is None else (None, None)
         x = L.rms(h, eps)
         if cfg.cross_attn_mod:
             x = (x.astype(F32) * (1 + vm[7]) + vm[6]).astype(dt)
-        o = self._cross(self.attn2, x, ctx, c["bias"], None, None, par)
+        o = self._cross(self.attn2, x, ctx, c["bias"], None, None, par, None if kv is None else (kv["k"], kv["v"]))
         if cfg.cross_attn_mod:
             o = (o.astype(F32) * vm[8]).astype(dt)
         h = h + o
         x = L.rms(au, eps)
         if cfg.audio_cross_attn_mod:
             x = (x.astype(F32) * (1 + am[7]) + am[6]).astype(dt)
-        o = self._cross(self.audio_attn2, x, actx, c["abias"], None, None, par)
+        o = self._cross(self.audio_attn2, x, actx, c["abias"], None, None, par,
+                        None if kv is None else (kv["ak"], kv["av"]))
         if cfg.audio_cross_attn_mod:
             o = (o.astype(F32) * am[8]).astype(dt)
         au = au + o
@@ -343,6 +367,10 @@ class LTX2Transformer(nnx.Module):
     def __init__(self, cfg: LTX2DiTConfig, *, rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = LTX2Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        #: the inputs only the text cross-attention keys / values read (computed once per sample
+        #: stage); none when the prompt modulation follows sigma (LTX-2.3's ``prompt_adaln``): then
+        #: the keys / values change every step
+        self.CONTEXT = () if cfg.prompt_modulation and cfg.use_prompt_adaln_single else ("ctx", "actx")
         self.blocks = nn.stack(lambda r: LTX2Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
         self.head = LTX2Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
@@ -350,6 +378,11 @@ class LTX2Transformer(nnx.Module):
     def step(blk, carry, consts, par):
         h, a = blk(carry["h"], carry["a"], consts, carry["layer"], par)
         return {"h": h, "a": a, "layer": carry["layer"] + 1}
+
+    @staticmethod
+    def kv(blk, c, par):
+        """This block's text keys / values (both streams), from ``embed.kv_context``."""
+        return blk.text_kv(c, par)
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
@@ -368,12 +401,19 @@ class LTX2Transformer(nnx.Module):
             return (bdim, "tokens", "heads", *rest(3))
         if name in ("acos", "asin", "cacos", "casin"):
             return (bdim, None, "heads", *rest(3))
+        if name in ("k", "v", "ak", "av"):  # once-computed text keys / values: heads split as the weights
+            return ("batch", None, "heads", None)
         return ("batch", *rest(1))  # audio stream, contexts, masks, per-sample scalars
 
-    def __call__(self, inputs: dict, par=vsh.LOCAL) -> dict:
-        carry, consts = self.embed(inputs, par)
-        carry = nn.scan(self.blocks, carry, lambda blk, c: self.step(blk, c, consts, par))
-        return self.head(carry, consts, par)
+    def __call__(self, inputs: dict, par=vsh.LOCAL, context: dict | None = None) -> dict:
+        """``context``: the blocks' keys / values from :meth:`context` (the text inputs then unused)."""
+        if context is not None:
+            inputs = {k: v for k, v in inputs.items() if k not in ("ctx", "actx")}
+        return run_local(self, inputs, {}, self.embed.proj_in.kernel[...].dtype, par, context)
+
+    def context(self, ctx, actx, par=vsh.LOCAL) -> dict:
+        """The blocks' text keys / values of both streams' contexts: once per sample stage."""
+        return context_local(self, {"ctx": ctx, "actx": actx}, self.embed.proj_in.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- coordinates
@@ -482,8 +522,8 @@ def model_inputs(cfg: LTX2DiTConfig, vtok, atok, ctx, actx, t, ropes: dict, *, t
         stg[i] = 1
     mask = jnp.ones(ctx.shape[:2], F32) if mask is None else jnp.asarray(mask, F32)
     amask = jnp.ones(actx.shape[:2], F32) if amask is None else jnp.asarray(amask, F32)
-    a = {"vtok": jnp.asarray(vtok), "atok": jnp.asarray(atok), "ctx": jnp.asarray(ctx), "actx": jnp.asarray(actx),
-         "t": t, "ta": ta, "sigma": z if sigma is None else sigma, "sigma_a": z if sigma_a is None else sigma_a,
+    a = {"vtok": jnp.asarray(vtok), "atok": jnp.asarray(atok), **({} if ctx is None else {"ctx": jnp.asarray(ctx)}),
+         **({} if actx is None else {"actx": jnp.asarray(actx)}), "t": t, "ta": ta, "sigma": z if sigma is None else sigma, "sigma_a": z if sigma_a is None else sigma_a,
          "ca_t": ca_t, "ca_ta": ca_ta, "bias": L.mask_bias(mask), "abias": L.mask_bias(amask),
          "perturb": ones if perturb is None else vec(perturb, ones),
          "xmod": ones if isolate is None else 1.0 - jnp.asarray(isolate, F32), "stg": jnp.asarray(stg)}
@@ -524,9 +564,17 @@ def state_dtype(state) -> np.dtype:
     return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
 
 
-def forward(state, cfg: LTX2DiTConfig, inputs: dict, *, attn_impl=None) -> dict:
-    """``{"y": video [B, S, Cout], "ya": audio [B, La, Ca]}`` (pure; jit with ``static_argnums=1``)."""
-    return nnx.merge(graphdef(cfg, state_dtype(state).name), state)(inputs, vsh.ParallelContext(attn_impl=attn_impl))
+def forward(state, cfg: LTX2DiTConfig, inputs: dict, *, attn_impl=None, context=None) -> dict:
+    """``{"y": video [B, S, Cout], "ya": audio [B, La, Ca]}`` (pure; jit with ``static_argnums=1``);
+    ``context``: :func:`context`'s keys / values (``inputs`` then need no ``ctx`` / ``actx``)."""
+    return nnx.merge(graphdef(cfg, state_dtype(state).name), state)(inputs, vsh.ParallelContext(attn_impl=attn_impl),
+                                                                     context)
+
+
+def context(state, cfg: LTX2DiTConfig, ctx, actx, *, attn_impl=None) -> dict:
+    """The blocks' text keys / values of both streams from a state (pure): once per sample stage."""
+    return nnx.merge(graphdef(cfg, state_dtype(state).name), state).context(ctx, actx,
+                                                                           vsh.ParallelContext(attn_impl=attn_impl))
 
 
 # ----------------------------------------------------------------------------------- sharding

@@ -113,6 +113,9 @@ class Attention(nnx.Module):
 
     def project(self, x, ctx, q_rope, k_rope, par):
         hd = self.head_dim
+        if q_rope is None:  # no rotary embedding: the text cross-attention, its keys / values as computed once
+            kv = self.context_kv(ctx, par)
+            return self.query(x, None, par), kv["k"], kv["v"]
         q = self.norm_q(par.linear(self.q, x), par)
         k = self.norm_k(par.linear(self.k, ctx), par)
         v = par.linear(self.v, ctx)
@@ -120,6 +123,19 @@ class Attention(nnx.Module):
             q = apply_rope(q, q_rope, hd)
             k = apply_rope(k, q_rope if k_rope is None else k_rope, hd)
         return _heads(q, hd), _heads(k, hd), _heads(v, hd)
+
+    def query(self, x, q_rope, par):
+        """The queries alone (when the keys / values were computed once: :meth:`context_kv`)."""
+        q = self.norm_q(par.linear(self.q, x), par)
+        if q_rope is not None:
+            q = apply_rope(q, q_rope, self.head_dim)
+        return _heads(q, self.head_dim)
+
+    def context_kv(self, ctx, par) -> dict:
+        """Cross-attention keys / values [B, Lk, h, hd] of a context without rotary embedding (the
+        text): the same every step, computed once per sample stage."""
+        hd = self.head_dim
+        return {"k": _heads(self.norm_k(par.linear(self.k, ctx), par), hd), "v": _heads(par.linear(self.v, ctx), hd)}
 
     def finish(self, x, o, par):
         """Gate (per head, ``2 * sigmoid``) and out projection of the attention output ``o``
@@ -130,10 +146,14 @@ class Attention(nnx.Module):
         return par.linear(self.o, o.reshape(*o.shape[:2], -1))
 
     def __call__(self, x, ctx=None, *, bias=None, q_rope=None, k_rope=None, par: vsh.ParallelContext = vsh.LOCAL,
-                 mode: str = "self"):
+                 mode: str = "self", kv: dict | None = None):
         """``mode``: "self" (``ctx`` is None; Ulysses over sp under sequence parallelism) or
-        "cross" (keys local: replicated over sp). ``bias``: additive, [B, 1, 1, Lk]."""
-        q, k, v = self.project(x, x if ctx is None else ctx, q_rope, k_rope, par)
+        "cross" (keys local: replicated over sp). ``bias``: additive, [B, 1, 1, Lk]. ``kv``: the
+        keys / values from :meth:`context_kv` computed once (``ctx`` then unused)."""
+        if kv is None:
+            q, k, v = self.project(x, x if ctx is None else ctx, q_rope, k_rope, par)
+        else:
+            q, k, v = self.query(x, q_rope, par), kv["k"], kv["v"]
         if mode == "self" and bias is None:
             o = par.self_attention(q, k, v)
         else:

@@ -2,6 +2,8 @@
 (sources, phases and tiled decode: :mod:`vidax.models.ltx.common`)."""
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass, field, replace
 
@@ -440,7 +442,8 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
                          audio_stg=float(o["audio_stg_scale"]), modality=float(o["modality_scale"]),
                          audio_modality=float(o["audio_modality_scale"]), rescale_v=float(o["guidance_rescale"]),
                          rescale_a=float(o["audio_guidance_rescale"]), perturbed_attn=cfg.perturbed_attn and bool(stg_blocks),
-                         keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model)
+                         keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model,
+                         context=self.av_context(params, cfg))
         return np.asarray(x).transpose(0, 4, 1, 2, 3), np.asarray(a)
 
     def av_model(self, params, cfg, grid, la: int, fps: float, keep, options: dict):
@@ -468,18 +471,35 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
             n = xx.shape[0]
             tb = jnp.full((n,), t, jnp.float32)
             vt = tb if ktok is None else tb[:, None] * (1.0 - ktok)
+            kv = ctx if isinstance(ctx, dict) else None  # the text keys / values computed once (av_context)
             inp = ldit2.model_inputs(
-                cfg, pack(xx, p, pt).astype(dt), aa.astype(dt), ctx.astype(dt), actx.astype(dt), vt, rp, ta=tb,
+                cfg, pack(xx, p, pt).astype(dt), aa.astype(dt), None if kv is not None else ctx.astype(dt),
+                None if kv is not None else actx.astype(dt), vt, rp, ta=tb,
                 sigma=tb, mask=mask, amask=mask, use_cross_timestep=uct, perturb=perturb, stg_blocks=stg_blocks,
                 isolate=1.0 - xmod)
-            out = (ldit2.forward(prm, cfg, inp) if runner is None else
-                   (runner.apply(prm, inp) if prm is not None else runner(inp)))
+            out = (ldit2.forward(prm, cfg, inp, context=kv) if runner is None else
+                   (runner.apply(prm, inp, context=kv) if prm is not None else runner(inp, context=kv)))
             return unpack(out["y"], tgrid, p, pt), out["ya"]
 
         jit_model = runner is None or runner.offload is None
         put = replicated(runner)
         prm = ((params if runner is None else runner.params), jax.tree.map(put, ropes)) if jit_model else None
         return model, prm, jit_model, put, stg_blocks
+
+    def av_context(self, params, cfg):
+        """``context(prm, ctx, actx) -> keys / values`` of both streams' text for :func:`sample_av`
+        (once per sample stage), or None: ``vidax.core.runner.TEXT_KV_ONCE`` off, or a prompt
+        modulation that follows sigma (the keys / values then change every step)."""
+        from vidax.core import runner as vrunner
+
+        if isinstance(params, vrunner.DiTRunner):
+            if not params.context_inputs:
+                return None
+            return lambda prm, ctx, actx: params.context({"ctx": ctx, "actx": actx})
+        if not vrunner.context_names(ldit2.abstract_model(cfg, ldit2.state_dtype(params).name)):
+            return None
+        program = _context_program(cfg)
+        return lambda prm, ctx, actx: program(params, ctx, actx)
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
@@ -616,3 +636,9 @@ class LTX2I2V(LTX2):
     def __init__(self, source="tiny", **kw):
         kw.setdefault("image_to_video", True)
         super().__init__(source, **kw)
+
+
+@functools.lru_cache(maxsize=8)
+def _context_program(cfg):
+    """The jitted one-device program of both streams' text keys / values, per config."""
+    return jax.jit(lambda state, ctx, actx: ldit2.context(state, cfg, ctx, actx))

@@ -2,6 +2,8 @@
 (sources, phases and tiled decode: :mod:`vidax.models.ltx.common`)."""
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import jax
@@ -254,7 +256,8 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         u = None if uncond is None else {"ctx": put(jnp.asarray(uncond, jnp.float32)),
                                          "mask": put(jnp.asarray(umask, jnp.float32))}
         x, _ = sample_video(model, sched, x, c, u, guidance=guidance, guidance_rescale=guidance_rescale, keep_first=keep,
-                            start=start, on_step=on_step, params=prm, jit_model=jit_model)
+                            start=start, on_step=on_step, params=prm, jit_model=jit_model,
+                            context=self.video_context(params, cfg))
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     def video_model(self, params, cfg, grid, fps: float):
@@ -272,17 +275,32 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
 
         def model(prm, xx, tt, ctx, mask):
             # a traced step gets (weights, RoPE tables) as its argument: the tables are never
-            # compiled-in constants; a streaming runner (called from Python) gets None
+            # compiled-in constants; a streaming runner (called from Python) gets None. ``ctx``: the
+            # text, or its keys / values computed once (a dict, :meth:`video_context`)
             w, (c, s) = prm if prm is not None else (None, (cos, sin))
-            inp = ldit.model_inputs(cfg, pack(xx, p, pt).astype(dt), tt, ctx.astype(dt), mask, c, s)
-            out = ldit.forward(w, cfg, inp) if runner is None else (runner.apply(w, inp) if w is not None
-                                                                    else runner(inp))
+            kv = ctx if isinstance(ctx, dict) else None
+            inp = ldit.model_inputs(cfg, pack(xx, p, pt).astype(dt), tt, None if kv is not None else ctx.astype(dt),
+                                    mask, c, s)
+            out = ldit.forward(w, cfg, inp, context=kv) if runner is None else (
+                runner.apply(w, inp, context=kv) if w is not None else runner(inp, context=kv))
             return unpack(out["y"], (grid[0] // pt, grid[1] // p, grid[2] // p), p, pt)
 
         jit_model = runner is None or (runner.offload is None and runner.cache is None)
         put = replicated(runner)
         prm = ((params if runner is None else runner.params), (put(cos), put(sin))) if jit_model else None
         return model, prm, jit_model, put
+
+    def video_context(self, params, cfg):
+        """``context(prm, ctx) -> keys / values`` of the text for :func:`sample_video` (computed once
+        per sample stage), or None (``vidax.core.runner.TEXT_KV_ONCE`` off: per step)."""
+        from vidax.core import runner as vrunner
+
+        if not vrunner.context_names(ldit.LTXTransformer) or self.step_cache is not None:  # (not with --cache)
+            return None
+        if isinstance(params, vrunner.DiTRunner):
+            return lambda prm, ctx: params.context({"ctx": ctx})
+        program = _context_program(cfg)
+        return lambda prm, ctx: program(params, ctx)
 
     def sample(self, conditioning, request, *, resume=None, on_step=None) -> dict:
         o = request.options
@@ -390,3 +408,9 @@ class LTXVideoI2V(LTXVideo):
     def __init__(self, source="tiny", **kw):
         kw.setdefault("image_to_video", True)
         super().__init__(source, **kw)
+
+
+@functools.lru_cache(maxsize=8)
+def _context_program(cfg):
+    """The jitted one-device program of the text keys / values (once per sample stage), per config."""
+    return jax.jit(lambda state, ctx: ldit.context(state, cfg, ctx))

@@ -36,13 +36,14 @@ def rescale(guided, cond, phi: float):
 
 def sample_video(model: Callable, sched, x, cond: dict, uncond: dict | None, *, guidance: float,
                  guidance_rescale: float = 0.0, keep_first: jnp.ndarray | None = None, start: int = 0,
-                 stop: int | None = None, on_step=None, params=None, jit_model: bool = True):
+                 stop: int | None = None, on_step=None, params=None, jit_model: bool = True, context=None):
     """LTX-Video 0.9 sampling. ``x``: latents [B, F, H, W, C] (float32); ``cond`` / ``uncond``:
     ``{"ctx": [B, L, D], "mask": [B, L]}``; ``model(params, x, t, ctx, mask) -> v`` with ``t`` [B] or
     per-token [B, S]. ``keep_first``: image-to-video mask [1, F, H, W, 1] (1 on the known first
     frame): its tokens get timestep 0 and the scheduler leaves them. With ``jit_model`` the model
     is traced into the one jitted step; otherwise it is called from Python (an offloading runner)
-    and only guidance + update are jitted."""
+    and only guidance + update are jitted. ``context(params, ctx) -> tree``: the text keys / values,
+    computed once here (then ``model`` gets that tree as its ``ctx``)."""
     use_cfg = uncond is not None and guidance != 1.0
     ts = jnp.asarray(np.asarray(sched.timesteps, np.float32))
     if use_cfg:
@@ -50,6 +51,8 @@ def sample_video(model: Callable, sched, x, cond: dict, uncond: dict | None, *, 
         mask = jnp.concatenate([cond["mask"], uncond["mask"]], axis=0)
     else:
         ctx, mask = cond["ctx"], cond["mask"]
+    if context is not None:
+        ctx = context(params, ctx)
 
     def inputs(x, i):
         b = x.shape[0]
@@ -104,7 +107,8 @@ def sample_video(model: Callable, sched, x, cond: dict, uncond: dict | None, *, 
 def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, guidance: float,
               audio_guidance: float, stg: float = 0.0, audio_stg: float = 0.0, modality: float = 1.0,
               audio_modality: float = 1.0, rescale_v: float = 0.0, rescale_a: float = 0.0, perturbed_attn: bool = False,
-              keep_first=None, start: int = 0, stop: int | None = None, on_step=None, params=None, jit_model: bool = True):
+              keep_first=None, start: int = 0, stop: int | None = None, on_step=None, params=None, jit_model: bool = True,
+              context=None):
     """LTX-2 sampling of video ``x`` [B, F, H, W, C] and packed audio ``a`` [B, La, Ca] together.
     ``cond`` / ``uncond``: ``{"v", "a", "mask"}`` (connector outputs). ``model(params, x, a, t,
     ctx, actx, mask, perturb, xmod) -> (video v, audio v)``: ``perturb`` [n] 0 where
@@ -116,7 +120,10 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     The model passes of one step -- conditional, unconditional, perturbed, isolated -- are the
     same program on different inputs: they run as one ``lax.scan`` over pass groups (pairs
     with CFG, so a group is the usual 2B batch and CFG-parallel ``dp`` still splits it), traced
-    once and holding one group's activations at a time."""
+    once and holding one group's activations at a time.
+
+    ``context(params, ctx, actx) -> tree``: the text keys / values of one pass group, computed once
+    here per group (then ``model`` gets that tree as its ``ctx`` and None as its ``actx``)."""
     use_cfg = uncond is not None and (guidance > 1.0 or audio_guidance > 1.0)
     do_stg = (stg > 0.0 or audio_stg > 0.0) and perturbed_attn  # without perturbed attention the STG pass is the cond pass
     do_mod = modality > 1.0 or audio_modality > 1.0
@@ -140,8 +147,11 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     gin = {"ctx": stack("v"), "actx": stack("a"), "mask": stack("mask"),
            "perturb": jnp.stack([jnp.concatenate([p[2] for p in g]) for g in groups]),
            "xmod": jnp.stack([jnp.concatenate([p[3] for p in g]) for g in groups])}
+    if context is not None:
+        kvs = [context(params, gin["ctx"][k], gin["actx"][k]) for k in range(len(groups))]
+        gin["ctx"], gin["actx"] = jax.tree.map(lambda *z: jnp.stack(z), *kvs), None
 
-    def run(params, x, a, t, call, scan: bool):
+    def run(params, x, a, t, call, scan: bool, gin):
         xx, aa = jnp.concatenate([x] * per, 0), jnp.concatenate([a] * per, 0)
 
         def body(_, g):
@@ -187,8 +197,8 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
 
     if jit_model:
         @jax.jit
-        def step(params, x, a, state, i):
-            outs = run(params, x, a, ts[i], model, scan=True)
+        def step(params, x, a, state, i, gin):  # (the pass inputs an argument: never compiled-in constants)
+            outs = run(params, x, a, ts[i], model, True, gin)
             vv, va = guide(x, a, outs, i)
             return update(x, a, state, vv, va, i)
     else:
@@ -197,8 +207,8 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
 
         host_ts = np.asarray(sched.timesteps, np.float32)
 
-        def step(params, x, a, state, i):
-            outs = run(params, x, a, jnp.float32(host_ts[int(i)]), model, scan=False)
+        def step(params, x, a, state, i, gin):
+            outs = run(params, x, a, jnp.float32(host_ts[int(i)]), model, False, gin)
             vv, va = g(x, a, outs, i)
             return u(x, a, state, vv, va, i)
 
@@ -207,7 +217,7 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     stop = n if stop is None else stop
     for i in range(start, stop):
         t0 = time.perf_counter()
-        x, a, state = step(params, x, a, state, jnp.int32(i))
+        x, a, state = step(params, x, a, state, jnp.int32(i), gin)
         if on_step is not None:
             x.block_until_ready()
             on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, a)

@@ -31,7 +31,7 @@ from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
-from vidax.core.runner import DiTRunner, run_local
+from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
 
@@ -136,13 +136,20 @@ class WanEmbed(nnx.Module):
             t = t[:, None]
         temb = self.time_in(sinusoidal_embedding(t, cfg.freq_dim, flip_sin_to_cos=True))
         temb6 = self.time_proj(jax.nn.silu(temb)).reshape(*temb.shape[:-1], 6, cfg.dim)
+        consts = {"temb": temb.astype(F32), "temb6": temb6.astype(F32), "cos": a["cos"], "sin": a["sin"]}
+        if "ctx" in a:  # (absent when the blocks' text keys / values were computed once: ``context``)
+            consts.update(self.kv_context(a, par))
+        return {"h": h}, consts
+
+    def kv_context(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+        """The embedded text ``ctx`` (and I2V ``img_ctx``) the cross-attention keys / values read."""
         ctx = self.text_in(a["ctx"])
-        consts = {"temb": temb.astype(F32), "temb6": temb6.astype(F32), "ctx": ctx, "cos": a["cos"], "sin": a["sin"]}
+        consts = {"ctx": ctx}
         if a.get("img") is not None:
             if self.img_in is None:
                 raise ValueError("image embeddings were given but this DiT has no image branch (image_dim is None)")
             consts["img_ctx"] = self.img_in(a["img"]).astype(ctx.dtype)
-        return {"h": h}, consts
+        return consts
 
 
 class WanAttention(nnx.Module):
@@ -176,18 +183,26 @@ class WanAttention(nnx.Module):
         o = par.self_attention(q, k, v)
         return par.linear(self.o, o.reshape(*o.shape[:2], -1))
 
-    def cross_attention(self, x, ctx, img_ctx, par: vsh.ParallelContext):
-        """Attention to the text tokens (and, I2V, to the image tokens through their own k/v)."""
+    def context_kv(self, ctx, img_ctx, par: vsh.ParallelContext) -> dict:
+        """The cross-attention keys / values [B, Lt, heads, head_dim] of the text (``k``, ``v``) and,
+        I2V, of the image tokens (``ki``, ``vi``): the same every step."""
+        hd = self.head_dim
+        kv = {"k": _heads(self.norm_k(par.linear(self.k, ctx), par), hd), "v": _heads(par.linear(self.v, ctx), hd)}
+        if img_ctx is not None:
+            kv["ki"] = _heads(self.norm_added_k(par.linear(self.add_k, img_ctx), par), hd)
+            kv["vi"] = _heads(par.linear(self.add_v, img_ctx), hd)
+        return kv
+
+    def cross_attention(self, x, ctx, img_ctx, par: vsh.ParallelContext, kv: dict | None = None):
+        """Attention to the text tokens (and, I2V, to the image tokens through their own k/v);
+        ``kv``: :meth:`context_kv` computed once (then ``ctx`` / ``img_ctx`` are not read)."""
         hd = self.head_dim
         q = _heads(self.norm_q(par.linear(self.q, x), par), hd)
-        k = _heads(self.norm_k(par.linear(self.k, ctx), par), hd)
-        v = _heads(par.linear(self.v, ctx), hd)
-        o = par.cross_attention(q, k, v)
+        kv = self.context_kv(ctx, img_ctx, par) if kv is None else kv
+        o = par.cross_attention(q, kv["k"], kv["v"])
         o = o.reshape(*o.shape[:2], -1)
-        if img_ctx is not None:
-            ki = _heads(self.norm_added_k(par.linear(self.add_k, img_ctx), par), hd)
-            vi = _heads(par.linear(self.add_v, img_ctx), hd)
-            oi = par.cross_attention(q, ki, vi)
+        if "ki" in kv:
+            oi = par.cross_attention(q, kv["ki"], kv["vi"])
             o = o + oi.reshape(*oi.shape[:2], -1)
         return par.linear(self.o, o)
 
@@ -221,8 +236,9 @@ class WanBlock(nnx.Module):
         self.norm3 = nn.LayerNorm(d, eps=cfg.eps, affine=False, rngs=rngs)
         self.ffn = FeedForward(d, cfg.ffn_dim, **kw)
 
-    def __call__(self, x, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
-        """x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32 (T = 1 or L)."""
+    def __call__(self, x, ctx, img_ctx, temb6, cos, sin, par: vsh.ParallelContext = vsh.LOCAL, kv: dict | None = None):
+        """x: [B, L, D] (compute dtype); temb6: [B, T, 6, D] float32 (T = 1 or L); ``kv``: this block's
+        cross-attention keys / values computed once (``ctx`` / ``img_ctx`` then unused)."""
         dt = x.dtype
         mod = self.sst[...][None].astype(F32) + temb6  # [B, T, 6, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod[:, :, j] for j in range(6))
@@ -230,7 +246,7 @@ class WanBlock(nnx.Module):
         o = self.attn1.self_attention(h, cos, sin, par)
         x = (x.astype(F32) + o * gate1).astype(dt)
         h = self.norm2(x.astype(F32)).astype(dt) if self.norm2 is not None else x
-        x = x + self.attn2.cross_attention(h, ctx, img_ctx, par)
+        x = x + self.attn2.cross_attention(h, ctx, img_ctx, par, kv)
         h = (self.norm3(x.astype(F32)) * (1 + scale2) + shift2).astype(dt)
         f = self.ffn(h, par)
         return (x.astype(F32) + f.astype(F32) * gate2).astype(dt)
@@ -258,6 +274,9 @@ class WanTransformer(nnx.Module):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
+    #: the inputs only the cross-attention keys / values read (computed once per sample stage)
+    CONTEXT = ("ctx", "img")
+
     def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = WanEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
@@ -266,7 +285,12 @@ class WanTransformer(nnx.Module):
 
     @staticmethod
     def step(blk, carry, c, par):
-        return {"h": blk(carry["h"], c["ctx"], c.get("img_ctx"), c["temb6"], c["cos"], c["sin"], par)}
+        return {"h": blk(carry["h"], c.get("ctx"), c.get("img_ctx"), c["temb6"], c["cos"], c["sin"], par, c.get("kv"))}
+
+    @staticmethod
+    def kv(blk, c, par):
+        """This block's text (and image) cross-attention keys / values, from ``embed.kv_context``."""
+        return blk.attn2.context_kv(c["ctx"], c.get("img_ctx"), par)
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
@@ -275,6 +299,8 @@ class WanTransformer(nnx.Module):
             return ("batch", "tokens", None)
         if name in ("cos", "sin"):
             return ("tokens", None)
+        if name in ("k", "v", "ki", "vi"):  # once-computed cross-attention keys / values: heads as the weights
+            return ("batch", None, "heads", None)
         if name in ("t", "temb", "temb6"):  # [B], [B, 1, ...] or per token [B, L, ...]
             return ("batch", "tokens" if len(shape) >= 2 and shape[1] > 1 else None, *(None,) * (len(shape) - 2))[:len(shape)]
         return ("batch", *(None,) * (len(shape) - 1))  # x, ctx, img, img_ctx: replicated over tp and sp
@@ -287,7 +313,9 @@ class WanTransformer(nnx.Module):
 
     def prepare(self, a: dict, dtype) -> dict:
         out = {"tokens": patchify(self.cfg, a["x"].astype(dtype))[0], "t": a["t"].astype(F32),
-               "ctx": a["ctx"].astype(dtype), "cos": a["cos"], "sin": a["sin"]}
+               "cos": a["cos"], "sin": a["sin"]}
+        if "ctx" in a:
+            out["ctx"] = a["ctx"].astype(dtype)
         if "img" in a:
             out["img"] = a["img"].astype(dtype)
         return out
@@ -310,14 +338,22 @@ class WanTransformer(nnx.Module):
         cos, sin = rope_tables(self.cfg, grid)
         return {"cos": cos, "sin": sin}
 
-    def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None):
+    def __call__(self, x, t, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL, rope=None, context=None):
         """Velocity prediction. ``x``: [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token);
         ``ctx``: [B, Lt, text_dim]; ``img``: [B, Li, image_dim] or None; ``rope``: the (cos, sin)
-        tables of the token grid (:func:`rope_tables`; computed here when None). Returns
+        tables of the token grid (:func:`rope_tables`; computed here when None); ``context``: the
+        blocks' keys / values from :meth:`context` (``ctx`` / ``img`` then unused). Returns
         [B, F, H, W, Cout]."""
         inputs = {k: v for k, v in self.pack(x, t, ctx, img).items() if v is not None}
+        if context is not None:
+            inputs = {k: v for k, v in inputs.items() if k not in self.CONTEXT}
         cos, sin = rope_tables(self.cfg, token_grid(self.cfg, jnp.shape(x))) if rope is None else rope
-        return run_local(self, inputs, {"cos": cos, "sin": sin}, self.embed.patch.kernel[...].dtype, par)
+        return run_local(self, inputs, {"cos": cos, "sin": sin}, self.embed.patch.kernel[...].dtype, par, context)
+
+    def context(self, ctx, img=None, *, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+        """The blocks' cross-attention keys / values of ``ctx`` [B, Lt, text_dim] (and ``img``):
+        computed once per sample stage, passed to every step as ``context``."""
+        return context_local(self, {"ctx": ctx, "img": img}, self.embed.patch.kernel[...].dtype, par)
 
 
 # ----------------------------------------------------------------------------------- state
@@ -352,14 +388,20 @@ def rope_tables(cfg: WanDiTConfig, grid):
     return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
-def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None, rope=None):
+def forward(state, cfg: WanDiTConfig, x, t, ctx, img=None, *, attn_impl=None, rope=None, context=None):
     """Velocity prediction from a state (pure: ``jax.jit(forward, static_argnums=1)``). ``x``:
     [B, F, H, W, C] latents; ``t``: [B] (or [B, L] per-token); ``ctx``: [B, Lt, text_dim]; ``img``:
     [B, Li, image_dim] or None; ``rope``: (cos, sin) from :func:`rope_tables` to pass them as
     arguments (else they are computed into the program). Returns [B, F, H, W, Cout].
 
     Single-device (or compiler-partitioned) path; for meshes and offloading see :func:`runner`."""
-    return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope)
+    return merge(state, cfg)(x, t, ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl), rope=rope, context=context)
+
+
+def context(state, cfg: WanDiTConfig, ctx, img=None, *, attn_impl=None) -> dict:
+    """The blocks' text (and image) cross-attention keys / values from a state (pure): computed once
+    per sample stage and passed to every :func:`forward` as ``context`` (``ctx`` / ``img`` unused)."""
+    return merge(state, cfg).context(ctx, img, par=vsh.ParallelContext(attn_impl=attn_impl))
 
 
 # ----------------------------------------------------------------------------------- sharding

@@ -2,6 +2,7 @@
 encode, sampling (one or two experts) and the decode plan; the design notes are in this family's README.md."""
 from __future__ import annotations
 
+import functools
 import gc
 import html
 import json
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import runner as vrunner
 from vidax.core.runner import DiTRunner
 from vidax.models.wan import magcache as wmag
 from vidax.core.sampling import StepInfo, denoise, expert_segments
@@ -500,10 +502,14 @@ class WanT2V(wtiles.TileStages, Pipeline):
 
     def _denoise(self, dit, x, cond, uncond, sched, guidance, seed, start, stop, state, on_step, aux, prepare):
         params, cfg = dit
-        call = None
+        call = context = None
+        # the text (and image) cross-attention keys / values are computed once per segment (expert)
+        # by ``context`` and every step reads them (``runner.TEXT_KV_ONCE`` off: per step, as before)
+        # (the step cache's units take the text as it is: no once-computed K/V with --cache)
+        kv = bool(vrunner.context_names(wdit.WanTransformer)) and self.step_cache is None
         # the compiled step is shared by every call with the same model shape, mesh and schedule
         # (later prompts, the other A14B expert, resumed segments): it holds no weights
-        key = ("wan", cfg, aux is None)
+        key = ("wan", cfg, aux is None, kv)
         if isinstance(params, DiTRunner):
             runner = params
             b = 2 * x.shape[0] if uncond is not None and guidance != 1.0 else x.shape[0]
@@ -511,21 +517,32 @@ class WanT2V(wtiles.TileStages, Pipeline):
             dt = runner.dtype
             if runner.offload is None and self.step_cache is None:
                 spec = runner.program()
-                model = spec.apply if aux is None else partial(_runner_apply_aux, spec)
                 params = runner.step_params({"x": x.shape})  # weights and RoPE tables: arguments of the step
-                key = ("wan-runner", spec.signature, aux is None)
+                key = ("wan-runner", spec.signature, aux is None, kv)
+                if kv:
+                    model = partial(_runner_apply_kv, spec)
+                    context = lambda p, ctx, aux: runner.context(_context_inputs(ctx, aux))  # noqa: E731
+                else:
+                    model = spec.apply if aux is None else partial(_runner_apply_aux, spec)
             else:  # called from Python: streamed blocks, or the step cache's units
                 model, params = None, None
                 runner.use_cache(self.step_cache)
-                call = runner if aux is None else partial(_runner_call_aux, runner)
+                if kv:
+                    call = partial(_runner_call_kv, runner)
+                    context = lambda p, ctx, aux: runner.context(_context_inputs(ctx, aux))  # noqa: E731
+                else:
+                    call = runner if aux is None else partial(_runner_call_aux, runner)
         else:  # one device: the state and the RoPE tables are the step's arguments
             model, dt = partial(_dit_apply if aux is None else _dit_apply_aux, cfg=cfg), wdit.state_dtype(params)
             pt, ph, pw = cfg.patch_size
             params = (params, wdit.rope_tables(cfg, (x.shape[1] // pt, x.shape[2] // ph, x.shape[3] // pw)))
+            if kv:
+                model, program = partial(_dit_apply_kv, cfg=cfg), _dit_context(cfg)
+                context = lambda p, ctx, aux: program(p[0], _context_inputs(ctx, aux))  # noqa: E731
         return denoise(model, params, sched, x, jnp.asarray(cond, dt),
                        None if uncond is None else jnp.asarray(uncond, dt), guidance=guidance, seed=seed, start=start,
                        stop=stop, state=state, on_step=on_step, model_call=call, prepare=prepare, aux=aux,
-                       cache_key=key)
+                       cache_key=key, context=context)
 
     # ------------------------------------------------------------------ image conditioning
     def size_for_image(self, image, area: int = 480 * 832) -> tuple[int, int]:
@@ -821,6 +838,30 @@ def _batched_img(aux, b):
 def _dit_apply_aux(params, x, t, ctx, aux, *, cfg):
     state, rope = params
     return wdit.forward(state, cfg, x, t, ctx, _batched_img(aux, x.shape[0]), rope=rope)
+
+
+def _context_inputs(ctx, aux) -> dict:
+    """The inputs of the once-computed keys / values: the CFG-batched text and, I2V, the image tokens."""
+    return {"ctx": ctx, "img": _batched_img(aux, ctx.shape[0])}
+
+
+@functools.lru_cache(maxsize=8)
+def _dit_context(cfg):
+    """The jitted one-device context program (keys / values of the text and image tokens), per config."""
+    return jax.jit(lambda state, a: wdit.context(state, cfg, a["ctx"], a.get("img")))
+
+
+def _dit_apply_kv(params, x, t, kv, aux=None, *, cfg):
+    state, rope = params
+    return wdit.forward(state, cfg, x, t, None, rope=rope, context=kv)
+
+
+def _runner_apply_kv(runner, params, x, t, kv, aux=None):
+    return runner.apply(params, x, t, None, context=kv)
+
+
+def _runner_call_kv(runner, x, t, kv, aux=None):
+    return runner(x, t, None, context=kv)
 
 
 def _runner_apply_aux(runner, params, x, t, ctx, aux):
