@@ -637,7 +637,8 @@ class DiTRunner:
 
         return {"embed_first": jax.jit(embed_first, static_argnums=4), "rest": jax.jit(blocks_rest, static_argnums=3),
                 "shortcut": jax.jit(shortcut), "merge": jax.jit(merge),
-                "head": jax.jit(self._epilogue, static_argnums=(3,))}
+                "head": jax.jit(lambda rest, carry, consts, shapes: self._epilogue(rest, carry, consts, shapes, None),
+                                static_argnums=(3,))}
 
     def _place_like(self, tree: dict) -> dict:
         """Carry-like arrays placed with their activation layout (a no-op when they already are)."""
@@ -648,6 +649,10 @@ class DiTRunner:
         from vidax.core.stepcache import rows_mask
 
         cache, u = self.cache, self._cache_unit
+        if self.token_count(jax.eval_shape(self._prepared, inputs, tables)) is not None:
+            raise vmesh.ShardingConfigError(f"step caching needs a token count that sp={self.mesh.shape['sp']} divides "
+                                            f"(a padded sequence-parallel run is not cached yet); use another sp or "
+                                            f"--cache none")
         n_first = 1 if cache.method == "fbcache" else 0
         # the inputs laid out as the programs take them (whichever program made them): one compile each
         inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
