@@ -11,6 +11,7 @@ from stages import cli
 from stages import run as R
 from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
+from tests import sweep
 from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
@@ -226,7 +227,7 @@ def _ref_run(pipe, config, cond, uncond, lat, steps):
     return z, computed
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.1, 0.12, 0.15])
+@pytest.mark.parametrize("threshold", sweep.sample([0.0, 0.1, 0.12, 0.15], 2, "fbcache-diffusers"))
 def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
     from diffusers import FirstBlockCacheConfig
 
@@ -253,7 +254,8 @@ def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
 MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
 
 
-@pytest.mark.parametrize("threshold,max_skips,retention", [(0.06, 3, 0.2), (0.2, 2, 0.1), (0.0, 3, 0.2)])
+@pytest.mark.parametrize("threshold,max_skips,retention",
+                         sweep.sample([(0.06, 3, 0.2), (0.2, 2, 0.1), (0.0, 3, 0.2)], 2, "magcache-diffusers"))
 def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, retention):
     from diffusers import MagCacheConfig
 
@@ -343,8 +345,8 @@ def test_magcache_with_published_ratios_runs(tmp_path):
     assert ev["computed"] + ev["skipped"] == 20 and ev["skipped"] > 0  # the ratios resampled to 10 steps
 
 
-@pytest.mark.parametrize("model", ["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v", "cosmos2.5-2b",
-                                   "ltx-video-0.9"])
+@pytest.mark.parametrize("model", sweep.sample(["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v",
+                                                "cosmos2.5-2b", "ltx-video-0.9"], 2, "fbcache-families"))
 def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     """threshold 0: every step computed, the uncached latents (bitwise; Cosmos within rounding); a
     huge threshold: only the first call computes (per branch)."""
