@@ -12,6 +12,7 @@ from stages import run as R
 from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
 from tests import sweep
+from tests.test_wan_pipeline import ref_pipeline  # noqa: F401 - the fixture wan_ref reuses
 from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
@@ -185,23 +186,9 @@ def test_cached_units_compile_once():
 
 # ------------------------------------------------------------------ parity: diffusers' hooks
 @pytest.fixture(scope="module")
-def wan_ref(tmp_path_factory):
-    """diffusers' WanPipeline (tiny, perturbed weights) saved as a folder vidax loads."""
-    import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-
-    from tests.refutil import perturb
-    from tests.test_wan_pipeline import DIT, VAE
-
-    torch.manual_seed(0)
-    transformer = perturb(WanTransformer3DModel(**DIT), seed=1)
-    vae = perturb(AutoencoderKLWan(**VAE), seed=2)
-    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                    num_train_timesteps=1000, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=sched)
-    folder = tmp_path_factory.mktemp("wan_cache_ref")
-    pipe.save_pretrained(folder)
-    return pipe, folder
+def wan_ref(ref_pipeline):  # noqa: F811 - the imported fixture, by name
+    """diffusers' WanPipeline (tiny, perturbed weights) saved as a folder vidax loads (test_wan_pipeline's)."""
+    return ref_pipeline
 
 
 def _ref_run(pipe, config, cond, uncond, lat, steps):
