@@ -60,7 +60,11 @@ def read_text(url: str) -> str:
 
 
 def _typed(name: str, value, model: str):
-    """A CSV cell (text) as the field's or option's type."""
+    """A CSV cell (text) as the field's or option's type (as the CLI reads the flag's text)."""
+    if name == "cache_ratios":  # ``1.0,0.98,...`` a list, as --cache-ratios takes it; else a file
+        from stages.cli import _ratios_arg
+
+        return _ratios_arg(value)
     if name in _FIELD_TYPES:
         t = _FIELD_TYPES[name]
         try:

@@ -196,3 +196,87 @@ def test_mixed_models_are_grouped_by_model_and_match_solo_runs(tmp_path):
         lat_b, frames_b = _outputs(it.run, it.req)
         np.testing.assert_array_equal(lat_b, lat)
         np.testing.assert_array_equal(frames_b, frames)
+
+
+# a value for every request flag of ``vidax generate`` (as command-line text); a flag added to the CLI
+# without one here fails the test below, which then checks that a prompt file can set it
+FLAG_TEXT = {"model": "wan2.1-t2v-1.3b", "preset": "tiny", "checkpoint": "gs://b/ckpt", "prompt": "a fox",
+             "negative_prompt": "blur", "seed": "7", "height": "48", "width": "64", "frames": "9", "steps": "3",
+             "guidance": "4.5", "image": "gs://b/first.png", "fps": "12", "decode_stages": "2",
+             "checkpoint_every": "1", "dtype": "bfloat16", "mesh": "dp=1,tp=2", "offload_chunk_size": "all",
+             "lora": "gs://b/style.safetensors:0.5", "run_id": "fox-1", "cache": "magcache",
+             "cache_threshold": "0.1", "cache_max_skips": "2", "cache_retention": "0.3", "cache_ratios": "1.0,0.9"}
+NOT_REQUEST = {"help", "store"}
+
+
+def _option_text(o) -> str:
+    if o.choices:
+        return str(o.choices[-1])
+    if o.type is bool:
+        return "false" if o.default else "true"
+    return str(o.minimum if o.minimum is not None else 3)
+
+
+def test_every_generate_flag_has_its_prompt_file_key(tmp_path, monkeypatch):
+    """Item 5 of issue 28: for every model, each request flag of ``vidax generate`` given as a CSV
+    column (its text as on the command line) or a JSONL key (named as the flag, typed) makes the same
+    request as the flag; the README's prompt-file section names each common key."""
+    import dataclasses
+    import re
+    import stages.prompts as P
+    from vidax import registry
+
+    monkeypatch.setattr(P, "validate", lambda r: r)  # the raw requests (values need not make a runnable one)
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    section = readme[readme.index("Prompt files (`vidax batch FILE`"):readme.index("A batch runs phase by phase")]
+    fields = {f.name for f in dataclasses.fields(Request)} - {"options"}
+    seen = set()
+    for model, recipe in registry.MODELS.items():
+        if tuple(recipe.options) in seen:  # one model of each set of options (the rest of the flags are common)
+            continue
+        seen.add(tuple(recipe.options))
+        parser = cli.build_parser(model)
+        gen = parser._subparsers._group_actions[0].choices["generate"]
+        flags = {max(a.option_strings, key=len).lstrip("-"): a for a in gen._actions
+                 if a.option_strings and a.dest not in NOT_REQUEST}
+        options = {o.flag.lstrip("-"): o for o in recipe.options}
+        assert set(options) <= set(flags), model
+        text = {}
+        for flag, a in flags.items():
+            key = P.canonical(flag)
+            if flag in options:
+                assert key == options[flag].name, (model, flag)
+                text[flag] = _option_text(options[flag])
+            else:
+                assert key in fields | {"run_id"}, f"{model}: --{flag} sets no request field its prompt-file key names"
+                assert f"`{flag.replace('-', '_')}`" in section, f"README's prompt-file keys lack `{flag}`"
+                assert flag.replace("-", "_") in FLAG_TEXT, f"--{flag}: give it a value in FLAG_TEXT"
+                text[flag] = FLAG_TEXT[flag.replace("-", "_")] if flag != "model" else model
+        argv = ["generate"] + [x for flag, v in text.items() for x in (f"--{flag}", v)]
+        ns = parser.parse_args(argv)
+        want = cli._request_from_args(ns).to_json()
+        want["lora"] = list(want["lora"])
+        # CSV: the flags' own names and text
+        f = tmp_path / "p.csv"
+        with f.open("w", newline="") as fh:
+            import csv
+
+            w = csv.writer(fh)
+            w.writerow(list(text))
+            w.writerow(list(text.values()))
+        (line,) = P.parse_prompt_file(str(f))
+        assert line.error is None, (model, line.error)
+        got = line.request.to_json()
+        got["lora"] = [got["lora"]] if isinstance(got["lora"], str) else got["lora"]
+        assert got == want, (model, {k: (got.get(k), want.get(k)) for k in want if got.get(k) != want.get(k)})
+        assert line.run_id == ns.run_id
+        # JSONL: typed values, the keys named as the request's fields (underscores)
+        typed = {P.canonical(k): getattr(ns, a.dest) if k not in options else options[k].parse(text[k])
+                 for k, a in flags.items()}
+        typed["cache_ratios"] = [1.0, 0.9]
+        f = tmp_path / "p.jsonl"
+        f.write_text(json.dumps(typed) + "\n")
+        (line,) = P.parse_prompt_file(str(f))
+        assert line.error is None, (model, line.error)
+        assert line.request.to_json() == want and line.run_id == ns.run_id, model
+    assert re.search(r"\| `frames` \(or `num_frames`\) \| `--frames` \|", section)
