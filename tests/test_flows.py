@@ -1,9 +1,12 @@
 """Prefect orchestration against a real `prefect server start` and a real process worker."""
 import json
+import random
 import time
 
 import numpy as np
 import pytest
+
+from tests import sweep
 
 
 POOL = "vidax-test-pool"
@@ -527,6 +530,14 @@ def _flow_run_logs(flow_run_id) -> str:
     return "\n".join(lg.message for lg in asyncio.run(go()))
 
 
+# about two minutes of a loaded 2-core machine (two two-host attempts, each a flow-run process and a
+# follower compiling the step): `make test` runs it in one session of three (VIDAX_TEST_SEED draws
+# which), `make test-all` always
+MH_THIS_SESSION = sweep.ALL or random.Random(f"{sweep.SEED}:two-host-stage").random() < 1 / 3
+
+
+@pytest.mark.skipif(not MH_THIS_SESSION, reason="sampled out of this make test session (VIDAX_TEST_SEED); "
+                    "make test-all runs it")
 def test_two_host_stage_leader_flow_run_and_rendered_follower(pool_with_worker, tmp_path):
     """A sampling stage over two hosts of 4 fake CPU devices each (mesh dp=2,tp=2,sp=2 over all 8):
     process 0 is the vidax-stage flow run on the process worker, process 1 exactly the command pod 1
