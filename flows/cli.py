@@ -91,8 +91,13 @@ def stage_of_flow_run(flow_run_id: str) -> dict:
     import asyncio
 
     from prefect import get_client
+    from prefect.settings import PREFECT_API_URL
 
     fid = _flow_run_uuid(flow_run_id)
+    api = PREFECT_API_URL.value()
+    if not api:  # (rather than a temporary server of its own, which knows no flow run)
+        raise stage_cli.RequestError("flow-run", f"{flow_run_id}: no Prefect API to read it from; set PREFECT_API_URL "
+                                     "(a worker sets it on every pod it starts)")
 
     async def read():
         async with get_client() as c:
@@ -102,10 +107,8 @@ def stage_of_flow_run(flow_run_id: str) -> dict:
     try:
         fr, fl = asyncio.run(read())
     except Exception as e:  # noqa: BLE001 - not found, or no server: one line
-        from prefect.settings import PREFECT_API_URL
-
-        raise stage_cli.RequestError("flow-run", f"cannot read flow run {flow_run_id} from the Prefect API at "
-                                     f"{PREFECT_API_URL.value()}: {type(e).__name__}: {e}") from None
+        raise stage_cli.RequestError("flow-run", f"cannot read flow run {flow_run_id} from the Prefect API at {api}: "
+                                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if fl.name != "vidax-stage":
         raise stage_cli.RequestError("flow-run", f"{flow_run_id} is a run of {fl.name}; only vidax-stage runs "
                                      "(one stage each) can span several hosts")
