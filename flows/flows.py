@@ -151,6 +151,12 @@ def _run_local(store: str, run_id: str, stage: str, key: str, force: bool = Fals
     if req is None:
         req = R.load_request(run)
         pipe = R.make_pipeline(req)
+    from vidax.core.mesh import process_count
+
+    if process_count() > 1:
+        # a multi-host stage: the followers (`vidax stage --flow-run`) take part in every decision the
+        # task body takes, so it always runs (no cached result) and runs once (a retry has no follower)
+        return stage_task.with_options(refresh_cache=True, retries=0)(store, run_id, stage, key, force)
     fresh = not force and R.committed(run, stage, key, req=req, pipe=pipe)
     return stage_task.with_options(refresh_cache=not fresh)(store, run_id, stage, key, force)
 
@@ -352,10 +358,21 @@ def generate(request: dict, store: str = "", run_id: str | None = None, mode: st
 
 @flow(name="vidax-stage", log_prints=True)
 def stage(store: str, run_id: str, stage: str, force: bool = False) -> dict:
-    """Run one stage of an existing run (the per-stage deployments run this)."""
+    """Run one stage of an existing run (the per-stage deployments run this). On a multi-host slice
+    this flow run is process 0; every other host runs ``vidax stage --flow-run ID`` (the TPU job
+    template starts it on each pod) and follows it through the same stage."""
     from prefect.runtime import flow_run
     from vidax.core import runtime
 
+    hosts = int(os.environ.get("VIDAX_NUM_PROCESSES") or 1)
+    if hosts > 1:  # before joining: that waits for the other hosts
+        from .cli import follower_command
+
+        get_run_logger().info(
+            "multi-host stage: this flow run is process 0 of %d (coordinator %s); each other host i = 1..%d "
+            "runs, with VIDAX_PROCESS_ID=i, VIDAX_COORDINATOR and VIDAX_NUM_PROCESSES=%d: %s", hosts,
+            os.environ.get("VIDAX_COORDINATOR", "from the environment"), hosts - 1, hosts,
+            follower_command(str(flow_run.id), hosts))
     runtime.setup()  # join a multi-host job before anything touches a device
 
     run = RunStore(store).run(validate_run_id(run_id))

@@ -241,6 +241,8 @@ def cmd_batch(a) -> int:
 def cmd_stage(a, force: bool = False) -> int:
     from stages import run as R
 
+    if a.run_id is None or a.stage is None:
+        raise RequestError("run_id", "expected RUN_ID STAGE (e.g. `vidax stage RUN sample`)")
     validate_run_id(a.run_id)
     run = _store(a.store, write=True).run(a.run_id)
     req = R.load_request(run)
@@ -352,8 +354,8 @@ def build_parser(model: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--model", help="default model for lines that name none")
     store_arg(b)
     s = sub.add_parser("stage", help="run one stage of an existing run (skips it if already committed)")
-    s.add_argument("run_id")
-    s.add_argument("stage", help="encode | sample | decode/<k> | mux")
+    s.add_argument("run_id", nargs="?")
+    s.add_argument("stage", nargs="?", help="encode | sample | decode/<k> | mux")
     store_arg(s)
     r = sub.add_parser("rerun", help="recompute one stage of an existing run")
     r.add_argument("run_id")
@@ -459,7 +461,8 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
     from stages.run import StageError
     from vidax.core import runtime
 
-    if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate"):
+    # (`vidax stage --flow-run`, the multi-host stage pods' command, joins the job itself, or execs process 0)
+    if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate") and not getattr(a, "flow_run", None):
         runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     from vidax.core.mesh import RemoteError, process_count
 

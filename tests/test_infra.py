@@ -394,6 +394,67 @@ def _create_run(deployment, job_variables):
     return _run(go())
 
 
+def _expand(text: str, env: dict) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in a container's args and env values."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def tpu_pod(job_variables: dict, flow_run, job_name: str = "vidax-stage-abcde", index: int = 1):
+    """What pod ``index`` of the TPU template's Job for ``flow_run`` runs: the manifest (rendered by
+    Prefect's job-configuration code, then prepared for the flow run as a worker does), the
+    container's environment list (the worker's variables first, then the template's), that
+    environment as the pod sees it (downward-API values filled in: the Job's name and the pod's
+    completion index; ``$(VAR)`` expanded) and the command it runs (``args``, split and expanded)."""
+    import shlex
+
+    cfg = render(TPU, job_variables)
+    cfg.prepare_for_flow_run(flow_run)
+    c = _pod(cfg.job_manifest)["containers"][0]
+    env_list = [*({"name": k, "value": v} for k, v in cfg.env.items()), *c["env"]]
+    downward = {"metadata.labels['job-name']": job_name,
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)}
+    env: dict[str, str] = {}
+    for e in env_list:  # in order: a $(VAR) reference sees the entries before it
+        if "valueFrom" in e:
+            env[e["name"]] = downward[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = _expand(e.get("value", ""), env)
+    return cfg.job_manifest, env_list, env, [_expand(a, env) for a in shlex.split(c["args"])]
+
+
+TWO_HOSTS = {"tpu_accelerator": "tpu-v5p-slice", "tpu_topology": "2x2x2", "tpu_chips": 4, "tpu_hosts": 2}
+
+
+def test_tpu_template_renders_a_two_host_indexed_job(deployed):
+    """``tpu_hosts: 2``, accepted by the server's schema: an Indexed Job of two pods, each running
+    ``vidax stage --flow-run <its flow run> --processes 2`` as JAX process <its completion index>,
+    with pod 0 (through the headless Service) as the coordinator; one host: the same command, one
+    process, which runs the flow run itself."""
+    from flows.cli import follower_command
+
+    fr = _create_run(_stage_deployment("sample"), TWO_HOSTS)
+    assert fr.job_variables["tpu_hosts"] == 2
+    m, env_list, env, argv = tpu_pod(fr.job_variables, fr)
+    assert not _missing_paths(m, K8S_REQUIRED)
+    _assert_no_placeholders(m)
+    spec = m["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    assert _pod(m)["subdomain"] == "vidax-tpu" and _pod(m)["restartPolicy"] == "Never"
+    assert all(set(e) in ({"name", "value"}, {"name", "valueFrom"}, {"name"}) and isinstance(e.get("value", ""), str)
+               for e in env_list), env_list  # Kubernetes EnvVar objects, string values only
+    assert env["PREFECT__FLOW_RUN_ID"] == str(fr.id)
+    assert env["VIDAX_PROCESS_ID"] == "1"
+    assert env["VIDAX_COORDINATOR"] == "vidax-stage-abcde-0.vidax-tpu:8476"  # pod 0's DNS name
+    assert env["VIDAX_LEADER_COMMAND"] == ""  # no `command` job variable: pod 0 runs the Prefect engine
+    assert argv == follower_command(str(fr.id), 2).split()
+    one = _create_run(_stage_deployment("sample"), {"tpu_hosts": 1})
+    m1, _, env1, argv1 = tpu_pod(one.job_variables, one, index=0)
+    assert (m1["spec"]["completions"], m1["spec"]["parallelism"]) == (1, 1)
+    assert argv1 == follower_command(str(one.id), 1).split() and env1["VIDAX_PROCESS_ID"] == "0"
+    custom = _create_run(_stage_deployment("sample"), {**TWO_HOSTS, "command": "python -m prefect flow-run execute"})
+    assert tpu_pod(custom.job_variables, custom)[2]["VIDAX_LEADER_COMMAND"] == "python -m prefect flow-run execute"
+
+
 def test_server_enforces_tpu_job_variables_on_flow_runs(deployed):
     dep = _stage_deployment("sample")
     fr = _create_run(dep, {k: v for k, v in TPU_VARS.items() if k != "image"})

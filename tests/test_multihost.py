@@ -193,3 +193,18 @@ def test_each_process_reads_only_its_shards(tmp_path):
     assert res[0]["reads"] == [[[0, 2], [None, None]], [[2, 4], [None, None]]]
     assert res[1]["reads"] == [[[4, 6], [None, None]], [[6, 8], [None, None]]]
     assert res[0]["total"] == res[1]["total"] == float(w.sum())
+
+
+def test_one_process_job_needs_no_coordinator(monkeypatch):
+    """``VIDAX_NUM_PROCESSES=1`` (the TPU template's pods on a one-host slice, which also name a
+    coordinator) joins nothing; a coordinator without a process count is still refused by name."""
+    from vidax.core import mesh
+
+    for k in ("VIDAX_DISTRIBUTED", "VIDAX_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("VIDAX_COORDINATOR", "job-0.vidax-tpu:8476")
+    monkeypatch.setenv("VIDAX_NUM_PROCESSES", "1")
+    assert mesh.init_distributed() == (0, 1) and not mesh._distributed_initialized()
+    monkeypatch.delenv("VIDAX_NUM_PROCESSES")
+    with pytest.raises(mesh.ShardingConfigError, match="VIDAX_NUM_PROCESSES, VIDAX_PROCESS_ID not set"):
+        mesh.init_distributed()

@@ -57,7 +57,7 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     """Join a multi-process (multi-host) JAX job; returns ``(process_index, process_count)``.
 
     Arguments default to ``VIDAX_COORDINATOR`` / ``VIDAX_NUM_PROCESSES`` / ``VIDAX_PROCESS_ID``.
-    With nothing given and a single process it does nothing (single host). On Cloud TPU pods and
+    With nothing given, or ``VIDAX_NUM_PROCESSES=1``, it does nothing (single host). On Cloud TPU pods and
     SLURM, set ``VIDAX_DISTRIBUTED=auto`` to let ``jax.distributed.initialize()`` detect everything.
     Must run before anything touches a device. Safe to call twice.
 
@@ -72,7 +72,8 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     if process_id is None and env.get("VIDAX_PROCESS_ID"):
         process_id = int(env["VIDAX_PROCESS_ID"])
     auto = env.get("VIDAX_DISTRIBUTED", "").lower() == "auto"
-    wanted = auto or coordinator_address is not None or (num_processes or 1) > 1
+    # a job of one process needs no coordinator (a one-host slice under a multi-host job template)
+    wanted = auto or (num_processes or 0) > 1 or (coordinator_address is not None and num_processes is None)
     if wanted and not _distributed_initialized():
         if not auto:
             missing = [n for n, v in (("VIDAX_COORDINATOR", coordinator_address), ("VIDAX_NUM_PROCESSES", num_processes),
