@@ -491,7 +491,26 @@ def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
+def is_spec(x) -> bool:
+    """``x`` is a ``PartitionSpec`` (the leaf test of a tree of specs)."""
+    return isinstance(x, P)
+
+
+#: the layout of an array kept whole on every device of a mesh
+REPLICATED = P()
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of ``mesh`` (weights of a per-device program, loop scalars)."""
+    return NamedSharding(mesh, REPLICATED)
+
+
+def leading_split(mesh: Mesh, axis: str) -> NamedSharding:
+    """The leading dimension split over mesh axis ``axis``, the rest whole (one slice per device)."""
+    return NamedSharding(mesh, P(axis))
+
+
+__all__ = ["AXES", "LOCAL", "REPLICATED", "is_spec", "leading_split", "replicated", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "usp_attention",
            "with_constraint", "count_comm", "comm_repeat"]

@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from vidax import compat
 from vidax.core import mesh as vmesh
@@ -574,7 +573,7 @@ def seeded_state(build, seed: int = 0):
     graphdef, state = nn.abstract_state(build)
     specs = nnx.get_partition_spec(state)
     leaves, treedef = jax.tree.flatten(state)
-    names = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    names = jax.tree.leaves(specs, is_leaf=vsh.is_spec)
     rng = np.random.default_rng(seed)
     out = []
     for path, leaf, spec in zip(vsh.tree_paths(state), leaves, names):
