@@ -241,17 +241,22 @@ class OffloadRunner:
                         jax.block_until_ready(carry)
         return carry
 
-    def map(self, name: str, fn: Callable, *args) -> list:
+    def map(self, name: str, fn: Callable, *args, carry: bool = False) -> list:
         """``[fn(chunk_i, *args) for every chunk]`` of stack ``name``: the chunks streamed as in
         :meth:`run` (the next one's transfer overlapping this one's compute), ``fn`` jitted by the
-        caller; what a sample stage computes once from every block (the text keys / values)."""
+        caller; what a sample stage computes once from every block (the text keys / values).
+        ``carry``: ``fn(chunk_i, a) -> (a, out)`` with one argument ``a`` flowing from chunk to chunk
+        (a sequential pass); the list holds the ``out`` s."""
         pool = self.pools[name]
         n, outs = pool.num_chunks, []
         nxt = self._put(pool, 0)
         for i in range(n):
             cur = nxt
             nxt = self._put(pool, i + 1) if i + 1 < n else None
-            outs.append(fn(cur, *args))
+            out = fn(cur, *args)
+            if carry:
+                args, out = (out[0],), out[1]
+            outs.append(out)
             del cur
             if nxt is not None:
                 jax.block_until_ready(outs[-1])

@@ -430,6 +430,19 @@ class ParallelContext:
         row = self.mesh_axis(layer.kernel, -2)
         return layer(x) if row is None else row_parallel_linear(layer, x, row)
 
+    def lookup(self, embed: nnx.Embed, ids):
+        """Rows ``ids`` of an embedding table that may be split over its vocabulary (Megatron's
+        vocab-parallel lookup: each device reads the ids in its own rows, zeros elsewhere, one psum)."""
+        ax = self.mesh_axis(embed.embedding, -2)
+        if ax is None:
+            return embed(ids)
+        table = embed.embedding[...]
+        n = table.shape[0]
+        local = ids - jax.lax.axis_index(ax) * n
+        hit = (local >= 0) & (local < n)
+        rows = jnp.take(table, jnp.clip(local, 0, n - 1), axis=0)
+        return jax.lax.psum(jnp.where(hit[..., None], rows, jnp.zeros((), rows.dtype)), ax)
+
     def feature_sum(self, var: nnx.Variable, s, n: int):
         """``(s, n)`` -> the sum ``s`` over a feature dim and its length ``n``, completed across the
         devices that hold the other features when ``var``'s last axis is split."""

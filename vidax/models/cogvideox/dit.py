@@ -31,7 +31,7 @@ the replicated text tokens' q/k/v sliced to the local heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -133,15 +134,7 @@ class CogVideoXConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "CogVideoXConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         if not kw.get("ofs_embed_dim"):
             kw["ofs_embed_dim"] = None
         return cls(**kw)
@@ -605,11 +598,7 @@ def parallel_constraints(cfg: CogVideoXConfig, *, tokens: int | None = None, bat
     on every device (sliced by heads inside the joint attention)."""
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def runner(state, cfg: CogVideoXConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
@@ -710,24 +699,10 @@ class _CogCompat(compat.CompatModel):
 
 
 @compat.register("CogVideoXTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
+def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
     cfg = CogVideoXConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _CogCompat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _CogCompat(config, None, cfg, r)
+    return compat.load_dit(partial(_CogCompat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
+                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
 
 
 __all__ = ["CogVideoXConfig", "CogVideoXTransformer", "PRESETS", "abstract_state",

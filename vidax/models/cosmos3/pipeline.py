@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat
 from vidax.models.cosmos import vae as cvae
@@ -282,13 +283,13 @@ class Cosmos3Omni(TileStages, Pipeline):
         return mot.load_model(self.folder / "transformer", cfg, dtype=self.dtype)
 
     def load_model(self):
-        """The MoT state on one device, or a :class:`~vidax.models.cosmos3.mot.Cosmos3Runner`."""
+        """The MoT state on one device, or its :class:`~vidax.core.runner.DiTRunner` (:func:`mot.runner`)."""
         with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
             state, cfg = self._load_host()
         if not self.scaled:
             return jax.device_put(state), cfg
-        return mot.Cosmos3Runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
-                                 prefetch=self.prefetch), cfg
+        return mot.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                          prefetch=self.prefetch), cfg
 
     def load_vae(self):
         if self.preset:
@@ -465,11 +466,8 @@ class Cosmos3Omni(TileStages, Pipeline):
         keep = jnp.asarray(1.0 - mask)
         model = model or self.load_model()
         state_m, cfg = model
-        runner = state_m if isinstance(state_m, mot.Cosmos3Runner) else None
-        if runner is not None:
-            cache = runner.text_cache(ids, cu, su)
-        else:
-            cache = mot.text_cache(state_m, cfg, jnp.asarray(ids), jnp.asarray(cu), jnp.asarray(su))
+        runner = state_m if isinstance(state_m, DiTRunner) else None
+        cache = mot.text_cache(state_m, cfg, ids, cu, su)
         consts = dict(noisy=jnp.asarray(noisy), keep=keep, cos=jnp.asarray(cg), sin=jnp.asarray(sg), cache=cache,
                       tmask=jnp.asarray(tmask), g=jnp.float32(guidance))
         thw = (f, h, w)
@@ -487,7 +485,8 @@ class Cosmos3Omni(TileStages, Pipeline):
 
             def call(x, st, i):
                 patches, t = pre(x, i)
-                pred = runner.vision(patches, t, consts["noisy"], consts["cos"], consts["sin"], cache, consts["tmask"])
+                pred = mot.vision(runner, cfg, patches, t, consts["noisy"], consts["cos"], consts["sin"], cache,
+                                  consts["tmask"])
                 return post(x, st, pred, i, keep, consts["g"])
 
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
@@ -518,8 +517,6 @@ class Cosmos3Omni(TileStages, Pipeline):
         guidance batch, both on this pipeline's mesh with every weight resident (text and vision
         pathways), text at :attr:`PLAN_TEXT_TOKENS`; decode: the Wan2.2 VAE's one-latent-frame
         program with its causal cache."""
-        from jax.sharding import NamedSharding
-
         from vidax.core import plan as vplan
 
         b, lu = len(request.prompts), self.PLAN_TEXT_TOKENS
@@ -528,24 +525,25 @@ class Cosmos3Omni(TileStages, Pipeline):
         if getattr(request, "image", None) is not None and request.num_frames > 1:
             units.append(cvae.plan_encode_unit(vcfg, request.height, request.width))
         cfg = self.model_config()
-        runner = mot.Cosmos3Runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = mot.runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance != 1.0 else b
         _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames)
         grid = mot.patch_grid(cfg, (f, h, w))
         lg = grid[0] * grid[1] * grid[2]
-        params = {"rest": runner.rest, "und": runner.und, "gen": runner.gen}
+        params = runner.params
         tab = lambda n: vplan.abstract((nb, n, cfg.head_dim), np.float32)  # noqa: E731
-        ids = vplan.abstract((nb, lu), np.int32)
-        text = jax.jit(lambda p, *a: runner._text_resident(p["rest"], p["und"], *a), keep_unused=True)
-        units.append(vplan.Unit("sample", "text pathway (K/V cache, once per run)", text, (params, ids, tab(lu), tab(lu)),
+        text_in = {"ids": vplan.abstract((nb, lu), np.int32), "cos_u": tab(lu), "sin_u": tab(lu)}
+        text = jax.jit(runner.context_apply, keep_unused=True)
+        units.append(vplan.Unit("sample", "text pathway (K/V cache, once per run)", text, (params, text_in),
                                 weights=params, note=f"batch {nb} x {lu} text tokens"))
-        kv = vplan.abstract((cfg.num_hidden_layers, nb, lu, cfg.num_key_value_heads, cfg.head_dim), self.dtype,
-                            NamedSharding(runner.mesh, runner.cache_spec))
-        vision = jax.jit(lambda p, *a: runner._vision_resident(p["rest"], p["gen"], *a), keep_unused=True)
+        shape = (cfg.num_hidden_layers, nb, lu, cfg.num_key_value_heads, cfg.head_dim)
+        kv = {"gen": {"k": np.empty(shape, np.dtype(self.dtype)), "v": np.empty(shape, np.dtype(self.dtype))}}
+        kv = jax.tree.map(lambda a, s: vplan.abstract(a.shape, a.dtype, s), kv, runner.context_shardings(kv))
+        vision = jax.jit(lambda p, a, c: runner.apply(p, **a, context=c), keep_unused=True)
         t = vplan.abstract((nb, lg), np.float32)
-        units.append(vplan.Unit("sample", "vision step", vision,
-                                (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
-                                 tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
+        vis_in = {"patches": vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), "t": t, "noisy": t,
+                  "cos": tab(lg), "sin": tab(lg), "text_mask": vplan.abstract((nb, lu), bool)}
+        units.append(vplan.Unit("sample", "vision step", vision, (params, vis_in, kv), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
         units.append(cvae.plan_decode_unit(vcfg, b, h, w, tiled=tiled,
@@ -636,10 +634,9 @@ class Cosmos3Omni(TileStages, Pipeline):
         fps = float(getattr(request, "fps", None) or 24.0)
         cu, su, cg, sg = self._tables(cfg, [len(cond[0])], len(cond[0]), grid, fps)
         ids = jnp.asarray(chat.pad(cond, len(cond[0]), 0))
-        runner = state_m if isinstance(state_m, mot.Cosmos3Runner) else None
-        cache = runner.text_cache(ids, cu, su) if runner else mot.text_cache(state_m, cfg, ids, jnp.asarray(cu),
-                                                                             jnp.asarray(su))
-        fwd = runner.vision if runner else partial(mot._vision_jit, state_m, cfg)
+        runner = state_m if isinstance(state_m, DiTRunner) else None
+        cache = mot.text_cache(state_m, cfg, ids, cu, su)
+        fwd = partial(mot.vision, state_m, cfg)
         out = []
         for i, s in enumerate(np.asarray(sigmas, np.float32)):
             xi = jnp.asarray(x[i:i + 1])

@@ -38,7 +38,8 @@ families to reuse.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -47,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -112,15 +114,7 @@ class HunyuanVideoConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "HunyuanVideoConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if isinstance(v, list) else v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         return cls(**kw)
 
 
@@ -659,11 +653,7 @@ def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=No
 def parallel_constraints(cfg: HunyuanVideoConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("mlp_dim", cfg.mlp_dim, ("tp",), "the MLP width is split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, int]:
@@ -753,21 +743,7 @@ class _Compat(compat.CompatModel):
 
 
 @compat.register("HunyuanVideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
+def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
     cfg = HunyuanVideoConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _Compat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        parse_chunk_sizes(offload_chunk_size, cfg)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _Compat(config, None, cfg, r)
+    return compat.load_dit(partial(_Compat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
+                           parallel_constraints(cfg), lambda c: parse_chunk_sizes(c, cfg), **kw)

@@ -15,7 +15,7 @@ one core runner. Every parameter carries logical axis names, mapped to mesh axes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -33,7 +34,7 @@ from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
 from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,7 @@ class WanDiTConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "WanDiTConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if k == "patch_size" else v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         qk = cfg.get("qk_norm", "rms_norm_across_heads")
         if qk not in (None, "rms_norm_across_heads"):
             raise ValueError(f"WanTransformer3DModel config: qk_norm={qk!r} is not supported (expected 'rms_norm_across_heads')")
@@ -410,11 +403,7 @@ def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch:
     length has none: cross-attention keys are replicated over sp and split by heads over tp."""
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch)
 
 
 def runner(state, cfg: WanDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
@@ -519,19 +508,10 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     """Load DiT weights from a diffusers folder (config.json + safetensors) or an original-release
     checkpoint (file or folder). Returns ``(state, cfg)``: the abstract state filled tensor by
     tensor with host numpy (cast on the host); no random init is ever materialised."""
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = WanDiTConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    names = list(ckpt)
-    if any(n.startswith("model.diffusion_model.") for n in names):
-        ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names}
-    pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
-        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
-        what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=WanDiTConfig.from_diffusers, is_original=_is_original,
+                    config_from_original=config_from_original, prefix="model.diffusion_model.", keep_others=True,
+                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+                    what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -556,22 +536,7 @@ class _WanDiTCompat(compat.CompatModel):
 
 
 @compat.register("WanTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
+def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
     cfg = WanDiTConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _WanDiTCompat(config, jax.device_put(state), cfg)
-    # fail on an impossible layout before reading a single tensor
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _WanDiTCompat(config, None, cfg, r)
+    return compat.load_dit(partial(_WanDiTCompat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
+                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
