@@ -7,6 +7,19 @@ from dataclasses import fields
 HEAD_NAMES = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
 
 
+class Heads:
+    """A DiT config's derived widths (a mixin of a dataclass with ``num_heads`` / ``head_dim``):
+    ``dim`` = heads x head size, ``mlp_dim`` = ``dim`` x ``mlp_ratio`` (where the config has one)."""
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
 def diffusers_kwargs(cls, cfg: dict, rename: dict = HEAD_NAMES, defaults=(("out_channels", "in_channels"),)) -> dict:
     """The fields of dataclass ``cls`` found in ``cfg`` (after ``rename``), lists as tuples (configs
     are hashable); each ``(field, source)`` of ``defaults`` left None takes ``source``'s value."""

@@ -292,6 +292,37 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
+class StackedDiT(nnx.Module):
+    """``embed`` -> ``cfg.num_layers`` stacked ``blocks`` -> ``head``: the modules of a one-stack DiT
+    built from the family's ``EMBED`` / ``BLOCK`` / ``HEAD`` classes (each ``cls(cfg, rngs=,
+    param_dtype=)``), with :class:`vidax.core.runner.DiTRunner`'s default ``step``: the block on the
+    carry's ``h`` and every constant."""
+
+    EMBED = BLOCK = HEAD = None
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = self.EMBED(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.blocks = stack(lambda r: self.BLOCK(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = self.HEAD(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    @staticmethod
+    def step(blk, carry, consts, par):
+        return {"h": blk(carry["h"], consts, par)}
+
+
+class TextDiT(StackedDiT):
+    """A :class:`StackedDiT` whose blocks cross-attend to the text ``ctx`` through ``attn2``
+    (``attn2.context_kv(ctx, par)``): those keys / values are computed once per sample stage."""
+
+    CONTEXT = ("ctx",)
+
+    @staticmethod
+    def kv(blk, c, par):
+        """This block's text keys / values, from ``embed.kv_context``."""
+        return blk.attn2.context_kv(c["ctx"], par)
+
+
 class ModelKit:
     """The construction helpers a family's top-level module exposes, written once. ``cls(cfg,
     rngs=, param_dtype=)`` builds the module; ``units`` names the graphdefs the runners merge one

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -57,7 +57,7 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class CogVideoXConfig:
+class CogVideoXConfig(Heads):
     """Mirrors diffusers' ``CogVideoXTransformer3DModel`` config (defaults = CogVideoX-2B)."""
 
     num_heads: int = 30
@@ -100,10 +100,6 @@ class CogVideoXConfig:
                              f"got {self.dim}")
         nn.activation(self.activation_fn)
         nn.activation(self.timestep_activation_fn)
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
 
     @property
     def pt(self) -> int:
@@ -472,16 +468,12 @@ class CogHead(nnx.Module):
         return {"y": self.proj(h)}
 
 
-class CogVideoXTransformer(nnx.Module):
+class CogVideoXTransformer(nn.StackedDiT):
     """The CogVideoX DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`. The video tokens are split over sp (joint attention,
     :func:`joint_attention`); the text tokens and the timestep embedding stay whole."""
 
-    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = CogEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: CogBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = CogHead(cfg, rngs=rngs, param_dtype=param_dtype)
+    EMBED, BLOCK, HEAD = CogEmbed, CogBlock, CogHead
 
     @staticmethod
     def step(blk, carry, c, par):

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -52,7 +52,7 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class CosmosDiTConfig:
+class CosmosDiTConfig(Heads):
     in_channels: int = 17  # 16 latent channels + the condition mask (Predict2.5)
     out_channels: int = 16
     num_heads: int = 16
@@ -71,13 +71,7 @@ class CosmosDiTConfig:
     encoder_hidden_states_channels: int = 1024
     base_fps: int = 24
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def ffn_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
+    ffn_dim = Heads.mlp_dim
 
     @property
     def context_dim(self) -> int:
@@ -335,27 +329,11 @@ class CosmosHead(nnx.Module):
         return {"y": self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))}
 
 
-class CosmosTransformer(nnx.Module):
+class CosmosTransformer(nn.TextDiT):
     """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`."""
 
-    #: the input only the cross-attention keys / values read (computed once per sample stage)
-    CONTEXT = ("ctx",)
-
-    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = CosmosEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: CosmosBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = CosmosHead(cfg, rngs=rngs, param_dtype=param_dtype)
-
-    @staticmethod
-    def step(blk, carry, c, par):
-        return {"h": blk(carry["h"], c, par)}
-
-    @staticmethod
-    def kv(blk, c, par):
-        """This block's text keys / values, from ``embed.kv_context``."""
-        return blk.attn2.context_kv(c["ctx"], par)
+    EMBED, BLOCK, HEAD = CosmosEmbed, CosmosBlock, CosmosHead
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:

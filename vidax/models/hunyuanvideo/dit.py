@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -66,7 +66,7 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideoConfig:
+class HunyuanVideoConfig(Heads):
     """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release)."""
 
     in_channels: int = 16
@@ -95,14 +95,6 @@ class HunyuanVideoConfig:
             raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo uses 'rms_norm')")
         if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
             raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
 
     @property
     def patch(self) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
@@ -49,7 +49,7 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideo15Config:
+class HunyuanVideo15Config(Heads):
     """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
 
     in_channels: int = 65
@@ -81,14 +81,6 @@ class HunyuanVideo15Config:
     # what the 1.0 blocks read
     token_replace = False
     num_single_layers = 0
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
 
     @property
     def patch(self) -> tuple[int, int, int]:

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -37,7 +37,7 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTXDiTConfig:
+class LTXDiTConfig(Heads):
     in_channels: int = 128
     out_channels: int = 128
     patch_size: int = 1
@@ -55,10 +55,6 @@ class LTXDiTConfig:
     base_width: int = 2048
     theta: float = 10000.0
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "LTXDiTConfig":
         kw = diffusers_kwargs(cls, cfg)
@@ -66,7 +62,8 @@ class LTXDiTConfig:
                           ("norm_elementwise_affine", False)):
             if key in cfg and cfg[key] != want:
                 raise ValueError(f"LTXVideoTransformer3DModel config: {key}={cfg[key]!r} is not supported (expected {want!r})")
-        if kw.get("cross_attention_dim", cls.cross_attention_dim) != kw.get("num_heads", cls.num_heads) * kw.get("head_dim", cls.head_dim):
+        if kw.get("cross_attention_dim", cls.cross_attention_dim) != kw.get("num_heads", cls.num_heads) * kw.get("head_dim",
+                                                                                                                 cls.head_dim):
             raise ValueError("LTXVideoTransformer3DModel config: cross_attention_dim must equal the model width "
                              "(the caption projection feeds the cross-attention)")
         return cls(**kw)
@@ -148,26 +145,10 @@ class LTXHead(nnx.Module):
         return {"y": self.proj_out(y)}
 
 
-class LTXTransformer(nnx.Module):
+class LTXTransformer(nn.TextDiT):
     """The LTX-Video DiT: ``embed`` -> stacked ``blocks`` -> ``head`` over named activations."""
 
-    #: the input only the cross-attention keys / values read (computed once per sample stage)
-    CONTEXT = ("ctx",)
-
-    def __init__(self, cfg: LTXDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = LTXEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: LTXBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = LTXHead(cfg, rngs=rngs, param_dtype=param_dtype)
-
-    @staticmethod
-    def step(blk, carry, consts, par):
-        return {"h": blk(carry["h"], consts, par)}
-
-    @staticmethod
-    def kv(blk, c, par):
-        """This block's text keys / values, from ``embed.kv_context``."""
-        return blk.attn2.context_kv(c["ctx"], par)
+    EMBED, BLOCK, HEAD = LTXEmbed, LTXBlock, LTXHead
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:

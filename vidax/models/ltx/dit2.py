@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import HEAD_NAMES, diffusers_kwargs
+from vidax.core.config import Heads, HEAD_NAMES, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -48,7 +48,7 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTX2DiTConfig:
+class LTX2DiTConfig(Heads):
     in_channels: int = 128
     out_channels: int = 128
     patch_size: int = 1
@@ -92,10 +92,6 @@ class LTX2DiTConfig:
     audio_ff_bias: bool = True
     use_prompt_adaln_single: bool = True
     use_keyframes_abs_pos_embedding: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
 
     @property
     def audio_dim(self) -> int:
@@ -356,18 +352,17 @@ class LTX2Head(nnx.Module):
                 "ya": out(carry["a"], self.audio_sst, c["ea"], self.audio_proj_out)}
 
 
-class LTX2Transformer(nnx.Module):
+class LTX2Transformer(nn.StackedDiT):
     """``embed`` -> stacked ``blocks`` -> ``head`` over named activations (see :func:`model_inputs`)."""
 
+    EMBED, BLOCK, HEAD = LTX2Embed, LTX2Block, LTX2Head
+
     def __init__(self, cfg: LTX2DiTConfig, *, rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = LTX2Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
         #: the inputs only the text cross-attention keys / values read (computed once per sample
         #: stage); none when the prompt modulation follows sigma (LTX-2.3's ``prompt_adaln``): then
         #: the keys / values change every step
         self.CONTEXT = () if cfg.prompt_modulation and cfg.use_prompt_adaln_single else ("ctx", "actx")
-        self.blocks = nn.stack(lambda r: LTX2Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = LTX2Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
     @staticmethod
     def step(blk, carry, consts, par):
@@ -518,7 +513,8 @@ def model_inputs(cfg: LTX2DiTConfig, vtok, atok, ctx, actx, t, ropes: dict, *, t
     mask = jnp.ones(ctx.shape[:2], F32) if mask is None else jnp.asarray(mask, F32)
     amask = jnp.ones(actx.shape[:2], F32) if amask is None else jnp.asarray(amask, F32)
     a = {"vtok": jnp.asarray(vtok), "atok": jnp.asarray(atok), **({} if ctx is None else {"ctx": jnp.asarray(ctx)}),
-         **({} if actx is None else {"actx": jnp.asarray(actx)}), "t": t, "ta": ta, "sigma": z if sigma is None else sigma, "sigma_a": z if sigma_a is None else sigma_a,
+         **({} if actx is None else {"actx": jnp.asarray(actx)}), "t": t, "ta": ta, "sigma": z if sigma is None else sigma,
+         "sigma_a": z if sigma_a is None else sigma_a,
          "ca_t": ca_t, "ca_ta": ca_ta, "bias": L.mask_bias(mask), "abias": L.mask_bias(amask),
          "perturb": ones if perturb is None else vec(perturb, ones),
          "xmod": ones if isolate is None else 1.0 - jnp.asarray(isolate, F32), "stg": jnp.asarray(stg)}
@@ -588,8 +584,10 @@ def diffusers_keymap(cfg: LTX2DiTConfig) -> KeyMap:
     block = [("scale_shift_table", "sst", "none"), ("audio_scale_shift_table", "audio_sst", "none"),
              ("video_a2v_cross_attn_scale_shift_table", "a2v_sst", "none"),
              ("audio_a2v_cross_attn_scale_shift_table", "audio_a2v_sst", "none"),
-             *L.attn_keys("attn1", "attn1", cfg.gated_attn, **ab), *L.attn_keys("audio_attn1", "audio_attn1", cfg.audio_gated_attn, **ab),
-             *L.attn_keys("attn2", "attn2", cfg.gated_attn, **ab), *L.attn_keys("audio_attn2", "audio_attn2", cfg.audio_gated_attn, **ab),
+             *L.attn_keys("attn1", "attn1", cfg.gated_attn, **ab),
+             *L.attn_keys("audio_attn1", "audio_attn1", cfg.audio_gated_attn, **ab),
+             *L.attn_keys("attn2", "attn2", cfg.gated_attn, **ab),
+             *L.attn_keys("audio_attn2", "audio_attn2", cfg.audio_gated_attn, **ab),
              *L.attn_keys("audio_to_video_attn", "a2v", cfg.gated_attn, **ab),
              *L.attn_keys("video_to_audio_attn", "v2a", cfg.audio_gated_attn, **ab),
              *L.ff_keys("ff", "ff", cfg.ff_bias), *L.ff_keys("audio_ff", "audio_ff", cfg.audio_ff_bias)]

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import diffusers_kwargs
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -38,7 +38,7 @@ from vidax.weights import KeyMap, Rule
 
 
 @dataclass(frozen=True)
-class WanDiTConfig:
+class WanDiTConfig(Heads):
     patch_size: tuple = (1, 2, 2)
     num_heads: int = 40
     head_dim: int = 128
@@ -55,10 +55,6 @@ class WanDiTConfig:
     rope_max_seq_len: int = 1024
     pos_embed_seq_len: int | None = None  # FLF2V learned image-token positions
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "WanDiTConfig":
         kw = diffusers_kwargs(cls, cfg)
@@ -69,7 +65,8 @@ class WanDiTConfig:
 
 
 PRESETS = {
-    "tiny": WanDiTConfig(num_heads=2, head_dim=12, in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2),
+    "tiny": WanDiTConfig(num_heads=2, head_dim=12, in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=48,
+                         num_layers=2),
     "1.3b": WanDiTConfig(num_heads=12, head_dim=128, ffn_dim=8960, num_layers=30),
     "14b": WanDiTConfig(num_heads=40, head_dim=128, ffn_dim=13824, num_layers=40),
 }
@@ -263,18 +260,13 @@ class WanHead(nnx.Module):
         return {"y": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
-class WanTransformer(nnx.Module):
+class WanTransformer(nn.StackedDiT):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
+    EMBED, BLOCK, HEAD = WanEmbed, WanBlock, WanHead
     #: the inputs only the cross-attention keys / values read (computed once per sample stage)
     CONTEXT = ("ctx", "img")
-
-    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = WanEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = WanHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
     @staticmethod
     def step(blk, carry, c, par):
