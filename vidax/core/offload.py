@@ -50,8 +50,9 @@ def resolve_chunk_size(chunk_size, num_layers: int) -> int:
         return num_layers
     c = int(chunk_size)
     if c < 1 or num_layers % c:
+        valid = ", ".join(map(str, valid_chunk_sizes(num_layers)))
         raise OffloadConfigError(f"offload_chunk_size={chunk_size} does not divide num_layers={num_layers} "
-                                 f"(every chunk must have the same shape); valid: {', '.join(map(str, valid_chunk_sizes(num_layers)))}")
+                                 f"(every chunk must have the same shape); valid: {valid}")
     return c
 
 
@@ -168,7 +169,8 @@ class OffloadRunner:
             else:
                 hs = jax.tree.map(lambda s: _with_memory_kind(s, kind), shardings,
                                   is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-                chunks.append(jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]), chunk, hs))
+                chunks.append(jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]), chunk,
+                                           hs))
         per_dev = 0
         one = jax.tree.map(lambda a: a[:c], host_np)
         for a, s in zip(jax.tree.leaves(one), jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):

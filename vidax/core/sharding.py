@@ -94,7 +94,8 @@ def check_param_divisibility(tree, specs, mesh: Mesh) -> None:
         for d, ax in enumerate(spec):
             for a in (ax,) if isinstance(ax, str) else (ax or ()):
                 if leaf.shape[d] % sizes[a]:
-                    raise ShardingConfigError(f"parameter {path} dim {d} (size {leaf.shape[d]}) is not divisible by {a}={sizes[a]}")
+                    raise ShardingConfigError(f"parameter {path} dim {d} (size {leaf.shape[d]}) is not divisible by "
+                                              f"{a}={sizes[a]}")
 
 
 def place(tree, shardings):
@@ -523,7 +524,8 @@ def leading_split(mesh: Mesh, axis: str) -> NamedSharding:
     return NamedSharding(mesh, P(axis))
 
 
-__all__ = ["AXES", "LOCAL", "REPLICATED", "is_spec", "leading_split", "replicated", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
+__all__ = ["AXES", "LOCAL", "REPLICATED", "is_spec", "leading_split", "replicated", "LOGICAL_AXES", "PARALLELISMS", "axis_rules",
+           "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "usp_attention",
            "with_constraint", "count_comm", "comm_repeat"]
