@@ -98,6 +98,24 @@ def load_dit(wrap: Callable, load: Callable, runner: Callable, constraints, chec
                                   attn_impl=attn_impl, ring=vmesh.ring_degree(mesh)))
 
 
+def register_dit(name: str, from_config: Callable, wrap: Callable, load: Callable, runner: Callable, *,
+                 constraints: Callable, check_chunks: Callable | None = None) -> None:
+    """Register DiT ``name``'s scalable adapter (:func:`load_dit`): ``from_config(config.json) -> cfg``,
+    ``wrap(config, state, cfg, runner) -> CompatModel``, ``load(folder, cfg, dtype=) -> (host state,
+    cfg)``, ``runner(state, cfg, mesh, parallelism, **kw)``, ``constraints(cfg)`` (the family's
+    ``parallel_constraints``), ``check_chunks(offload_chunk_size, cfg)`` (default: one stack of
+    ``cfg.num_layers``)."""
+    def adapter(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
+        from vidax.core.offload import resolve_chunk_size
+
+        cfg = from_config(config)
+        check = check_chunks or (lambda c, cfg: resolve_chunk_size(c, cfg.num_layers))
+        return load_dit(lambda state, c, r: wrap(config, state, c, r), lambda: load(folder, cfg, dtype=dtype), runner,
+                        constraints(cfg), lambda c: check(c, cfg), **kw)
+
+    register(name, scalable=True)(adapter)
+
+
 def read_config(folder: str | Path) -> dict:
     folder = Path(folder)
     cfg_path = folder / "config.json"

@@ -44,7 +44,6 @@ from vidax import compat
 from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
@@ -690,11 +689,8 @@ class _CogCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 1, 4, 2, 3)
 
 
-@compat.register("CogVideoXTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = CogVideoXConfig.from_diffusers(config)
-    return compat.load_dit(partial(_CogCompat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
+compat.register_dit("CogVideoXTransformer3DModel", CogVideoXConfig.from_diffusers, _CogCompat, load_dit, runner,
+                    constraints=parallel_constraints)
 
 
 __all__ = ["CogVideoXConfig", "CogVideoXTransformer", "PRESETS", "abstract_state",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ from vidax import compat
 from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
@@ -688,8 +686,5 @@ class _CosmosDiTCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("CosmosTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = CosmosDiTConfig.from_diffusers(config)
-    return compat.load_dit(partial(_CosmosDiTCompat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
+compat.register_dit("CosmosTransformer3DModel", CosmosDiTConfig.from_diffusers, _CosmosDiTCompat, load_dit, runner,
+                    constraints=parallel_constraints)

@@ -632,8 +632,6 @@ class _Cosmos3Compat(compat.CompatModel):
         return reference_forward(self.params, self.model_config, runner=self.runner, **kw)
 
 
-@compat.register("Cosmos3OmniTransformer", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = Cosmos3Config.from_diffusers(config)
-    return compat.load_dit(partial(_Cosmos3Compat, config), lambda: load_model(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_hidden_layers), **kw)
+compat.register_dit("Cosmos3OmniTransformer", Cosmos3Config.from_diffusers, _Cosmos3Compat, load_model, runner,
+                    constraints=parallel_constraints,
+                    check_chunks=lambda c, cfg: voff.resolve_chunk_size(c, cfg.num_hidden_layers))

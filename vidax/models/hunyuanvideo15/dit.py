@@ -26,7 +26,6 @@ Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -333,8 +332,5 @@ class _Compat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("HunyuanVideo15Transformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = HunyuanVideo15Config.from_diffusers(config)
-    return compat.load_dit(partial(_Compat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: parse_chunk_sizes(c, cfg), **kw)
+compat.register_dit("HunyuanVideo15Transformer3DModel", HunyuanVideo15Config.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints, check_chunks=parse_chunk_sizes)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,6 @@ from vidax import compat
 from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.models.ltx import layers as L
 from vidax.core.runner import DiTRunner, context_local, run_local
@@ -355,8 +353,5 @@ class _Compat(compat.CompatModel):
 video_coords_fn = video_coords
 
 
-@compat.register("LTXVideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = LTXDiTConfig.from_diffusers(config)
-    return compat.load_dit(partial(_Compat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
+compat.register_dit("LTXVideoTransformer3DModel", LTXDiTConfig.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints)

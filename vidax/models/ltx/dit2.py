@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,6 @@ from vidax import compat
 from vidax.core.config import Heads, HEAD_NAMES, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.models.ltx import layers as L
@@ -678,8 +676,5 @@ class _Compat(compat.CompatModel):
 video_coords_fn, audio_coords_fn = video_coords, audio_coords
 
 
-@compat.register("LTX2VideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = LTX2DiTConfig.from_diffusers(config)
-    return compat.load_dit(partial(_Compat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
+compat.register_dit("LTX2VideoTransformer3DModel", LTX2DiTConfig.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,6 @@ from vidax import compat
 from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
@@ -527,8 +525,5 @@ class _WanDiTCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("WanTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, **kw):
-    cfg = WanDiTConfig.from_diffusers(config)
-    return compat.load_dit(partial(_WanDiTCompat, config), lambda: load_dit(folder, cfg, dtype=dtype), runner,
-                           parallel_constraints(cfg), lambda c: voff.resolve_chunk_size(c, cfg.num_layers), **kw)
+compat.register_dit("WanTransformer3DModel", WanDiTConfig.from_diffusers, _WanDiTCompat, load_dit, runner,
+                    constraints=parallel_constraints)
