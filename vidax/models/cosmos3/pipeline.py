@@ -39,10 +39,10 @@ from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat
 from vidax.models.cosmos import vae as cvae
-from vidax.models.cosmos.pipeline import read_video, video_digest, video_pixels, video_read_error
+from vidax.models.cosmos.pipeline import CosmosVAEStages, read_video, video_pixels, video_read_error
 from vidax.models.cosmos3 import mot
 from vidax.models.cosmos3.prompt import ShortPromptWarning, short_prompt_warning
-from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
+from vidax.pipeline import (Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
 from vidax.schedulers import from_diffusers_config
 from vidax.text.tokenizer import load_tokenizer
@@ -188,7 +188,7 @@ def _single_device_step(cfg: mot.Cosmos3Config, sched_key: tuple, use_cfg: bool,
     return step
 
 
-class Cosmos3Omni(TileStages, Pipeline):
+class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
     """Cosmos3 (Nano / Edge) text-, image- and video-to-video on the pipeline protocol."""
 
     FAMILY = "cosmos3"
@@ -228,9 +228,6 @@ class Cosmos3Omni(TileStages, Pipeline):
         if self.preset:
             return self.preset.model
         return mot.Cosmos3Config.from_diffusers(json.loads((self.config_folder / "transformer" / "config.json").read_text()))
-
-    def vae_config(self) -> cvae.Config:
-        return self.preset.vae if self.preset else cvae.config_from_folder(self.config_folder / "vae")
 
     @property
     def use_system_prompt(self) -> bool:
@@ -290,11 +287,6 @@ class Cosmos3Omni(TileStages, Pipeline):
             return jax.device_put(state), cfg
         return mot.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
                           prefetch=self.prefetch), cfg
-
-    def load_vae(self):
-        if self.preset:
-            return cvae.init(self.preset.vae, self.preset.seed + 3)
-        return cvae.load(self.folder / "vae")
 
     # ------------------------------------------------------------------ checks
     def weight_loaders(self, request) -> list:
@@ -359,13 +351,6 @@ class Cosmos3Omni(TileStages, Pipeline):
             warnings.warn(w, ShortPromptWarning, stacklevel=3)
         return out
 
-    def stage_params(self, kind, request, span=None):
-        p = super().stage_params(kind, request, span)
-        if kind == "encode" and request.options.get("video") is not None:
-            p["video_digest"] = video_digest(request.options["video"])
-            p["vae"] = self.fingerprint("vae")
-        return p
-
     # ------------------------------------------------------------------ phases
     def tokenize(self, prompts, negative: str | None, *, num_frames: int, height: int, width: int, fps: float,
                  system_prompt: bool | None = None, metadata: bool = True, tokenizer=None):
@@ -411,9 +396,6 @@ class Cosmos3Omni(TileStages, Pipeline):
     def latent_shape(self, batch: int, height: int, width: int, num_frames: int):
         sf, tf = cvae.factors(self.vae_config())
         return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, self.model_config().latent_channel)
-
-    def initial_noise(self, shape, seed: int):
-        return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
     def _tables(self, cfg, lens: list[int], lu: int, grid, fps):
         """Per-row rotary tables: text [R, Lu, hd] (the same for every row), vision [R, Lg, hd]."""
@@ -503,10 +485,6 @@ class Cosmos3Omni(TileStages, Pipeline):
 
     def decode_video(self, latents: np.ndarray, vae=None) -> np.ndarray:
         return to_unit_range(cvae.decode(vae or self.load_vae(), latents))
-
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
-        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
-        return to_uint8(to_unit_range(px)), cache
 
     #: the prompt length a plan assumes (the structured JSON prompts run to several hundred tokens)
     PLAN_TEXT_TOKENS = 1024
@@ -607,21 +585,7 @@ class Cosmos3Omni(TileStages, Pipeline):
         return {"latents": Named(lat, _LATENT, {"model": request.model, "layout": "reference [B, C, F, H, W]",
                                                 "normalised": True})}
 
-    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
-            return self.decode_tile_span(latents, span, carry, request)
-        a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
-        return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
-                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
-
     # ------------------------------------------------------------------ probe hooks
-    def vae_encode(self, video: np.ndarray) -> np.ndarray:
-        return cvae.encode(self.load_vae(), video)
-
-    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
-        return self.decode_video(latents)
-
     def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
         """The clean estimate ``x - sigma * v`` per row at the model timestep ``int(sigma * 1000)``
         (how the UniPC schedule hands it over), the first prompt, no guidance."""
