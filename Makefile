@@ -22,10 +22,12 @@ demo: $(STAMP)
 # the fast tier (CI): every check, exhaustive sweeps sampled (VIDAX_TEST_SEED reproduces a sample);
 # PYTEST_ARGS adds options (e.g. --junitxml=times.xml for python -m benchmarks.test_times)
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist load -q --durations=25 $(PYTEST_ARGS) tests
 
 # everything: every item of every sweep
 test-all: $(STAMP)
+	$(BIN)/ruff check .
 	VIDAX_TEST_ALL=1 $(BIN)/python -m pytest -n 2 --dist load -q --durations=25 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)

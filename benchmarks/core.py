@@ -91,7 +91,8 @@ def dit_1p3b(layers: int = 2, latents: tuple = (8, 32, 32), text_tokens: int = 5
              + 2 * 2 * L * D * F)  # feed-forward
     flops = layers * block + 2 * lt * (text_dim * D + D * D) + 2 * L * 64 * D * 2
     return dict(component="DiT forward (vs diffusers WanTransformer3DModel)",
-                config=f"{'1.3B widths: ' if D == 1536 else ''}dim {D}, {heads}x{hd} heads, FFN {ffn}, {layers} blocks, {L} video + {lt} text "
+                config=f"{'1.3B widths: ' if D == 1536 else ''}dim {D}, {heads}x{hd} heads, FFN {ffn}, {layers} blocks, "
+                       f"{L} video + {lt} text "
                        f"tokens{'' if dtype == 'float32' else ', ' + dtype}",
                 vidax=vidax, reference=reference, flops=flops)
 
@@ -131,7 +132,8 @@ def umt5_xxl(layers: int = 2, tokens: int = 512, device: str = "cpu", d_model: i
     d, inner, ff = d_model, heads * 64, d_ff
     flops = layers * (2 * L * d * inner * 4 + 4 * L * L * inner + 2 * L * d * ff * 3)
     return dict(component="Text encode (vs transformers UMT5EncoderModel)",
-                config=f"{'UMT5-XXL widths: ' if d == 4096 else ''}d_model {d}, {heads} heads, FFN {ff}, {layers} layers, {L} tokens",
+                config=f"{'UMT5-XXL widths: ' if d == 4096 else ''}d_model {d}, {heads} heads, FFN {ff}, {layers} layers, "
+                       f"{L} tokens",
                 vidax=lambda: enc(ij, mj).block_until_ready(), reference=reference, flops=flops)
 
 
@@ -194,7 +196,8 @@ def vae_decode_real_width(conv_impl=None, latents: tuple = (2, 16, 16), device: 
                 vae.decode_chunk_jit.lower(state, jax.device_put(z[:, :, 1:2]), cache, first=False, **kw)]
 
     return dict(component="VAE decode (vs diffusers AutoencoderKLWan)",
-                config=f"{'Wan2.1 widths: ' if base_dim == 96 else ''}base_dim {base_dim}, z 16, latents {f}x{h}x{w} -> {(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
+                config=f"{'Wan2.1 widths: ' if base_dim == 96 else ''}base_dim {base_dim}, z 16, latents {f}x{h}x{w} -> "
+                       f"{(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
                 vidax=lambda: np.asarray(vae.decode(state, cfg, z, conv_impl=conv_impl)), reference=reference,
                 flops=None, vidax_lowered=lowered, vidax_inputs=(state, cfg, z))
 

@@ -55,7 +55,8 @@ def run(repeat: int = 3, layers: int = 8):
     t = jnp.asarray([700.0, 700.0], jnp.float32)
     ctx = jnp.asarray(rng.standard_normal((b, lt, cfg.text_dim)), jnp.float32)
     n_dev = len(jax.devices())
-    shape = f"{layers} blocks, dim {cfg.dim}, {cfg.num_heads} heads, ffn {cfg.ffn_dim}, batch {b} x {f * h * w // 4} tokens, text {lt}"
+    shape = (f"{layers} blocks, dim {cfg.dim}, {cfg.num_heads} heads, ffn {cfg.ffn_dim}, batch {b} x {f * h * w // 4} tokens, "
+             f"text {lt}")
 
     single = dit.runner(params, cfg, None)
     base_fn = lambda: single(x, t, ctx).block_until_ready()

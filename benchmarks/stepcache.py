@@ -75,8 +75,8 @@ def main(argv=None):
                 seconds[name].append(rec["seconds"])
             evals[name] = rec["details"].get("dit_evaluations") or {"computed": 2 * a.steps, "skipped": 0}
     what = f"{a.layers} layers, width 256" if a.layers else "as is"
-    print(f"tiny Wan preset ({what}), {a.size}x{a.size}, {a.frames} frames, {a.steps} steps, CFG; sample stage seconds (median of "
-          f"{a.repeats}, first compiling round dropped):")
+    print(f"tiny Wan preset ({what}), {a.size}x{a.size}, {a.frames} frames, {a.steps} steps, CFG; sample stage seconds "
+          f"(median of {a.repeats}, first compiling round dropped):")
     ref = statistics.median(seconds["none"])
     for name in configs:
         med = statistics.median(seconds[name])

@@ -605,7 +605,8 @@ def generate_batch(prompt_file: str, store: str = "", defaults: dict | None = No
     good = [b for b in lines if b.request is not None]
     logger.info("%d prompts to run, %d lines rejected, mode %s", len(good), len(bad), mode)
     rows = [{"line": b.line, "prompt": "", "status": "rejected", "run": "", "output / error": b.error} for b in bad]
-    rows += _batch_local(good, store, logger) if mode == "local" else _batch_distributed(good, store, logger, slices, job_variables)
+    rows += _batch_local(good, store, logger) if mode == "local" else _batch_distributed(good, store, logger, slices,
+                                                                                         job_variables)
     rows.sort(key=lambda r: r["line"])
     create_table_artifact(rows, key=_artifact_key("vidax-batch", prompt_file.rsplit("/", 1)[-1]),
                           description=f"Batch summary for {prompt_file}")

@@ -70,7 +70,8 @@ def _typed(name: str, value, model: str):
         try:
             return t(value.strip()) if t is int else float(value)
         except ValueError:
-            raise RequestError(name, f"{value!r} is not a{'n' if t is int else ''} {'integer' if t is int else 'number'}") from None
+            raise RequestError(name,
+                               f"{value!r} is not a{'n' if t is int else ''} {'integer' if t is int else 'number'}") from None
     recipe = registry.MODELS.get(model)
     opt = recipe.option(name) if recipe is not None else None
     if opt is not None:

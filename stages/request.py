@@ -174,7 +174,8 @@ def validate(req: Request, pipeline=None, *, plan: bool = False) -> Request:
     prompts = req.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         got = next((p for p in prompts if not isinstance(p, str)), None) if prompts else None
-        raise RequestError("prompt", "must be a non-empty string" + (f", got {type(got).__name__} {got!r}" if got is not None else ""))
+        raise RequestError("prompt",
+                           "must be a non-empty string" + (f", got {type(got).__name__} {got!r}" if got is not None else ""))
     if req.negative_prompt is not None and not isinstance(req.negative_prompt, str):
         raise RequestError("negative_prompt", "must be a string")
     for name, texts in (("prompt", prompts), ("negative_prompt", [req.negative_prompt or ""])):

@@ -60,7 +60,8 @@ def ltx(folder: Path) -> list[str]:
     _index(folder, _class_name="LTXPipeline", transformer=["diffusers", "LTXVideoTransformer3DModel"],
            vae=["diffusers", "AutoencoderKLLTXVideo"], scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"])
     _t5(folder, DIT["caption_channels"], seed=4)
-    return ["--prompt", "a fox in snow", "--model", "ltx-video-0.9", "--height", "32", "--width", "32", "--frames", "9", "--guidance", "3"]
+    return ["--prompt", "a fox in snow", "--model", "ltx-video-0.9", "--height", "32", "--width", "32", "--frames", "9",
+            "--guidance", "3"]
 
 
 BUILDERS = {"cogvideox": cogvideox, "ltx": ltx}

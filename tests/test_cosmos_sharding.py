@@ -91,11 +91,12 @@ def cosmos3():
 @pytest.mark.parametrize("spec,chunk", [("tp=2", None), ("sp=4", None), ("dp=2,tp=2,sp=2", None), ("tp=2,sp=2", 1)])
 def test_cosmos3_scaled(cosmos3, spec, chunk):
     state, text, vis, cache_ref, ref = cosmos3
-    runner = mot.Cosmos3Runner(state, MCFG, spec, offload_chunk_size=chunk)
-    k, v = runner.text_cache(*text)
-    _close(k, cache_ref[0], f"Cosmos3 text cache {spec} offload={chunk}")
+    runner = mot.runner(state, MCFG, spec, offload_chunk_size=chunk)
+    ctx = mot.text_cache(runner, MCFG, *text)
+    kv = ctx["gen"] if chunk is None else {n: np.concatenate([c[n] for c in ctx["gen"]]) for n in ("k", "v")}
+    _close(kv["k"], cache_ref[0], f"Cosmos3 text cache {spec} offload={chunk}")
     patches, t, noisy, cg, sg, tmask = vis
-    _close(runner.vision(patches, t, noisy, cg, sg, (k, v), tmask), ref, f"Cosmos3 vision {spec} offload={chunk}")
+    _close(mot.vision(runner, MCFG, patches, t, noisy, cg, sg, ctx, tmask), ref, f"Cosmos3 vision {spec} offload={chunk}")
 
 
 def test_cosmos3_indivisible_mesh_fails_before_compute(cosmos3):
@@ -103,7 +104,7 @@ def test_cosmos3_indivisible_mesh_fails_before_compute(cosmos3):
 
     state = cosmos3[0]
     with pytest.raises(ShardingConfigError, match="num_key_value_heads"):
-        mot.Cosmos3Runner(state, MCFG, "tp=4")
+        mot.runner(state, MCFG, "tp=4")
 
 
 # ----------------------------------------------------------------------------------- pipelines

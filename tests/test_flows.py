@@ -102,7 +102,8 @@ def test_generate_deployment_local_and_distributed_same_video(deployed, tmp_path
 
     async def children():
         async with get_client() as c:
-            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[fr2.id])))
+            runs = await c.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[fr2.id])))
             deps = {}
             for r in runs:
                 d = await c.read_deployment(r.deployment_id)
@@ -127,7 +128,8 @@ def _child_id(parent_id, stage):
 
     async def go():
         async with get_client() as c:
-            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            runs = await c.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
             return next(r.id for r in runs if r.parameters.get("stage") == stage)
 
     return asyncio.run(go())
@@ -301,7 +303,8 @@ def test_batch_one_failing_prompt_does_not_sink_the_others(prefect_server, tmp_p
     assert state.is_failed()
     assert "failed lines [3]" in state.message
     videos = sorted(p.parent.name for p in (tmp_path / "store/runs").glob("*/video.mp4"))
-    assert len(videos) == 2 and any(v.startswith("a-red-boat") for v in videos) and any(v.startswith("a-blue-boat") for v in videos)
+    assert len(videos) == 2 and any(v.startswith("a-red-boat") for v in videos)
+    assert any(v.startswith("a-blue-boat") for v in videos)
     # the batch's summary table (in local mode each run's stage table belongs to the batch's flow run too)
     arts = [a for a in _artifacts(state.state_details.flow_run_id)
             if a.type == "table" and (a.key or "").startswith("vidax-batch")]
@@ -336,7 +339,8 @@ def _children(parent_id) -> list:
 
     async def go():
         async with get_client() as c:
-            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            runs = await c.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
             return [(r.created, (await c.read_deployment(r.deployment_id)).name, r.state.type.value, r.parameters)
                     for r in runs]
 

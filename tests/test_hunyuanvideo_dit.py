@@ -128,7 +128,8 @@ def scale_setup():
     state = dit.init_state(SCFG, seed=0)
     rng = np.random.default_rng(0)
     args = (jnp.asarray(rng.standard_normal((2, 2, 8, 8, 4)), jnp.float32), jnp.asarray([999.0, 300.0]),
-            jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32), jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], jnp.float32),
+            jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32), jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]],
+                                                                                   jnp.float32),
             jnp.asarray(rng.standard_normal((2, 12)), jnp.float32), jnp.asarray([6000.0, 2000.0]))
     fwd = jax.jit(dit.forward, static_argnums=1)
     params = jax.tree.map(jnp.asarray, state)

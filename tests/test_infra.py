@@ -223,7 +223,8 @@ def _registry_cases():
     pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}") for case in _registry_cases()])
 def test_registry_stage_job_variables_fit_the_tpu_template(model, preset, kind, jv):
     schema = _template(TPU)["variables"]
-    assert set(jv) <= set(schema["properties"]), f"job variables the TPU template does not declare: {set(jv) - set(schema['properties'])}"
+    undeclared = set(jv) - set(schema["properties"])
+    assert not undeclared, f"job variables the TPU template does not declare: {undeclared}"
     jsonschema.validate(jv, {"type": "object", "properties": schema["properties"]})
     chips = jv.get("tpu_chips", schema["properties"]["tpu_chips"]["default"])
     hosts = jv.get("tpu_hosts", schema["properties"]["tpu_hosts"]["default"])

@@ -246,8 +246,9 @@ def test_ltx2_lora_with_connector_keys(tmp_path):
     for n, m in conn.named_modules():
         if isinstance(m, torch.nn.Linear):
             name = n.replace("text_proj_in", "aggregate_embed")
-            sd[f"text_embedding_projection.{name}.lora_A.weight"] = (0.3 * rng.standard_normal((4, m.in_features))).astype(np.float32)
-            sd[f"text_embedding_projection.{name}.lora_B.weight"] = (0.3 * rng.standard_normal((m.out_features, 4))).astype(np.float32)
+            pre = f"text_embedding_projection.{name}"
+            sd[f"{pre}.lora_A.weight"] = (0.3 * rng.standard_normal((4, m.in_features))).astype(np.float32)
+            sd[f"{pre}.lora_B.weight"] = (0.3 * rng.standard_normal((m.out_features, 4))).astype(np.float32)
             n_conn += 1
     assert n_conn >= 3
     lora = tmp_path / "av.safetensors"

@@ -223,7 +223,8 @@ def test_audio_vae_and_vocoders(tmp_path):
     assert_parity(m.forward(mel), r, what="LTX2VocoderWithBWE")
 
 
-DD = dict(latent_channels=8, decoder_head_dim=8, decoder_stage_channels=(32, 16, 16, 16, 16), decoder_stage_depths=(1, 1, 1, 1, 2),
+DD = dict(latent_channels=8, decoder_head_dim=8, decoder_stage_channels=(32, 16, 16, 16, 16), decoder_stage_depths=(1, 1, 1, 1,
+                                                                                                                    2),
           decoder_stage_kernels=((3, 1, 1), (3, 3, 3), (3, 3, 3), (3, 3, 3)), decoder_upsample_channel_reductions=(2, 1, 1, 1),
           decoder_stage5_kernel=(3, 5, 3), decoder_t_emb_dim=16)
 

@@ -83,7 +83,8 @@ def test_offload_footprint_bounded_by_a_chunk(setup, mesh):
             h_bytes = vsh.shard_bytes(a["h"].shape, a["h"].dtype, a["h"].sharding.spec, r.mesh)
             n_res = 2 if (prefetch and pool.num_chunks > 1) else 1
             bound = n_res * pool.chunk_bytes + 2 * h_bytes
-            print(f"{c} | {prefetch} | {pool.chunk_bytes} | {ma.argument_size_in_bytes} | {ma.temp_size_in_bytes} | {extra} | {bound}")
+            print(f"{c} | {prefetch} | {pool.chunk_bytes} | {ma.argument_size_in_bytes} | {ma.temp_size_in_bytes} | {extra} "
+                  f"| {bound}")
             assert st.peak_resident_chunks == n_res
             assert extra <= bound
             if c < OCFG.num_layers:

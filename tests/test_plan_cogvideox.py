@@ -21,7 +21,8 @@ def test_tiny_plan_weights_are_the_models_parameters():
     want = {"encode": tree_nbytes(t5.init(pipe.text_config()[0]).state),
             "sample": tree_nbytes(cdit.init_state(pipe.dit_config())),
             # (the VAE's shapes from its constructor: a seeded init of its ~100 tensors takes 20 s on a CPU)
-            "decode": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cvae.param_shapes(pipe.vae_config())))}
+            "decode": sum(int(np.prod(a.shape)) * a.dtype.itemsize
+                          for a in jax.tree.leaves(cvae.param_shapes(pipe.vae_config())))}
     assert [s.kind for s in p.stages] == ["encode", "sample", "decode"]
     for s in p.stages:
         assert s.units and all(u.peak > 0 and u.weights == want[s.kind] for u in s.units), (s.kind, s.units)

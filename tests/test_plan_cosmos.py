@@ -13,7 +13,8 @@ def test_tiny_cosmos_predict():
     pipe = registry.get("cosmos2.5-2b").build("tiny", None)
     u = {(s.kind, m.name): m for s in p.stages for m in s.units}
     want = {("encode", "Qwen2.5-VL text encoder (all layers)"): pipe.load_text_encoder().state,
-            ("sample", "DiT step"): pipe._load_dit_host()[0], ("decode", "VAE decode, one latent frame of one 256-px tile"): pipe.load_vae()[0]}  # tiles by default
+            ("sample", "DiT step"): pipe._load_dit_host()[0],
+            ("decode", "VAE decode, one latent frame of one 256-px tile"): pipe.load_vae()[0]}  # tiles by default
     assert set(u) == set(want)
     for k, state in want.items():
         assert u[k].peak > 0 and u[k].weights == tree_nbytes(state), k

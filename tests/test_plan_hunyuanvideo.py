@@ -18,7 +18,8 @@ def test_tiny_plan_weights_are_the_models_parameters():
     pipe = HunyuanVideoT2V("tiny")
     llm, clip = pipe.load_text_encoders()
     want = {"Llama text encoder": tree_nbytes(llm.state), "CLIP-L text encoder": tree_nbytes(clip.state),
-            "DiT step": tree_nbytes(hdit.init_state(pipe.dit_config())), "VAE decode, one tile": tree_nbytes(pipe.load_vae().state)}
+            "DiT step": tree_nbytes(hdit.init_state(pipe.dit_config())),
+            "VAE decode, one tile": tree_nbytes(pipe.load_vae().state)}
     assert [s.kind for s in p.stages] == ["encode", "sample", "decode"]
     units = {u.name: u for s in p.stages for u in s.units}
     assert sorted(units) == sorted(want)

@@ -70,6 +70,52 @@ class CompatModel:
         return f"<vidax {self.name}>"
 
 
+def load_dit(wrap: Callable, load: Callable, runner: Callable, constraints, check_chunks: Callable, *, mesh=None,
+             parallelism: str | None = None, offload_chunk_size=None, prefetch: bool = True, attn_impl=None,
+             **_) -> CompatModel:
+    """The part of a DiT's adapter every family shares: ``load() -> (host state, cfg)``, ``wrap(state,
+    cfg, runner) -> CompatModel``. On one device the state is placed whole (``runner`` None); with a
+    mesh or offloading, an impossible layout fails before a tensor is read (``constraints``, the
+    family's ``parallel_constraints``; ``check_chunks(offload_chunk_size)``), each host reads only its
+    devices' shards, and ``runner(state, cfg, mesh, parallelism, ...)`` runs it."""
+    import jax
+
+    from vidax.core import mesh as vmesh
+    from vidax.core import sharding as vsh
+    from vidax.weights.keymap import lazy_params
+
+    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
+        state, cfg = load()
+        return wrap(jax.device_put(state), cfg, None)
+    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
+    vsh.resolve_parallelism(parallelism, m)
+    vmesh.check_divisible(list(constraints), m, ring=vmesh.ring_degree(mesh))
+    if offload_chunk_size is not None:
+        check_chunks(offload_chunk_size)
+    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
+        state, cfg = load()
+    return wrap(None, cfg, runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch,
+                                  attn_impl=attn_impl, ring=vmesh.ring_degree(mesh)))
+
+
+def register_dit(name: str, from_config: Callable, wrap: Callable, load: Callable, runner: Callable, *,
+                 constraints: Callable, check_chunks: Callable | None = None) -> None:
+    """Register DiT ``name``'s scalable adapter (:func:`load_dit`): ``from_config(config.json) -> cfg``,
+    ``wrap(config, state, cfg, runner) -> CompatModel``, ``load(folder, cfg, dtype=) -> (host state,
+    cfg)``, ``runner(state, cfg, mesh, parallelism, **kw)``, ``constraints(cfg)`` (the family's
+    ``parallel_constraints``), ``check_chunks(offload_chunk_size, cfg)`` (default: one stack of
+    ``cfg.num_layers``)."""
+    def adapter(config: dict, folder: Path, dtype=np.float32, **kw) -> CompatModel:
+        from vidax.core.offload import resolve_chunk_size
+
+        cfg = from_config(config)
+        check = check_chunks or (lambda c, cfg: resolve_chunk_size(c, cfg.num_layers))
+        return load_dit(lambda state, c, r: wrap(config, state, c, r), lambda: load(folder, cfg, dtype=dtype), runner,
+                        constraints(cfg), lambda c: check(c, cfg), **kw)
+
+    register(name, scalable=True)(adapter)
+
+
 def read_config(folder: str | Path) -> dict:
     folder = Path(folder)
     cfg_path = folder / "config.json"

@@ -725,5 +725,6 @@ def unpack_state(arrays: Mapping[str, np.ndarray], template):
     n = treedef.num_leaves
     missing = [f"state_{i}" for i in range(n) if f"state_{i}" not in arrays]
     if "latents" not in arrays or missing:
-        raise ValueError(f"sampling checkpoint is incomplete: missing {(['latents'] if 'latents' not in arrays else []) + missing}")
+        gone = (["latents"] if "latents" not in arrays else []) + missing
+        raise ValueError(f"sampling checkpoint is incomplete: missing {gone}")
     return arrays["latents"], jax.tree.unflatten(treedef, [arrays[f"state_{i}"] for i in range(n)])

@@ -144,7 +144,8 @@ def bench_siglip_vision():
         with torch.no_grad():
             ref(pixel_values=pt)
 
-    return dict(component="SigLIP vision (vs transformers SiglipVisionModel)", config="4 layers, D 768, 12 heads, 224 px / 16 (196 tokens), head",
+    return dict(component="SigLIP vision (vs transformers SiglipVisionModel)",
+                config="4 layers, D 768, 12 heads, 224 px / 16 (196 tokens), head",
                 vidax=run_vidax, reference=run_ref)
 
 

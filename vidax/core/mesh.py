@@ -390,6 +390,15 @@ def valid_sizes(axis: str, rules: Sequence[Divisible], sizes: Mapping[str, int],
     return cand
 
 
+def input_rules(tokens: int | None = None, batch: int | None = None, what: str = "tokens") -> list:
+    """The rules of a DiT's inputs on a mesh: ``tokens`` (named ``what``) against sp, the batch
+    (2B with CFG) against dp; an argument left None adds none."""
+    r = [] if tokens is None else [SpTokens(what, tokens)]
+    if batch is not None:
+        r.append(Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
+    return r
+
+
 def check_divisible(rules: Sequence, mesh: Mesh | Mapping[str, int] | str | None, max_devices: int | None = None,
                     ring: int | None = None) -> None:
     """Raise :class:`ShardingConfigError` for the first rule the mesh breaks, naming the rule and

@@ -292,6 +292,37 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
+class StackedDiT(nnx.Module):
+    """``embed`` -> ``cfg.num_layers`` stacked ``blocks`` -> ``head``: the modules of a one-stack DiT
+    built from the family's ``EMBED`` / ``BLOCK`` / ``HEAD`` classes (each ``cls(cfg, rngs=,
+    param_dtype=)``), with :class:`vidax.core.runner.DiTRunner`'s default ``step``: the block on the
+    carry's ``h`` and every constant."""
+
+    EMBED = BLOCK = HEAD = None
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = self.EMBED(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.blocks = stack(lambda r: self.BLOCK(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
+        self.head = self.HEAD(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    @staticmethod
+    def step(blk, carry, consts, par):
+        return {"h": blk(carry["h"], consts, par)}
+
+
+class TextDiT(StackedDiT):
+    """A :class:`StackedDiT` whose blocks cross-attend to the text ``ctx`` through ``attn2``
+    (``attn2.context_kv(ctx, par)``): those keys / values are computed once per sample stage."""
+
+    CONTEXT = ("ctx",)
+
+    @staticmethod
+    def kv(blk, c, par):
+        """This block's text keys / values, from ``embed.kv_context``."""
+        return blk.attn2.context_kv(c["ctx"], par)
+
+
 class ModelKit:
     """The construction helpers a family's top-level module exposes, written once. ``cls(cfg,
     rngs=, param_dtype=)`` builds the module; ``units`` names the graphdefs the runners merge one
@@ -352,6 +383,31 @@ class ModelKit:
     @functools.cached_property
     def _abstract(self):
         return functools.lru_cache(maxsize=None)(lambda cfg, dtype: nnx.eval_shape(lambda: self.build(cfg, 0, dtype)))
+
+    def load(self, path, cfg, dtype, *, from_config, keymap, what, is_original=None, config_from_original=None,
+             prefix: str | None = None, keep_others: bool = False):
+        """``(host state, cfg)`` from a diffusers folder (``from_config`` of its ``config.json`` when
+        ``cfg`` is None) or an original-release checkpoint (``is_original(names)``; its config from
+        ``config_from_original(ckpt)`` when none is given): the abstract state filled tensor by
+        tensor, cast on the host; nothing random is materialised. ``prefix`` (e.g.
+        ``"model.diffusion_model."``) is stripped where the names carry it (the other names
+        dropped unless ``keep_others``); ``keymap(cfg, original)``, ``what(cfg)`` names the model."""
+        from pathlib import Path
+
+        from vidax import compat
+        from vidax.weights import load_checkpoint_params, open_checkpoint
+
+        path = Path(path)
+        if cfg is None and path.is_dir() and (path / "config.json").exists():
+            cfg = from_config(compat.read_config(path))
+        ckpt = open_checkpoint(path)
+        names = list(ckpt)
+        if prefix and any(n.startswith(prefix) for n in names):
+            ckpt = {n.removeprefix(prefix): ckpt[n] for n in names if keep_others or n.startswith(prefix)}
+        pure, cfg = load_checkpoint_params(
+            ckpt, cfg, is_original=is_original or (lambda names: False), config_from_original=config_from_original,
+            keymap=keymap, shapes=lambda c: self.param_shapes(c, dtype), dtype=dtype, what=what, source=path)
+        return fill(self.abstract_state(cfg, dtype), pure), cfg
 
     def runner(self, state, cfg, mesh=None, parallelism=None, **kw):
         """:class:`vidax.core.runner.DiTRunner` of this model for ``state`` (host numpy preferred,

@@ -50,8 +50,9 @@ def resolve_chunk_size(chunk_size, num_layers: int) -> int:
         return num_layers
     c = int(chunk_size)
     if c < 1 or num_layers % c:
+        valid = ", ".join(map(str, valid_chunk_sizes(num_layers)))
         raise OffloadConfigError(f"offload_chunk_size={chunk_size} does not divide num_layers={num_layers} "
-                                 f"(every chunk must have the same shape); valid: {', '.join(map(str, valid_chunk_sizes(num_layers)))}")
+                                 f"(every chunk must have the same shape); valid: {valid}")
     return c
 
 
@@ -168,7 +169,8 @@ class OffloadRunner:
             else:
                 hs = jax.tree.map(lambda s: _with_memory_kind(s, kind), shardings,
                                   is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-                chunks.append(jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]), chunk, hs))
+                chunks.append(jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]), chunk,
+                                           hs))
         per_dev = 0
         one = jax.tree.map(lambda a: a[:c], host_np)
         for a, s in zip(jax.tree.leaves(one), jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):
@@ -241,17 +243,22 @@ class OffloadRunner:
                         jax.block_until_ready(carry)
         return carry
 
-    def map(self, name: str, fn: Callable, *args) -> list:
+    def map(self, name: str, fn: Callable, *args, carry: bool = False) -> list:
         """``[fn(chunk_i, *args) for every chunk]`` of stack ``name``: the chunks streamed as in
         :meth:`run` (the next one's transfer overlapping this one's compute), ``fn`` jitted by the
-        caller; what a sample stage computes once from every block (the text keys / values)."""
+        caller; what a sample stage computes once from every block (the text keys / values).
+        ``carry``: ``fn(chunk_i, a) -> (a, out)`` with one argument ``a`` flowing from chunk to chunk
+        (a sequential pass); the list holds the ``out`` s."""
         pool = self.pools[name]
         n, outs = pool.num_chunks, []
         nxt = self._put(pool, 0)
         for i in range(n):
             cur = nxt
             nxt = self._put(pool, i + 1) if i + 1 < n else None
-            outs.append(fn(cur, *args))
+            out = fn(cur, *args)
+            if carry:
+                args, out = (out[0],), out[1]
+            outs.append(out)
             del cur
             if nxt is not None:
                 jax.block_until_ready(outs[-1])

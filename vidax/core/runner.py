@@ -30,6 +30,11 @@ stack): that block's keys / values, stacked over the layers by :meth:`DiTRunner.
 :func:`context_local`) once per sample stage. A call given ``context=`` that tree instead of the
 ``CONTEXT`` inputs hands ``step`` its block's slice as ``consts["kv"]``; activations' logical axes
 come from ``act_spec`` of the per-layer names. :data:`TEXT_KV_ONCE` (default on) switches it off.
+``KV_FROM = {stack: source}`` (optional): that stack's K/V are computed by *another* stack, run in
+sequence over the layers (a text pathway whose hidden state flows from layer to layer, Cosmos3): the
+source stack is placed and streamed like the others but never runs in the forward, and
+``kv_<stack>(source_block, consts, par) -> (consts, kv)`` carries the context constants through the
+layers. ``prepare_context(inputs, dtype)`` (optional) replaces the default cast of the context inputs.
 
 jit the unit: one program for the resident forward; offloaded, one prologue, one chunk program per
 stack (every chunk has the same signature) and one epilogue, looped over in Python.
@@ -76,28 +81,42 @@ def _kv_hook(model, name):
     return getattr(model, "kv" if name == "blocks" else f"kv_{name}", None)
 
 
-def _kv_scan(fn, graph, blocks, consts, par):
-    """``fn(block, consts, par)`` of every layer of a stack (state ``blocks``), stacked on axis 0."""
+def _kv_source(model, name):
+    """The stack whose layers compute stack ``name``'s K/V in sequence (``KV_FROM``), or None."""
+    return dict(getattr(model, "KV_FROM", None) or {}).get(name)
+
+
+def _kv_scan(fn, graph, blocks, consts, par, carried: bool = False):
+    """``fn(block, consts, par)`` of every layer of a stack (state ``blocks``), stacked on axis 0;
+    ``carried``: ``fn`` returns ``(consts, kv)`` and the constants flow from layer to layer (returns
+    ``(consts, kv)``)."""
+    if carried:
+        return jax.lax.scan(lambda c, s: fn(nnx.merge(graph, s), c, par), consts, blocks)
     _, ys = jax.lax.scan(lambda c, s: (c, fn(nnx.merge(graph, s), consts, par)), None, blocks)
     return ys
 
 
-def _cast_context(inputs: dict, dtype) -> dict:
-    return {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in inputs.items()
-            if v is not None}
+def _cast_context(inputs: dict, dtype, model=None) -> dict:
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    prepare = getattr(model, "prepare_context", None)
+    if prepare is not None:
+        return prepare(inputs, dtype)
+    return {k: (v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v) for k, v in inputs.items()}
 
 
 def context_local(model, inputs: dict, dtype, par=vsh.LOCAL) -> dict:
     """A (concrete) model's once-computed context on one device: ``{stack: {name: [layers, ...]}}``
     from the ``CONTEXT`` ``inputs`` (cast to the compute ``dtype``); what :func:`run_local` takes as
     ``context``."""
-    consts = model.embed.kv_context(_cast_context(inputs, dtype), par)
+    consts = model.embed.kv_context(_cast_context(inputs, dtype, model), par)
     out = {}
     for name in getattr(model, "STACKS", ("blocks",)):
         fn = _kv_hook(model, name)
         if fn is not None:
-            graph, state = nnx.split(getattr(model, name))
-            out[name] = _kv_scan(fn, graph, state, consts, par)
+            src = _kv_source(model, name)
+            graph, state = nnx.split(getattr(model, src or name))
+            kv = _kv_scan(fn, graph, state, consts, par, carried=src is not None)
+            out[name] = kv if src is None else kv[1]
     return out
 
 
@@ -155,7 +174,10 @@ class DiTRunner:
         self.ring = ring if ring is not None else vmesh.ring_degree(mesh)
         self.cfg = getattr(model, "cfg", None)
         self.stack_names = tuple(getattr(model, "STACKS", ("blocks",)))
-        self.graphs = {k: nnx.graphdef(getattr(model, k)) for k in ("embed", "head", *self.stack_names)}
+        # the stacks only a once-computed context runs (KV_FROM sources): placed and streamed alike
+        self.all_stacks = self.stack_names + tuple(dict.fromkeys(
+            s for n in self.stack_names if (s := _kv_source(model, n)) and s not in self.stack_names))
+        self.graphs = {k: nnx.graphdef(getattr(model, k)) for k in ("embed", "head", *self.all_stacks)}
         self.mesh = vmesh.make_mesh(mesh)  # None: a 1x1x1 mesh on the first device
         self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
         vmesh.check_divisible(list(constraints), self.mesh, ring=self.ring)
@@ -165,24 +187,30 @@ class DiTRunner:
         vsh.check_param_divisibility(state, self.specs, self.mesh)
         self.dtype = np.dtype(jax.tree.leaves(state[self.stack_names[0]])[0].dtype)
         self.rest_specs = self._rest(self.specs)
-        self.stack_specs = {n: self.specs[n] for n in self.stack_names}
+        self.stack_specs = {n: self.specs[n] for n in self.all_stacks}
         self.rest = vsh.place(self._rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
         shardings = {n: vsh.named_shardings(self.mesh, s) for n, s in self.stack_specs.items()}
+
         self._tables: dict = {}
         self.cache = None  # a vidax.core.stepcache.StepCache: __call__ runs the cached units (use_cache)
         self._cunits: dict = {}
         self.offload = None
         self.stacks = None
         if offload_chunk_size is None:
-            self.stacks = {n: vsh.place(state[n], shardings[n]) for n in self.stack_names}
+            self.stacks = {n: vsh.place(state[n], shardings[n]) for n in self.all_stacks}
             self._fwd = jax.jit(self._forward)
         else:
             parse = getattr(model, "chunk_sizes", None)  # a family's own spec, e.g. "double=4,single=8"
             sizes = parse(offload_chunk_size) if parse is not None else (
                 offload_chunk_size if isinstance(offload_chunk_size, dict) else {})
             self.offload = voff.OffloadRunner(prefetch=prefetch, track_memory=track_memory)
-            for n in self.stack_names:
+            for n in self.all_stacks:
                 self.offload.add_stack(n, state[n], self._chunk_fn(n), sizes.get(n, offload_chunk_size), shardings[n])
+            for n in self.stack_names:  # a sequential context is streamed in the chunks its stack runs in
+                src = _kv_source(model, n)
+                if src is not None and self.offload.pools[src].chunk_size != self.offload.pools[n].chunk_size:
+                    raise voff.OffloadConfigError(f"offload chunk sizes of {src!r} and {n!r} differ; "
+                                                  f"{src!r} computes {n!r}'s keys / values chunk by chunk")
             self._pre = jax.jit(self._prologue)
             self._links = {n: jax.jit(self._link_fn(n)) for n in self.stack_names[1:]
                            if getattr(model, f"link_{n}", None) is not None}
@@ -201,7 +229,11 @@ class DiTRunner:
         return context_names(self.model) if self.kv_stacks else ()
 
     def _rest(self, tree) -> nnx.State:
-        return nnx.State({k: v for k, v in tree.items() if k not in self.stack_names})
+        return nnx.State({k: v for k, v in tree.items() if k not in self.all_stacks})
+
+    def _fwd_stacks(self, tree) -> dict:
+        """The stacks the forward runs (not a context's source stacks)."""
+        return {n: tree[n] for n in self.stack_names}
 
     # ------------------------------------------------------------------ specs
     @property
@@ -276,6 +308,10 @@ class DiTRunner:
             return consts, par
         consts = dict(consts)
         return consts, par.with_valid(consts.pop(_VALID))
+
+    def context_shardings(self, tree) -> dict:
+        """The placement of a context tree (or of its shapes) as :meth:`context` returns it."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._kv_specs(tree), is_leaf=_is_spec)
 
     def _kv_specs(self, tree):
         """Specs of a context tree ``{stack: {name: [layers, ...]}}``: the layer axis whole, the
@@ -402,8 +438,8 @@ class DiTRunner:
             return self._head(rest, carry, consts, par)
 
         out_specs = self._specs(out_s)
-        y = self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a), self._kv_specs(context)),
-                       out_specs)(rest, stacks, a, context)
+        y = self._smap(inner, (self.rest_specs, self._fwd_stacks(self.stack_specs), self._specs(a),
+                               self._kv_specs(context)), out_specs)(rest, self._fwd_stacks(stacks), a, context)
         y = self._unpad(self._gather(y, out_specs), out_specs, valid)
         return self._finish(y, _shapes_key(inputs))
 
@@ -441,34 +477,47 @@ class DiTRunner:
     def _context_consts(self, rest, a, par):
         return nnx.merge(self.graphs["embed"], rest["embed"]).kv_context(a, par)
 
-    def _kv_local(self, name, blocks, consts, par):
-        return _kv_scan(_kv_hook(self.model, name), self.graphs[name], blocks, consts, par)
+    def _src(self, name) -> str:
+        """The stack whose weights compute stack ``name``'s K/V (itself unless ``KV_FROM`` says)."""
+        return _kv_source(self.model, name) or name
+
+    def _kv_local(self, name, blocks, consts, par, carried_out: bool = False):
+        """Stack ``name``'s K/V over the layers of ``blocks`` (its source stack's); ``carried_out``:
+        ``(consts, kv)`` of a sequential context (the constants the next chunk starts from)."""
+        src = _kv_source(self.model, name)
+        out = _kv_scan(_kv_hook(self.model, name), self.graphs[self._src(name)], blocks, consts, par,
+                       carried=src is not None)
+        return out if src is None or carried_out else out[1]
 
     def _context_forward(self, rest, stacks, inputs):
-        a = _cast_context(inputs, self.dtype)
+        a = _cast_context(inputs, self.dtype, self.model)
         consts_s = jax.eval_shape(lambda r, a: self._context_consts(r, a, vsh.LOCAL), rest, a)
-        out_s = jax.eval_shape(lambda s, k: {n: self._kv_local(n, s[n], k, vsh.LOCAL) for n in self.kv_stacks},
+        srcs = {self._src(n): self.stack_specs[self._src(n)] for n in self.kv_stacks}
+        out_s = jax.eval_shape(lambda s, k: {n: self._kv_local(n, s[self._src(n)], k, vsh.LOCAL) for n in self.kv_stacks},
                                stacks, consts_s)
 
         def inner(rest, stacks, a):
             consts = self._context_consts(rest, a, self.par)
-            return {n: self._kv_local(n, stacks[n], consts, self.par) for n in self.kv_stacks}
+            return {n: self._kv_local(n, stacks[self._src(n)], consts, self.par) for n in self.kv_stacks}
 
-        return self._smap(inner, (self.rest_specs, {n: self.stack_specs[n] for n in self.kv_stacks}, self._specs(a)),
-                          self._kv_specs(out_s))(rest, {n: stacks[n] for n in self.kv_stacks}, a)
+        return self._smap(inner, (self.rest_specs, srcs, self._specs(a)),
+                          self._kv_specs(out_s))(rest, {n: stacks[n] for n in srcs}, a)
 
     def _context_prologue(self, rest, inputs):
-        a = _cast_context(inputs, self.dtype)
+        a = _cast_context(inputs, self.dtype, self.model)
         consts_s = jax.eval_shape(lambda r, a: self._context_consts(r, a, vsh.LOCAL), rest, a)
         return self._smap(lambda r, a: self._context_consts(r, a, self.par), (self.rest_specs, self._specs(a)),
                           self._specs(consts_s))(rest, a)
 
     def _kv_chunk_fn(self, name):
+        src, carried = self._src(name), _kv_source(self.model, name) is not None
+
         def chunk(blocks, consts):
-            out_s = jax.eval_shape(lambda b, k: self._kv_local(name, b, k, vsh.LOCAL), blocks, consts)
-            return self._smap(lambda b, k: self._kv_local(name, b, k, self.par),
-                              (self.stack_specs[name], self._specs(consts)),
-                              self._kv_specs({name: out_s})[name])(blocks, consts)
+            out_s = jax.eval_shape(lambda b, k: self._kv_local(name, b, k, vsh.LOCAL, carried), blocks, consts)
+            out_specs = ((self._specs(out_s[0]), self._kv_specs({name: out_s[1]})[name]) if carried
+                         else self._kv_specs({name: out_s})[name])
+            return self._smap(lambda b, k: self._kv_local(name, b, k, self.par, carried),
+                              (self.stack_specs[src], self._specs(consts)), out_specs)(blocks, consts)
         return chunk
 
     def context(self, inputs: dict) -> dict:
@@ -480,13 +529,14 @@ class DiTRunner:
         if self.offload is None:
             return _context_program(self)(self.params, inputs)
         consts = self._ctx_pre(self.rest, inputs)
-        return {n: self.offload.map(n, self._ctx_chunks[n], consts) for n in self.kv_stacks}
+        return {n: self.offload.map(self._src(n), self._ctx_chunks[n], consts, carry=_kv_source(self.model, n) is not None)
+                for n in self.kv_stacks}
 
     def context_apply(self, params, inputs: dict) -> dict:
         """Traceable :meth:`context` of the resident runner (``params``: :attr:`params` or
         :meth:`step_params`)."""
         inputs = {k: jnp.asarray(v) for k, v in inputs.items() if v is not None}
-        return self._context_forward(params["rest"], {n: params[n] for n in self.stack_names}, inputs)
+        return self._context_forward(params["rest"], {n: params[n] for n in self.all_stacks}, inputs)
 
     def _link_fn(self, name):
         def link(carry, consts):
@@ -688,7 +738,7 @@ class DiTRunner:
         """The placed state (resident runner), ``{"rest", <stack>...}``: pass it to :meth:`apply`."""
         if self.offload is not None:
             raise ValueError("an offloading runner streams its blocks; call the runner, not apply()")
-        return {"rest": self.rest, **self.stacks}
+        return {"rest": self.rest, **self.stacks}  # with a context's source stacks
 
     def step_params(self, shapes: dict) -> dict:
         """:attr:`params` plus the host tables of inputs of ``shapes`` (name -> shape, and any static

@@ -176,8 +176,9 @@ def denoise(model_fn, params, sched, x, cond, uncond=None, *, guidance: float = 
             model_call: Callable | None = None, stop: int | None = None, prepare: Callable | None = None,
             aux=None, cache_key=None, context: Callable | None = None):
     """Run steps ``start..stop-1`` (``stop`` defaults to N) from latents ``x`` (channels-last,
-    float32; copied once, then donated step to step, as is the scheduler state). Returns ``(x, state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the
-    returned state on) is the same run as one that never stopped.
+    float32; copied once, then donated step to step, as is the scheduler state). Returns ``(x,
+    state)``; a run split into segments ``[0, k)`` and ``[k, N)`` (passing the returned state on)
+    is the same run as one that never stopped.
 
     ``model_fn(params, x, t, ctx)`` is traced into one jitted step; alternatively ``model_call(x, t,
     ctx)`` is called from Python each step (models that stream their weights) and only the

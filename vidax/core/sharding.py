@@ -94,7 +94,8 @@ def check_param_divisibility(tree, specs, mesh: Mesh) -> None:
         for d, ax in enumerate(spec):
             for a in (ax,) if isinstance(ax, str) else (ax or ()):
                 if leaf.shape[d] % sizes[a]:
-                    raise ShardingConfigError(f"parameter {path} dim {d} (size {leaf.shape[d]}) is not divisible by {a}={sizes[a]}")
+                    raise ShardingConfigError(f"parameter {path} dim {d} (size {leaf.shape[d]}) is not divisible by "
+                                              f"{a}={sizes[a]}")
 
 
 def place(tree, shardings):
@@ -430,6 +431,19 @@ class ParallelContext:
         row = self.mesh_axis(layer.kernel, -2)
         return layer(x) if row is None else row_parallel_linear(layer, x, row)
 
+    def lookup(self, embed: nnx.Embed, ids):
+        """Rows ``ids`` of an embedding table that may be split over its vocabulary (Megatron's
+        vocab-parallel lookup: each device reads the ids in its own rows, zeros elsewhere, one psum)."""
+        ax = self.mesh_axis(embed.embedding, -2)
+        if ax is None:
+            return embed(ids)
+        table = embed.embedding[...]
+        n = table.shape[0]
+        local = ids - jax.lax.axis_index(ax) * n
+        hit = (local >= 0) & (local < n)
+        rows = jnp.take(table, jnp.clip(local, 0, n - 1), axis=0)
+        return jax.lax.psum(jnp.where(hit[..., None], rows, jnp.zeros((), rows.dtype)), ax)
+
     def feature_sum(self, var: nnx.Variable, s, n: int):
         """``(s, n)`` -> the sum ``s`` over a feature dim and its length ``n``, completed across the
         devices that hold the other features when ``var``'s last axis is split."""
@@ -491,7 +505,27 @@ def with_constraint(x, mesh: Mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-__all__ = ["AXES", "LOCAL", "LOGICAL_AXES", "PARALLELISMS", "axis_rules", "logical_spec", "ParallelContext", "check_param_divisibility",
+def is_spec(x) -> bool:
+    """``x`` is a ``PartitionSpec`` (the leaf test of a tree of specs)."""
+    return isinstance(x, P)
+
+
+#: the layout of an array kept whole on every device of a mesh
+REPLICATED = P()
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of ``mesh`` (weights of a per-device program, loop scalars)."""
+    return NamedSharding(mesh, REPLICATED)
+
+
+def leading_split(mesh: Mesh, axis: str) -> NamedSharding:
+    """The leading dimension split over mesh axis ``axis``, the rest whole (one slice per device)."""
+    return NamedSharding(mesh, P(axis))
+
+
+__all__ = ["AXES", "LOCAL", "REPLICATED", "is_spec", "leading_split", "replicated", "LOGICAL_AXES", "PARALLELISMS", "axis_rules",
+           "logical_spec", "ParallelContext", "check_param_divisibility",
            "named_shardings", "param_specs", "per_device_bytes", "place", "resolve_parallelism",
            "row_parallel_linear", "shard_bytes", "tree_bytes", "tree_paths", "ulysses_attention", "usp_attention",
            "with_constraint", "count_comm", "comm_repeat"]

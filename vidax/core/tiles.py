@@ -6,9 +6,12 @@ from functools import lru_cache
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 #: the mesh axis the tiles of one tiled-decode step are spread over
 TILE_AXIS = "tiles"
+#: a batch of tiles split over the tile mesh (one tile per device); the weights whole on every device
+TILE_SPEC, WHOLE_SPEC = P(TILE_AXIS), P()
 
 
 def blend(a, b, extent: int, axis: int):
@@ -89,3 +92,8 @@ def tile_mesh(devices: tuple):
     from jax.sharding import Mesh
 
     return Mesh(np.array(devices, dtype=object), (TILE_AXIS,))
+
+
+def tile_shardings(mesh) -> tuple[NamedSharding, NamedSharding]:
+    """``(spread, whole)`` on a :func:`tile_mesh`: a tile batch one tile per device, the weights everywhere."""
+    return NamedSharding(mesh, TILE_SPEC), NamedSharding(mesh, WHOLE_SPEC)

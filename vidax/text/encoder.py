@@ -67,7 +67,8 @@ def block_rules(prefix: str) -> list[Rule]:
         rules += [Rule(b + f"{theirs}.weight", f"blocks.{ours}.scale"), Rule(b + f"{theirs}.bias", f"blocks.{ours}.bias")]
     for theirs, ours in (("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v"),
                          ("self_attn.out_proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
-        rules += [Rule(b + f"{theirs}.weight", f"blocks.{ours}.kernel", "linear"), Rule(b + f"{theirs}.bias", f"blocks.{ours}.bias")]
+        rules += [Rule(b + f"{theirs}.weight", f"blocks.{ours}.kernel", "linear"), Rule(b + f"{theirs}.bias",
+                                                                                        f"blocks.{ours}.bias")]
     return rules
 
 

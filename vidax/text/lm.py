@@ -801,6 +801,7 @@ def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parall
 
 __all__ = [
     "Rope", "LMConfig", "RMSNorm", "LMBlock", "DecoderLM", "LMEncoder", "Output", "rope_table", "gqa_attention",
-    "crop", "prefix_length", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings", "shard", "PREFIXES",
+    "crop", "prefix_length", "random_params", "init", "param_shapes", "abstract", "from_params", "tp_rules", "shardings",
+           "shard", "PREFIXES",
     "detect_prefix", "hf_keymap", "load_params_from", "load_lm", "LM_CLASSES",
 ]

@@ -146,7 +146,8 @@ def read_file(path: Path, shown: str | None = None) -> dict[str, LazyTensor]:
         tensors = _safetensors_file(path)
     except CheckpointFormatError as e:
         why = str(e).split(": ", 1)[-1]
-        raise LoraError(f"{shown}: {why if why.startswith('not a readable') else 'not a readable safetensors file (' + why + ')'}") from None
+        why = why if why.startswith("not a readable") else f"not a readable safetensors file ({why})"
+        raise LoraError(f"{shown}: {why}") from None
     if not tensors:
         raise LoraError(f"{shown}: holds no tensors")
     return tensors

@@ -31,7 +31,7 @@ the replicated text tokens' q/k/v sliced to the local heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -41,9 +41,9 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
@@ -56,7 +56,7 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class CogVideoXConfig:
+class CogVideoXConfig(Heads):
     """Mirrors diffusers' ``CogVideoXTransformer3DModel`` config (defaults = CogVideoX-2B)."""
 
     num_heads: int = 30
@@ -101,10 +101,6 @@ class CogVideoXConfig:
         nn.activation(self.timestep_activation_fn)
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
     def pt(self) -> int:
         return self.patch_size_t or 1
 
@@ -133,15 +129,7 @@ class CogVideoXConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "CogVideoXConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         if not kw.get("ofs_embed_dim"):
             kw["ofs_embed_dim"] = None
         return cls(**kw)
@@ -479,16 +467,12 @@ class CogHead(nnx.Module):
         return {"y": self.proj(h)}
 
 
-class CogVideoXTransformer(nnx.Module):
+class CogVideoXTransformer(nn.StackedDiT):
     """The CogVideoX DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`. The video tokens are split over sp (joint attention,
     :func:`joint_attention`); the text tokens and the timestep embedding stay whole."""
 
-    def __init__(self, cfg: CogVideoXConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = CogEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: CogBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = CogHead(cfg, rngs=rngs, param_dtype=param_dtype)
+    EMBED, BLOCK, HEAD = CogEmbed, CogBlock, CogHead
 
     @staticmethod
     def step(blk, carry, c, par):
@@ -605,11 +589,7 @@ def parallel_constraints(cfg: CogVideoXConfig, *, tokens: int | None = None, bat
     on every device (sliced by heads inside the joint attention)."""
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def runner(state, cfg: CogVideoXConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
@@ -709,25 +689,8 @@ class _CogCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 1, 4, 2, 3)
 
 
-@compat.register("CogVideoXTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = CogVideoXConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _CogCompat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _CogCompat(config, None, cfg, r)
+compat.register_dit("CogVideoXTransformer3DModel", CogVideoXConfig.from_diffusers, _CogCompat, load_dit, runner,
+                    constraints=parallel_constraints)
 
 
 __all__ = ["CogVideoXConfig", "CogVideoXTransformer", "PRESETS", "abstract_state",

@@ -521,7 +521,8 @@ class CogVideoX(Pipeline):
         t = vplan.abstract((nb,), np.float32)
         ctx = vplan.abstract((nb, lt, cfg.text_embed_dim), self.dtype)
         ofs = vplan.abstract((1,), np.float32) if cfg.ofs_embed_dim else None
-        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), ({**runner.params, "tables": tables}, x, t, ctx, ofs),
+        units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), ({**runner.params, "tables": tables}, x, t, ctx,
+                                                                              ofs),
                                 weights=runner.params, note=f"batch {nb} x {n:,} tokens"))
         vcfg = self.vae_config()
         vae = cvae.CogVAE(*nn.abstract_state(cvae._build(vcfg)), vcfg)

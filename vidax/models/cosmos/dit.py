@@ -26,9 +26,8 @@ cross-attention to the text stays local) and offloads the stacked blocks in chun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,22 +35,22 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
 from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class CosmosDiTConfig:
+class CosmosDiTConfig(Heads):
     in_channels: int = 17  # 16 latent channels + the condition mask (Predict2.5)
     out_channels: int = 16
     num_heads: int = 16
@@ -70,13 +69,7 @@ class CosmosDiTConfig:
     encoder_hidden_states_channels: int = 1024
     base_fps: int = 24
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def ffn_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
+    ffn_dim = Heads.mlp_dim
 
     @property
     def context_dim(self) -> int:
@@ -93,13 +86,7 @@ class CosmosDiTConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "CosmosDiTConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if isinstance(v, list) else v
+        kw = diffusers_kwargs(cls, cfg, defaults=())
         if cfg.get("img_context_dim_in"):
             raise ValueError("CosmosTransformer3DModel config: image-context cross-attention (img_context_dim_in) "
                              "is not ported (it is not part of Cosmos-Predict2.5)")
@@ -340,27 +327,11 @@ class CosmosHead(nnx.Module):
         return {"y": self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))}
 
 
-class CosmosTransformer(nnx.Module):
+class CosmosTransformer(nn.TextDiT):
     """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`."""
 
-    #: the input only the cross-attention keys / values read (computed once per sample stage)
-    CONTEXT = ("ctx",)
-
-    def __init__(self, cfg: CosmosDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = CosmosEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: CosmosBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = CosmosHead(cfg, rngs=rngs, param_dtype=param_dtype)
-
-    @staticmethod
-    def step(blk, carry, c, par):
-        return {"h": blk(carry["h"], c, par)}
-
-    @staticmethod
-    def kv(blk, c, par):
-        """This block's text keys / values, from ``embed.kv_context``."""
-        return blk.attn2.context_kv(c["ctx"], par)
+    EMBED, BLOCK, HEAD = CosmosEmbed, CosmosBlock, CosmosHead
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
@@ -561,11 +532,7 @@ def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
 def parallel_constraints(cfg: CosmosDiTConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch)
 
 
 def runner(state, cfg: CosmosDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
@@ -669,15 +636,9 @@ def load_dit(path, cfg: CosmosDiTConfig | None = None, dtype=np.float32):
     """DiT weights from a diffusers folder (config.json + safetensors) or an original-release file
     (``*_ema_bf16.pt`` / safetensors with ``net.*`` names). Returns ``(state, cfg)``: the abstract state
     filled tensor by tensor with host numpy; no random init is materialised."""
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = CosmosDiTConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
-        keymap=lambda c, original: keymap(c, original), shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
-        what=lambda c: f"CosmosTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=CosmosDiTConfig.from_diffusers, is_original=_is_original,
+                    config_from_original=config_from_original, keymap=keymap,
+                    what=lambda c: f"CosmosTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -725,22 +686,5 @@ class _CosmosDiTCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("CosmosTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = CosmosDiTConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _CosmosDiTCompat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _CosmosDiTCompat(config, None, cfg, r)
+compat.register_dit("CosmosTransformer3DModel", CosmosDiTConfig.from_diffusers, _CosmosDiTCompat, load_dit, runner,
+                    constraints=parallel_constraints)

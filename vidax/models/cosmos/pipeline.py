@@ -205,7 +205,49 @@ def _single_device_context(cfg: cdit.CosmosDiTConfig):
     return jax.jit(lambda state, ctx: cdit.context(state, cfg, ctx))
 
 
-class CosmosPredict(TileStages, Pipeline):
+class CosmosVAEStages:
+    """The Wan2.2-VAE side of a Cosmos pipeline (Predict2.5 and Cosmos3 share it): its config and
+    weights, the decode stages (frame spans or, with :class:`TileStages`, tiles), the probe hooks,
+    the initial noise and the encode stage's video digest. Mixed in before the pipeline base."""
+
+    def vae_config(self) -> cvae.Config:
+        return self.preset.vae if self.preset else cvae.config_from_folder(self.config_folder / "vae")
+
+    def load_vae(self):
+        if self.preset:
+            return cvae.init(self.preset.vae, self.preset.seed + 3)
+        return cvae.load(self.folder / "vae")
+
+    def stage_params(self, kind, request, span=None):
+        p = super().stage_params(kind, request, span)
+        if kind == "encode" and request.options.get("video") is not None:
+            p["video_digest"] = video_digest(request.options["video"])
+            p["vae"] = self.fingerprint("vae")
+        return p
+
+    def initial_noise(self, shape, seed: int):
+        return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
+
+    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
+        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
+        return to_uint8(to_unit_range(px)), cache
+
+    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
+        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
+            return self.decode_tile_span(latents, span, carry, request)
+        a, b = span.frames
+        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
+        return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
+                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
+
+    def vae_encode(self, video: np.ndarray) -> np.ndarray:
+        return cvae.encode(self.load_vae(), video)
+
+    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.decode_video(latents)
+
+
+class CosmosPredict(CosmosVAEStages, TileStages, Pipeline):
     """Cosmos-Predict2.5 (2B / 14B) text-, image- and video-to-world on the pipeline protocol, over
     the library methods :meth:`encode_prompts`, :meth:`encode_conditioning`, :meth:`sample_latents`,
     :meth:`decode_frames`."""
@@ -239,9 +281,6 @@ class CosmosPredict(TileStages, Pipeline):
         if self.preset:
             return self.preset.dit
         return cdit.CosmosDiTConfig.from_diffusers(json.loads((self.config_folder / "transformer" / "config.json").read_text()))
-
-    def vae_config(self) -> cvae.Config:
-        return self.preset.vae if self.preset else cvae.config_from_folder(self.config_folder / "vae")
 
     def geometry(self) -> Geometry:
         dc = self.dit_config()
@@ -298,11 +337,6 @@ class CosmosPredict(TileStages, Pipeline):
         return cdit.runner(params, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
                            prefetch=self.prefetch), cfg
 
-    def load_vae(self):
-        if self.preset:
-            return cvae.init(self.preset.vae, self.preset.seed + 3)
-        return cvae.load(self.folder / "vae")
-
     # ------------------------------------------------------------------ checks
     def weight_loaders(self, request) -> list:
         return [("text encoder", self.load_text_encoder), ("DiT", self._load_dit_host), ("VAE", self.load_vae)]
@@ -341,13 +375,6 @@ class CosmosPredict(TileStages, Pipeline):
                     raise OptionError(name, f"prompt{which} is {n} tokens long with its chat template; the text "
                                             f"encoder reads at most {self.max_text_len}: shorten it")
 
-    def stage_params(self, kind, request, span=None):
-        p = super().stage_params(kind, request, span)
-        if kind == "encode" and request.options.get("video") is not None:
-            p["video_digest"] = video_digest(request.options["video"])
-            p["vae"] = self.fingerprint("vae")
-        return p
-
     # ------------------------------------------------------------------ phases
     def encode_prompts(self, prompts: list[str], tokenizer=None, encoder=None) -> np.ndarray:
         """Text features [B, max_text_len, L*D] float32 (the reference's normalised concatenation)."""
@@ -378,9 +405,6 @@ class CosmosPredict(TileStages, Pipeline):
         """Channels-last latents [B, f, h, w, C]."""
         sf, tf = cvae.factors(self.vae_config())
         return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, self.dit_config().out_channels)
-
-    def initial_noise(self, shape, seed: int):
-        return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
     def sample_latents(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, cond_latents=None, latents=None,
                        seed: int = 0, height: int = 704, width: int = 1280, num_frames: int = 93, steps: int = 36,
@@ -491,10 +515,6 @@ class CosmosPredict(TileStages, Pipeline):
         """Latents [B, C, F, H, W] (normalised) -> video in [0, 1], [B, F, H, W, 3]."""
         return to_unit_range(cvae.decode(vae or self.load_vae(), latents))
 
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
-        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
-        return to_uint8(to_unit_range(px)), cache
-
     def text_config(self) -> lm.LMConfig:
         """The Qwen2.5-VL text model's config without its weights."""
         if self.preset:
@@ -582,21 +602,7 @@ class CosmosPredict(TileStages, Pipeline):
         return {"latents": Named(lat, _LATENT, {"model": request.model, "layout": "reference [B, C, F, H, W]",
                                                 "normalised": True})}
 
-    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
-            return self.decode_tile_span(latents, span, carry, request)
-        a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
-        return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
-                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
-
     # ------------------------------------------------------------------ the probe hooks
-    def vae_encode(self, video: np.ndarray) -> np.ndarray:
-        return cvae.encode(self.load_vae(), video)
-
-    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
-        return self.decode_video(latents)
-
     def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
         """The DiT's clean-latent estimate ``x - sigma * v`` for each row at its flow sigma (no
         guidance, the text features of ``conditioning``'s first prompt; fixed frames from its

@@ -18,9 +18,9 @@ text by ``unified_3d_mrope_temporal_modality_margin`` and, with fps modulation, 
 index scaled to the base frame rate.
 
 Because text never attends to vision and the timestep never reaches the text pathway, the text
-pathway's keys/values are the same at every denoising step: :meth:`Cosmos3Omni.text_cache`
-computes them once per prompt (every layer), and :meth:`Cosmos3Omni.vision` runs only the vision
-pathway against that cache each step. Together they are exactly the reference's forward, whose
+pathway's keys/values are the same at every denoising step: :func:`text_cache` computes them once
+per prompt (every layer; the shared runner's once-computed context, its ``KV_FROM`` text stack), and
+:func:`vision` runs only the vision pathway against that cache each step. Together they are exactly the reference's forward, whose
 calling convention (``input_ids``, ``text_indexes``, ``position_ids``, ``und_len``,
 ``sequence_length``, lists of ``vision_tokens`` with their shapes and index tensors...) is
 :func:`reference_forward` and the ``load_pretrained`` adapter.
@@ -32,7 +32,7 @@ left unread).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -40,13 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from vidax import compat
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
+from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
@@ -100,8 +101,7 @@ class Cosmos3Config:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "Cosmos3Config":
-        names = {f.name for f in fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in names}
+        kw = diffusers_kwargs(cls, cfg, {}, ())
         if cfg.get("rope_axes_dim") is None:
             rs = cfg.get("rope_scaling") or {}
             kw["rope_axes_dim"] = tuple(rs.get("mrope_section", (24, 20, 20)))
@@ -210,17 +210,6 @@ def _expand_kv(k, groups: int):
     return k if groups == 1 else jnp.repeat(k, groups, axis=2)
 
 
-class MoTLayer(nnx.Module):
-    """One Mixture-of-Transformers layer: the ``und`` (text) and ``gen`` (vision) weight sets. The
-    stacked layers are run one pathway at a time (:func:`run_text`, :func:`run_vision`), so each
-    pass reads (and offloading streams) only its own weights."""
-
-    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.und = Pathway(cfg, qk_norm=cfg.qk_norm_for_text, k_norm_for_gen=cfg.k_norm_for_gen, rngs=rngs,
-                           param_dtype=param_dtype)
-        self.gen = Pathway(cfg, qk_norm=True, rngs=rngs, param_dtype=param_dtype)
-
-
 def text_layer(und: Pathway, x, cos, sin, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
     """Causal text self-attention + MLP. Returns ``(x, k_for_vision, v)`` (the cache entries)."""
     q, k, k_gen, v = und.qkv(x, cos, sin, par)
@@ -263,8 +252,8 @@ class Cosmos3Embed(nnx.Module):
         self.t1 = nn.Linear(256, d, rngs=rngs, param_dtype=F32)
         self.t2 = nn.Linear(d, d, rngs=rngs, param_dtype=F32)
 
-    def text(self, ids):
-        return self.tokens(jnp.asarray(ids, jnp.int32))
+    def text(self, ids, par: vsh.ParallelContext = vsh.LOCAL):
+        return par.lookup(self.tokens, jnp.asarray(ids, jnp.int32))
 
     def vision(self, patches, t, noisy):
         """``patches`` [B, L, p*p*C], ``t`` [B, L] (the scheduler's timestep, e.g. 999), ``noisy``
@@ -274,32 +263,13 @@ class Cosmos3Embed(nnx.Module):
         temb = self.t2(jax.nn.silu(self.t1(e)))
         return h + (temb * jnp.asarray(noisy, F32)[..., None]).astype(h.dtype)
 
+    def __call__(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        """The runner's embed: the vision tokens (carry) and what every layer's step reads."""
+        return {"h": self.vision(a["patches"], a["t"], a["noisy"])}, {k: a[k] for k in ("cos", "sin", "tm")}
 
-class Cosmos3Omni(nnx.Module):
-    """The Cosmos3 omni model (vision generation): ``embed`` -> stacked ``layers`` -> ``head``
-    (the vision pathway's final norm + ``proj_out``). The text pathway's final norm only shapes text
-    outputs (none are used here)."""
-
-    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = Cosmos3Embed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.layers = nn.stack(lambda r: MoTLayer(cfg, rngs=r, param_dtype=param_dtype), cfg.num_hidden_layers, rngs)
-        self.head = Cosmos3Head(cfg, rngs=rngs, param_dtype=param_dtype)
-
-    @property
-    def groups(self) -> int:
-        return self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-
-    def text_cache(self, ids, cos, sin, par: vsh.ParallelContext = vsh.LOCAL):
-        """The text pathway over ``ids`` [B, Lu] (padded at the end: a real token never sees a pad)
-        -> (keys, values) [layers, B, Lu, KVl, hd] as every layer's vision attention reads them."""
-        return run_text(self.layers.und, self.embed.text(ids), cos, sin, self.groups, par)[1]
-
-    def vision(self, patches, t, noisy, cos, sin, cache, text_mask, par: vsh.ParallelContext = vsh.LOCAL):
-        """One denoising evaluation: vision tokens [B, Lg, p*p*C] -> predictions [B, Lg, p*p*C]."""
-        h = self.embed.vision(patches, t, noisy)
-        h = run_vision(self.layers.gen, h, cos, sin, cache, text_mask, self.groups, par)
-        return self.head(h)
+    def kv_context(self, a: dict, par: vsh.ParallelContext = vsh.LOCAL) -> dict:
+        """The text pathway's start: the embedded prompt and its RoPE tables, carried through the layers."""
+        return {"x": self.text(a["ids"], par), "cos_u": a["cos_u"], "sin_u": a["sin_u"]}
 
 
 class Cosmos3Head(nnx.Module):
@@ -308,36 +278,84 @@ class Cosmos3Head(nnx.Module):
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.patch_latent_dim, axes=("embed", None), rngs=rngs,
                                   param_dtype=param_dtype)
 
-    def __call__(self, h):
-        return self.proj_out(self.norm(h))
+    def __call__(self, carry: dict, consts: dict, par: vsh.ParallelContext = vsh.LOCAL):
+        return {"y": self.proj_out(self.norm(carry["h"]))}
 
 
-def _split(stack):
-    return nnx.split(stack) if isinstance(stack, nnx.Module) else stack
+# ----------------------------------------------------------------------------------- sharding
+#: Tensor parallelism: attention heads and key/value heads of both pathways split over tp (q/k/v
+#: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
+#: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
+#: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
+#: every device (they are short and computed once per prompt). Cosmos3's deltas to the core table:
+AXIS_DELTAS = {"kv_heads": "tp", "vocab": "tp"}
 
 
-def run_text(und_stack, x, cos, sin, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
-    """Scan the text pathway over its stacked weights (the module, or ``(graphdef, state)`` of it or
-    of an offload chunk), collecting each layer's (k, v). Returns ``(x, (k, v))``."""
-    graphdef, state = _split(und_stack)
+class Cosmos3Omni(nnx.Module):
+    """The Cosmos3 omni model (vision generation) on the hooks of :class:`vidax.core.runner.DiTRunner`:
+    ``embed`` -> the stacked vision pathway ``gen`` -> ``head`` (its final norm + ``proj_out``), run
+    against the text keys / values the stacked text pathway ``und`` computes once per prompt (the
+    runner's context, ``KV_FROM``). The text pathway's final norm only shapes text outputs (unused)."""
 
-    def step(h, s):
-        h, k, v = text_layer(nnx.merge(graphdef, s), h, cos, sin, groups, par)
-        return h, (k, v)
+    STACKS = ("gen",)
+    KV_FROM = {"gen": "und"}
+    CONTEXT = ("ids", "cos_u", "sin_u")
+    AXIS_DELTAS = AXIS_DELTAS
 
-    return jax.lax.scan(step, x, state)
+    def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.embed = Cosmos3Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.und = nn.stack(lambda r: Pathway(cfg, qk_norm=cfg.qk_norm_for_text, k_norm_for_gen=cfg.k_norm_for_gen,
+                                              rngs=r, param_dtype=param_dtype), cfg.num_hidden_layers, rngs)
+        self.gen = nn.stack(lambda r: Pathway(cfg, qk_norm=True, rngs=r, param_dtype=param_dtype),
+                            cfg.num_hidden_layers, rngs)
+        self.head = Cosmos3Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
+    @property
+    def groups(self) -> int:
+        return self.cfg.num_attention_heads // self.cfg.num_key_value_heads
 
-def run_vision(gen_stack, x, cos, sin, cache, text_mask, groups: int, par: vsh.ParallelContext = vsh.LOCAL):
-    """Scan the vision pathway over its stacked weights with the matching cache slices."""
-    graphdef, state = _split(gen_stack)
+    def kv_gen(self, und: Pathway, c: dict, par):
+        """One text layer: the constants the next one starts from, and the keys / values the vision
+        layer of the same depth reads."""
+        x, k, v = text_layer(und, c["x"], c["cos_u"], c["sin_u"], self.groups, par)
+        return {**c, "x": x}, {"k": k, "v": v}
 
-    def step(h, sc):
-        s, k, v = sc
-        return vision_layer(nnx.merge(graphdef, s), h, cos, sin, k, v, text_mask, groups, par), None
+    def step_gen(self, gen: Pathway, carry: dict, c: dict, par):
+        if "kv" not in c:
+            raise ValueError("Cosmos3 runs against its text cache: pass context= (mot.text_cache)")
+        kv = c["kv"]
+        return {"h": vision_layer(gen, carry["h"], c["cos"], c["sin"], kv["k"], kv["v"], c["tm"], self.groups, par)}
 
-    h, _ = jax.lax.scan(step, x, (state, cache[0], cache[1]))
-    return h
+    @staticmethod
+    def act_spec(name: str, shape: tuple) -> tuple:
+        """Logical axes: the vision tokens split over sp, the text (and its cache) whole on every device."""
+        if name in ("k", "v"):
+            return ("batch", None, "kv_heads", None)
+        if name in ("h", "y", "patches", "t", "noisy", "cos", "sin"):
+            return ("batch", "tokens", *(None,) * (len(shape) - 2))
+        return ("batch", *(None,) * (len(shape) - 1))  # tm, ids and the text pathway's x / cos_u / sin_u
+
+    @staticmethod
+    def pack(patches, t, noisy, cos, sin, text_mask) -> dict:
+        return {"patches": patches, "t": t, "noisy": noisy, "cos": cos, "sin": sin, "tm": text_mask}
+
+    @staticmethod
+    def prepare(a: dict, dtype) -> dict:
+        return {"patches": a["patches"].astype(dtype), "tm": a["tm"].astype(bool),
+                **{k: a[k].astype(F32) for k in ("t", "noisy", "cos", "sin")}}
+
+    @staticmethod
+    def prepare_context(a: dict, dtype) -> dict:
+        return {"ids": a["ids"].astype(jnp.int32), "cos_u": a["cos_u"].astype(F32), "sin_u": a["sin_u"].astype(F32)}
+
+    @staticmethod
+    def finish(out: dict, shapes: dict):
+        return out["y"]
+
+    def check(self, shapes: dict, mesh) -> None:
+        b, n = shapes["patches"][:2]
+        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=n, batch=b), mesh)
 
 
 # ----------------------------------------------------------------------------------- positions
@@ -420,24 +438,49 @@ def unpatchify(cfg: Cosmos3Config, y, thw):
 
 
 # ----------------------------------------------------------------------------------- state
-KIT = nn.ModelKit(Cosmos3Omni, units={"embed": "embed", "und": "layers.und", "gen": "layers.gen", "head": "head"}, dtype_leaf=("embed", "proj_in", "kernel"))
+KIT = nn.ModelKit(Cosmos3Omni, units=("embed", "und", "gen", "head"), dtype_leaf=("embed", "proj_in", "kernel"))
 #: seeded random modules for presets and tests, the abstract state a checkpoint fills, its shapes
 #: (the key maps' target), the graphdefs the runner merges unit by unit, the state's dtype, and
 #: the module back from a state inside a traced function (the unit of ``jit``): see ``nn.ModelKit``
 _build, init_model, init_state, abstract_state = KIT.build, KIT.init_model, KIT.init_state, KIT.abstract_state
-param_shapes, graphdefs, state_dtype, merge = KIT.param_shapes, KIT.graphdefs, KIT.state_dtype, KIT.merge
+param_shapes, state_dtype, merge = KIT.param_shapes, KIT.state_dtype, KIT.merge
+
+
+def runner(state, cfg: Cosmos3Config, mesh=None, parallelism=None, **kw) -> DiTRunner:
+    """The Cosmos3 model on a ``(dp, tp, sp)`` mesh through :class:`vidax.core.runner.DiTRunner`,
+    layers resident or offloaded (the text pathway streamed once per prompt batch for its cache, the
+    vision pathway every step)."""
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 @partial(jax.jit, static_argnums=(1,))
-def text_cache(state, cfg: Cosmos3Config, ids, cos, sin):
-    """Jitted :meth:`Cosmos3Omni.text_cache` (one device)."""
-    return merge(state, cfg).text_cache(ids, cos, sin)
+def _text_cache_jit(state, cfg: Cosmos3Config, ids, cos, sin):
+    kv = context_local(merge(state, cfg), {"ids": ids, "cos_u": cos, "sin_u": sin}, state_dtype(state))["gen"]
+    return kv["k"], kv["v"]
+
+
+def text_cache(model, cfg: Cosmos3Config, ids, cos, sin):
+    """The text pathway over ``ids`` [B, Lu] (padded at the end: a real token never sees a pad), once
+    per prompt: on one device (``model`` a state) ``(keys, values)`` [layers, B, Lu, KV, hd]; on a
+    :func:`runner`, its context tree. What every vision step reads (``cache``)."""
+    if isinstance(model, DiTRunner):
+        return model.context({"ids": ids, "cos_u": cos, "sin_u": sin})
+    return _text_cache_jit(model, cfg, jnp.asarray(ids, jnp.int32), jnp.asarray(cos, F32), jnp.asarray(sin, F32))
 
 
 def vision_forward(state, cfg: Cosmos3Config, patches, t, noisy, cos, sin, cache, text_mask, *, attn_impl=None):
-    """:meth:`Cosmos3Omni.vision` from a state (pure; jit it with ``static_argnums=1``)."""
-    return merge(state, cfg).vision(patches, t, noisy, cos, sin, cache, text_mask,
-                                    vsh.ParallelContext(attn_impl=attn_impl))
+    """One denoising evaluation on one device (pure; jit it with ``static_argnums=1``): vision tokens
+    ``patches`` [B, Lg, p*p*C] against the text ``cache`` -> predictions [B, Lg, p*p*C]."""
+    inputs = Cosmos3Omni.pack(patches, t, noisy, cos, sin, text_mask)
+    return run_local(merge(state, cfg), {k: jnp.asarray(v) for k, v in inputs.items()}, {}, state_dtype(state),
+                     vsh.ParallelContext(attn_impl=attn_impl), {"gen": {"k": cache[0], "v": cache[1]}})
+
+
+def vision(model, cfg: Cosmos3Config, patches, t, noisy, cos, sin, cache, text_mask):
+    """:func:`vision_forward` on one device (``model`` a state, jitted) or on a :func:`runner`."""
+    if isinstance(model, DiTRunner):
+        return model(patches, t, noisy, cos, sin, text_mask, context=cache)
+    return _vision_jit(model, cfg, patches, t, noisy, cos, sin, cache, text_mask)
 
 
 # ----------------------------------------------------------------------------------- the reference's calling convention
@@ -447,7 +490,7 @@ def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, pos
     """``Cosmos3OmniTransformer.forward`` (vision generation) on numpy inputs in the reference's layout:
     one packed sample whose text fills ``[0, und_len)`` and whose vision items follow it in order.
     Returns the list of per-item predictions ``[1, C, T, H, W]`` (zeros on conditioning frames).
-    ``runner``: a :class:`Cosmos3Runner` (mesh / offloading) instead of ``state`` on one device."""
+    ``runner``: a :func:`runner` (mesh / offloading) instead of ``state`` on one device."""
     for k, v in extra.items():
         if k.startswith(("sound_", "action_")) and v is not None:
             raise NotImplementedError(f"Cosmos3 {k}: sound and action generation are not ported")
@@ -486,11 +529,11 @@ def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, pos
         n_seen += len(sel)
         t_tok.append(t)
         shapes.append(((tt, hh, ww), np.asarray(noisy_frames, np.int64).reshape(-1), grid))
+    model = state if runner is None else runner
     dt = state_dtype(state) if runner is None else runner.dtype
-    text = partial(text_cache, state, cfg) if runner is None else runner.text_cache
-    vision = partial(_vision_jit, state, cfg) if runner is None else runner.vision
-    cache = text(jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]), jnp.asarray(sin[None, :und_len]))
-    out = vision(jnp.asarray(np.concatenate(patches)[None], dt), jnp.asarray(np.concatenate(t_tok)[None]),
+    cache = text_cache(model, cfg, jnp.asarray(ids[None], jnp.int32), jnp.asarray(cos[None, :und_len]),
+                       jnp.asarray(sin[None, :und_len]))
+    out = vision(model, cfg, jnp.asarray(np.concatenate(patches)[None], dt), jnp.asarray(np.concatenate(t_tok)[None]),
                  jnp.asarray(np.concatenate(noisy)[None]), jnp.asarray(cos[None, und_len:]),
                  jnp.asarray(sin[None, und_len:]), cache, jnp.ones((1, und_len), bool))
     last = np.asarray(out, np.float32)[0]  # [Lg, p*p*C] for every vision token
@@ -513,181 +556,13 @@ def reference_forward(state, cfg: Cosmos3Config, *, input_ids, text_indexes, pos
 _vision_jit = jax.jit(vision_forward, static_argnums=(1,))
 
 
-# ----------------------------------------------------------------------------------- sharding
-#: Tensor parallelism: attention heads and key/value heads of both pathways split over tp (q/k/v
-#: column-parallel, o row-parallel), the MLP width and the token-embedding table too (looked up
-#: outside shard_map, partitioned by the compiler); the head norms are per head. Sequence
-#: parallelism splits the vision tokens (Ulysses); the text pathway and its cache stay whole on
-#: every device (they are short and computed once per prompt). Cosmos3's deltas to the core table:
-AXIS_DELTAS = {"kv_heads": "tp", "vocab": "tp"}
-
-
 def parallel_constraints(cfg: Cosmos3Config, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.UlyssesHeads("num_attention_heads", cfg.num_attention_heads),
          vmesh.Divisible("num_key_value_heads", cfg.num_key_value_heads, ("tp",),
                          "key/value heads are split over tp"),
          vmesh.Divisible("intermediate_size", cfg.intermediate_size, ("tp",), "the MLPs are split over tp"),
          vmesh.Divisible("vocab_size", cfg.vocab_size, ("tp",), "the token-embedding table is split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("vision tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
-
-
-def _rest(state) -> nnx.State:
-    return nnx.State({k: v for k, v in state.items() if k != "layers"})
-
-
-class Cosmos3Runner:
-    """The Cosmos3 model on a ``(dp, tp, sp)`` mesh, layers resident or offloaded.
-
-    ``runner.text_cache(ids, cos, sin)`` once per prompt batch, then ``runner.vision(patches, t,
-    noisy, cos, sin, cache, text_mask)`` per step (the module's contracts). Offloading keeps two
-    chunk pools: the text pathway's weights (streamed once per prompt batch, for the cache) and the
-    vision pathway's (streamed every step)."""
-
-    def __init__(self, state, cfg: Cosmos3Config, mesh=None, parallelism: str | None = None, *,
-                 offload_chunk_size=None, prefetch: bool = True, attn_impl: str | None = None,
-                 ring: int | None = None):
-        if isinstance(state, nnx.Module):
-            state = nnx.state(state)
-        self.cfg, self.attn_impl = cfg, attn_impl
-        self.ring = ring if ring is not None else vmesh.ring_degree(mesh)
-        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.mesh = vmesh.make_mesh(mesh)
-        self.parallelism = vsh.resolve_parallelism(parallelism, self.mesh)
-        vmesh.check_divisible(parallel_constraints(cfg), self.mesh, ring=self.ring)
-        self.mapping = mapping = vsh.axis_rules(self.parallelism, AXIS_DELTAS)
-        self.par = vsh.ParallelContext.create(mapping, self.mesh, attn_impl=attn_impl, ring=self.ring)
-        self.specs = vsh.param_specs(state, mapping)
-        vsh.check_param_divisibility(state, self.specs, self.mesh)
-        self.dtype = state_dtype(state)
-        self.graphs = graphdefs(cfg, self.dtype.name)
-        self.rest_specs = _rest(self.specs)
-        self.und_specs, self.gen_specs = self.specs["layers"]["und"], self.specs["layers"]["gen"]
-        self.rest = vsh.place(_rest(state), vsh.named_shardings(self.mesh, self.rest_specs))
-        und_sh = vsh.named_shardings(self.mesh, self.und_specs)
-        gen_sh = vsh.named_shardings(self.mesh, self.gen_specs)
-        self.cache_spec = self.spec(None, "batch", None, "kv_heads", None)  # [layers, B, Lu, KV, hd]
-        self.offload = None
-        if offload_chunk_size is None:
-            self.und = vsh.place(state["layers"]["und"], und_sh)
-            self.gen = vsh.place(state["layers"]["gen"], gen_sh)
-            self._text = jax.jit(self._text_resident)
-            self._vision = jax.jit(self._vision_resident, static_argnames=("valid",))
-        else:
-            self.und = self.gen = None
-            self.offload = voff.OffloadRunner(prefetch=prefetch)
-            self.chunk = voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
-            self.offload.add_stack("text", state["layers"]["und"], self._text_chunk, self.chunk, und_sh)
-            self.offload.add_stack("vision", state["layers"]["gen"], self._vision_chunk, self.chunk, gen_sh)
-            self._embed_text = jax.jit(self._embed_text_fn)
-            self._embed_vision = jax.jit(self._embed_vision_fn)
-            self._head = jax.jit(self._head_fn)
-
-    def check_inputs(self, batch: int, tokens: int) -> None:
-        vmesh.check_divisible(parallel_constraints(self.cfg, tokens=tokens, batch=batch), self.mesh)
-
-    def _smap(self, fn, in_specs, out_specs):
-        return vsh.smap(fn, self.mesh, in_specs, out_specs)
-
-    # ---------------------------------------------------------------- units (inside shard_map)
-    def _text_unit(self, und, x, cos, sin):
-        return run_text((self.graphs["und"], und), x, cos, sin, self.groups, self.par)
-
-    def _vision_unit(self, gen, h, cos, sin, k, v, tm, *valid):
-        par = self.par.with_valid(valid[0]) if valid else self.par
-        return run_vision((self.graphs["gen"], gen), h, cos, sin, (k, v), tm, self.groups, par)
-
-    def _embed_text_fn(self, rest, ids):
-        return nnx.merge(self.graphs["embed"], rest["embed"]).text(ids)
-
-    def spec(self, *names):
-        """The mesh layout of an activation with these logical axis names (the core table)."""
-        return vsh.logical_spec(names, self.mapping, self.mesh)
-
-    def _embed_vision_fn(self, rest, patches, t, noisy):
-        return nnx.merge(self.graphs["embed"], rest["embed"]).vision(patches, t, noisy)
-
-    def _head_fn(self, rest, h):
-        return nnx.merge(self.graphs["head"], rest["head"])(h)
-
-    # ---------------------------------------------------------------- resident
-    def _text_resident(self, rest, und, ids, cos, sin):
-        x = self._embed_text_fn(rest, ids)
-        tok = self.spec("batch", None, None)
-        _, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
-                               (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
-        return k, v
-
-    def _vision_resident(self, rest, gen, patches, t, noisy, cos, sin, k, v, tm, valid=None):
-        tok3 = self.spec("batch", "tokens", None)
-        h = self._embed_vision_fn(rest, patches, t, noisy)
-        unit = self._vision_unit if valid is None else (lambda *a: self._vision_unit(*a, valid))
-        h = self._smap(unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                        self.spec("batch", None)), tok3)(gen, h, cos, sin, k, v, tm)
-        return self._head_fn(rest, h)
-
-    # ---------------------------------------------------------------- offloaded chunks
-    def _text_chunk(self, und, carry, cos, sin):
-        x, ks, vs, i = carry
-        tok = self.spec("batch", None, None)
-        x, (k, v) = self._smap(self._text_unit, (self.und_specs, tok, tok, tok),
-                               (tok, (self.cache_spec, self.cache_spec)))(und, x, cos, sin)
-        ks = jax.lax.dynamic_update_slice_in_dim(ks, k.astype(ks.dtype), i, axis=0)
-        vs = jax.lax.dynamic_update_slice_in_dim(vs, v.astype(vs.dtype), i, axis=0)
-        return x, ks, vs, i + self.chunk
-
-    def _vision_chunk(self, gen, carry, ks, vs, cos, sin, tm, *valid):
-        h, i = carry
-        k = jax.lax.dynamic_slice_in_dim(ks, i, self.chunk, axis=0)
-        v = jax.lax.dynamic_slice_in_dim(vs, i, self.chunk, axis=0)
-        tok3 = self.spec("batch", "tokens", None)
-        h = self._smap(self._vision_unit, (self.gen_specs, tok3, tok3, tok3, self.cache_spec, self.cache_spec,
-                                           self.spec("batch", None), *(self.spec(),) * len(valid)),
-                       tok3)(gen, h, cos, sin, k, v, tm, *valid)
-        return h, i + self.chunk
-
-    def _zero(self):
-        """The layer counter an offloaded pass carries, replicated over the mesh."""
-        return jax.device_put(jnp.int32(0), NamedSharding(self.mesh, self.spec()))
-
-    # ---------------------------------------------------------------- public
-    def text_cache(self, ids, cos, sin):
-        ids, cos, sin = jnp.asarray(ids, jnp.int32), jnp.asarray(cos, F32), jnp.asarray(sin, F32)
-        if self.offload is None:
-            return self._text(self.rest, self.und, ids, cos, sin)
-        x = self._embed_text(self.rest, ids)
-        b, lu = ids.shape
-        shape = (self.cfg.num_hidden_layers, b, lu, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        s = NamedSharding(self.mesh, self.cache_spec)
-        ks, vs = jax.jit(lambda: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, x.dtype)), out_shardings=(s, s))()
-        _, ks, vs, _ = self.offload.run("text", (x, ks, vs, self._zero()), cos, sin)
-        return ks, vs
-
-    def vision(self, patches, t, noisy, cos, sin, cache, text_mask):
-        patches = jnp.asarray(patches).astype(self.dtype)
-        self.check_inputs(patches.shape[0], patches.shape[1])
-        t, noisy = jnp.asarray(t, F32), jnp.asarray(noisy, F32)
-        cos, sin, tm = jnp.asarray(cos, F32), jnp.asarray(sin, F32), jnp.asarray(text_mask, bool)
-        # any vision token count on any sp: padded to a multiple of sp (masked as keys), cut after
-        n, sp = patches.shape[1], self.mesh.shape["sp"]
-        valid = None if n % sp == 0 else n
-        if valid is not None:
-            to = -(-n // sp) * sp
-
-            def pad(a):  # the token axis is axis 1 of every per-token input
-                return jnp.pad(a, [(0, 0), (0, to - n)] + [(0, 0)] * (a.ndim - 2)) if a.ndim >= 2 and a.shape[1] == n else a
-            patches, t, noisy, cos, sin = (pad(a) for a in (patches, t, noisy, cos, sin))
-        if self.offload is None:
-            y = self._vision(self.rest, self.gen, patches, t, noisy, cos, sin, cache[0], cache[1], tm, valid=valid)
-        else:
-            h = self._embed_vision(self.rest, patches, t, noisy)
-            extra = () if valid is None else (jax.device_put(jnp.int32(valid), NamedSharding(self.mesh, self.spec())),)
-            h, _ = self.offload.run("vision", (h, self._zero()), cache[0], cache[1], cos, sin, tm, *extra)
-            y = self._head(self.rest, h)
-        return y if valid is None else y[:, :n]
+    return r + vmesh.input_rules(tokens, batch, what="vision tokens")
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -722,7 +597,7 @@ def keymap(cfg: Cosmos3Config, prefix: str = "") -> KeyMap:
     if cfg.k_norm_for_gen:
         layer += [("self_attn.k_norm_und_for_gen.weight", "und.norm_k_gen.scale", "none")]
     rules = [Rule(prefix + s, d, k) for s, d, k in top]
-    rules += [Rule(f"{prefix}layers.{{i}}.{s}", f"layers.{d}", k) for s, d, k in layer]
+    rules += [Rule(f"{prefix}layers.{{i}}.{s}", d, k) for s, d, k in layer]
     p = prefix.replace(".", r"\.")
     ignore = [rf"^{p}lm_head\.", rf"^{p}norm\.weight$", rf"^{p}audio_", rf"^{p}action_"]
     return KeyMap(rules, ignore=ignore)
@@ -757,24 +632,6 @@ class _Cosmos3Compat(compat.CompatModel):
         return reference_forward(self.params, self.model_config, runner=self.runner, **kw)
 
 
-@compat.register("Cosmos3OmniTransformer", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = Cosmos3Config.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_model(folder, cfg, dtype=dtype)
-        return _Cosmos3Compat(config, jax.device_put(state), cfg)
-    # fail on an impossible layout before reading a single tensor
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_hidden_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_model(folder, cfg, dtype=dtype)
-    r = Cosmos3Runner(state, cfg, m, parallelism, ring=vmesh.ring_degree(mesh), offload_chunk_size=offload_chunk_size,
-                      prefetch=prefetch,
-                      attn_impl=attn_impl)
-    return _Cosmos3Compat(config, None, cfg, r)
+compat.register_dit("Cosmos3OmniTransformer", Cosmos3Config.from_diffusers, _Cosmos3Compat, load_model, runner,
+                    constraints=parallel_constraints,
+                    check_chunks=lambda c, cfg: voff.resolve_chunk_size(c, cfg.num_hidden_layers))

@@ -35,13 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat
 from vidax.models.cosmos import vae as cvae
-from vidax.models.cosmos.pipeline import read_video, video_digest, video_pixels, video_read_error
+from vidax.models.cosmos.pipeline import CosmosVAEStages, read_video, video_pixels, video_read_error
 from vidax.models.cosmos3 import mot
 from vidax.models.cosmos3.prompt import ShortPromptWarning, short_prompt_warning
-from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
+from vidax.pipeline import (Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
                             to_unit_range, unpack_state)
 from vidax.schedulers import from_diffusers_config
 from vidax.text.tokenizer import load_tokenizer
@@ -187,7 +188,7 @@ def _single_device_step(cfg: mot.Cosmos3Config, sched_key: tuple, use_cfg: bool,
     return step
 
 
-class Cosmos3Omni(TileStages, Pipeline):
+class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
     """Cosmos3 (Nano / Edge) text-, image- and video-to-video on the pipeline protocol."""
 
     FAMILY = "cosmos3"
@@ -227,9 +228,6 @@ class Cosmos3Omni(TileStages, Pipeline):
         if self.preset:
             return self.preset.model
         return mot.Cosmos3Config.from_diffusers(json.loads((self.config_folder / "transformer" / "config.json").read_text()))
-
-    def vae_config(self) -> cvae.Config:
-        return self.preset.vae if self.preset else cvae.config_from_folder(self.config_folder / "vae")
 
     @property
     def use_system_prompt(self) -> bool:
@@ -282,18 +280,13 @@ class Cosmos3Omni(TileStages, Pipeline):
         return mot.load_model(self.folder / "transformer", cfg, dtype=self.dtype)
 
     def load_model(self):
-        """The MoT state on one device, or a :class:`~vidax.models.cosmos3.mot.Cosmos3Runner`."""
+        """The MoT state on one device, or its :class:`~vidax.core.runner.DiTRunner` (:func:`mot.runner`)."""
         with lazy_params(self.scaled and self.offload_chunk_size is None):  # placed: a host reads its shards only
             state, cfg = self._load_host()
         if not self.scaled:
             return jax.device_put(state), cfg
-        return mot.Cosmos3Runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
-                                 prefetch=self.prefetch), cfg
-
-    def load_vae(self):
-        if self.preset:
-            return cvae.init(self.preset.vae, self.preset.seed + 3)
-        return cvae.load(self.folder / "vae")
+        return mot.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
+                          prefetch=self.prefetch), cfg
 
     # ------------------------------------------------------------------ checks
     def weight_loaders(self, request) -> list:
@@ -358,13 +351,6 @@ class Cosmos3Omni(TileStages, Pipeline):
             warnings.warn(w, ShortPromptWarning, stacklevel=3)
         return out
 
-    def stage_params(self, kind, request, span=None):
-        p = super().stage_params(kind, request, span)
-        if kind == "encode" and request.options.get("video") is not None:
-            p["video_digest"] = video_digest(request.options["video"])
-            p["vae"] = self.fingerprint("vae")
-        return p
-
     # ------------------------------------------------------------------ phases
     def tokenize(self, prompts, negative: str | None, *, num_frames: int, height: int, width: int, fps: float,
                  system_prompt: bool | None = None, metadata: bool = True, tokenizer=None):
@@ -410,9 +396,6 @@ class Cosmos3Omni(TileStages, Pipeline):
     def latent_shape(self, batch: int, height: int, width: int, num_frames: int):
         sf, tf = cvae.factors(self.vae_config())
         return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, self.model_config().latent_channel)
-
-    def initial_noise(self, shape, seed: int):
-        return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
     def _tables(self, cfg, lens: list[int], lu: int, grid, fps):
         """Per-row rotary tables: text [R, Lu, hd] (the same for every row), vision [R, Lg, hd]."""
@@ -465,11 +448,8 @@ class Cosmos3Omni(TileStages, Pipeline):
         keep = jnp.asarray(1.0 - mask)
         model = model or self.load_model()
         state_m, cfg = model
-        runner = state_m if isinstance(state_m, mot.Cosmos3Runner) else None
-        if runner is not None:
-            cache = runner.text_cache(ids, cu, su)
-        else:
-            cache = mot.text_cache(state_m, cfg, jnp.asarray(ids), jnp.asarray(cu), jnp.asarray(su))
+        runner = state_m if isinstance(state_m, DiTRunner) else None
+        cache = mot.text_cache(state_m, cfg, ids, cu, su)
         consts = dict(noisy=jnp.asarray(noisy), keep=keep, cos=jnp.asarray(cg), sin=jnp.asarray(sg), cache=cache,
                       tmask=jnp.asarray(tmask), g=jnp.float32(guidance))
         thw = (f, h, w)
@@ -487,7 +467,8 @@ class Cosmos3Omni(TileStages, Pipeline):
 
             def call(x, st, i):
                 patches, t = pre(x, i)
-                pred = runner.vision(patches, t, consts["noisy"], consts["cos"], consts["sin"], cache, consts["tmask"])
+                pred = mot.vision(runner, cfg, patches, t, consts["noisy"], consts["cos"], consts["sin"], cache,
+                                  consts["tmask"])
                 return post(x, st, pred, i, keep, consts["g"])
 
         state = sched.init_state(x) if state is None else jax.tree.map(jnp.asarray, state)
@@ -505,10 +486,6 @@ class Cosmos3Omni(TileStages, Pipeline):
     def decode_video(self, latents: np.ndarray, vae=None) -> np.ndarray:
         return to_unit_range(cvae.decode(vae or self.load_vae(), latents))
 
-    def decode_frames(self, latents: np.ndarray, start: int, stop: int, cache=None, vae=None, tiling: bool = False):
-        px, cache = cvae.decode_frames(vae or self.load_vae(), latents, start, stop, cache, tiling)
-        return to_uint8(to_unit_range(px)), cache
-
     #: the prompt length a plan assumes (the structured JSON prompts run to several hundred tokens)
     PLAN_TEXT_TOKENS = 1024
 
@@ -518,8 +495,6 @@ class Cosmos3Omni(TileStages, Pipeline):
         guidance batch, both on this pipeline's mesh with every weight resident (text and vision
         pathways), text at :attr:`PLAN_TEXT_TOKENS`; decode: the Wan2.2 VAE's one-latent-frame
         program with its causal cache."""
-        from jax.sharding import NamedSharding
-
         from vidax.core import plan as vplan
 
         b, lu = len(request.prompts), self.PLAN_TEXT_TOKENS
@@ -528,24 +503,25 @@ class Cosmos3Omni(TileStages, Pipeline):
         if getattr(request, "image", None) is not None and request.num_frames > 1:
             units.append(cvae.plan_encode_unit(vcfg, request.height, request.width))
         cfg = self.model_config()
-        runner = mot.Cosmos3Runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
+        runner = mot.runner(mot.abstract_state(cfg, self.dtype), cfg, self.mesh, self.parallelism)
         nb = 2 * b if request.guidance != 1.0 else b
         _, f, h, w, _ = self.latent_shape(nb, request.height, request.width, request.num_frames)
         grid = mot.patch_grid(cfg, (f, h, w))
         lg = grid[0] * grid[1] * grid[2]
-        params = {"rest": runner.rest, "und": runner.und, "gen": runner.gen}
+        params = runner.params
         tab = lambda n: vplan.abstract((nb, n, cfg.head_dim), np.float32)  # noqa: E731
-        ids = vplan.abstract((nb, lu), np.int32)
-        text = jax.jit(lambda p, *a: runner._text_resident(p["rest"], p["und"], *a), keep_unused=True)
-        units.append(vplan.Unit("sample", "text pathway (K/V cache, once per run)", text, (params, ids, tab(lu), tab(lu)),
+        text_in = {"ids": vplan.abstract((nb, lu), np.int32), "cos_u": tab(lu), "sin_u": tab(lu)}
+        text = jax.jit(runner.context_apply, keep_unused=True)
+        units.append(vplan.Unit("sample", "text pathway (K/V cache, once per run)", text, (params, text_in),
                                 weights=params, note=f"batch {nb} x {lu} text tokens"))
-        kv = vplan.abstract((cfg.num_hidden_layers, nb, lu, cfg.num_key_value_heads, cfg.head_dim), self.dtype,
-                            NamedSharding(runner.mesh, runner.cache_spec))
-        vision = jax.jit(lambda p, *a: runner._vision_resident(p["rest"], p["gen"], *a), keep_unused=True)
+        shape = (cfg.num_hidden_layers, nb, lu, cfg.num_key_value_heads, cfg.head_dim)
+        kv = {"gen": {"k": np.empty(shape, np.dtype(self.dtype)), "v": np.empty(shape, np.dtype(self.dtype))}}
+        kv = jax.tree.map(lambda a, s: vplan.abstract(a.shape, a.dtype, s), kv, runner.context_shardings(kv))
+        vision = jax.jit(lambda p, a, c: runner.apply(p, **a, context=c), keep_unused=True)
         t = vplan.abstract((nb, lg), np.float32)
-        units.append(vplan.Unit("sample", "vision step", vision,
-                                (params, vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), t, t, tab(lg),
-                                 tab(lg), kv, kv, vplan.abstract((nb, lu), bool)), weights=params,
+        vis_in = {"patches": vplan.abstract((nb, lg, cfg.patch_latent_dim), self.dtype), "t": t, "noisy": t,
+                  "cos": tab(lg), "sin": tab(lg), "text_mask": vplan.abstract((nb, lu), bool)}
+        units.append(vplan.Unit("sample", "vision step", vision, (params, vis_in, kv), weights=params,
                                 note=f"batch {nb} x {lg:,} vision tokens against the text cache"))
         tiled = bool(request.options.get("vae_tiling"))  # tiles spread over the decode pool's chips
         units.append(cvae.plan_decode_unit(vcfg, b, h, w, tiled=tiled,
@@ -609,21 +585,7 @@ class Cosmos3Omni(TileStages, Pipeline):
         return {"latents": Named(lat, _LATENT, {"model": request.model, "layout": "reference [B, C, F, H, W]",
                                                 "normalised": True})}
 
-    def decode(self, latents: dict, span: DecodeSpan, carry: dict | None, request):
-        if span.tile is not None:  # a tile stage of the tiled decode (TileStages)
-            return self.decode_tile_span(latents, span, carry, request)
-        a, b = span.frames
-        frames, cache = self.decode_frames(latents["latents"], a, b, carry, tiling=bool(request.options.get("vae_tiling")))
-        return ({"frames": Named(frames, ("batch", "frame", "height", "width", "rgb"),
-                                 {"latent_frames": [a, b], "units": "uint8 RGB"})}, cache)
-
     # ------------------------------------------------------------------ probe hooks
-    def vae_encode(self, video: np.ndarray) -> np.ndarray:
-        return cvae.encode(self.load_vae(), video)
-
-    def vae_decode(self, latents: np.ndarray) -> np.ndarray:
-        return self.decode_video(latents)
-
     def denoise_once(self, latents, sigmas, conditioning, request=None) -> np.ndarray:
         """The clean estimate ``x - sigma * v`` per row at the model timestep ``int(sigma * 1000)``
         (how the UniPC schedule hands it over), the first prompt, no guidance."""
@@ -636,10 +598,9 @@ class Cosmos3Omni(TileStages, Pipeline):
         fps = float(getattr(request, "fps", None) or 24.0)
         cu, su, cg, sg = self._tables(cfg, [len(cond[0])], len(cond[0]), grid, fps)
         ids = jnp.asarray(chat.pad(cond, len(cond[0]), 0))
-        runner = state_m if isinstance(state_m, mot.Cosmos3Runner) else None
-        cache = runner.text_cache(ids, cu, su) if runner else mot.text_cache(state_m, cfg, ids, jnp.asarray(cu),
-                                                                             jnp.asarray(su))
-        fwd = runner.vision if runner else partial(mot._vision_jit, state_m, cfg)
+        runner = state_m if isinstance(state_m, DiTRunner) else None
+        cache = mot.text_cache(state_m, cfg, ids, cu, su)
+        fwd = partial(mot.vision, state_m, cfg)
         out = []
         for i, s in enumerate(np.asarray(sigmas, np.float32)):
             xi = jnp.asarray(x[i:i + 1])

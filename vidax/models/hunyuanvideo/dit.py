@@ -38,16 +38,16 @@ families to reuse.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -65,7 +65,7 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideoConfig:
+class HunyuanVideoConfig(Heads):
     """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release)."""
 
     in_channels: int = 16
@@ -96,14 +96,6 @@ class HunyuanVideoConfig:
             raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
-
-    @property
     def patch(self) -> tuple[int, int, int]:
         return (self.patch_size_t, self.patch_size, self.patch_size)
 
@@ -113,15 +105,7 @@ class HunyuanVideoConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "HunyuanVideoConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if isinstance(v, list) else v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         return cls(**kw)
 
 
@@ -574,7 +558,7 @@ def seeded_state(build, seed: int = 0):
     graphdef, state = nn.abstract_state(build)
     specs = nnx.get_partition_spec(state)
     leaves, treedef = jax.tree.flatten(state)
-    names = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    names = jax.tree.leaves(specs, is_leaf=vsh.is_spec)
     rng = np.random.default_rng(seed)
     out = []
     for path, leaf, spec in zip(vsh.tree_paths(state), leaves, names):
@@ -660,11 +644,7 @@ def forward(state, cfg: HunyuanVideoConfig, x, t, ctx, mask, pooled, guidance=No
 def parallel_constraints(cfg: HunyuanVideoConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("mlp_dim", cfg.mlp_dim, ("tp",), "the MLP width is split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def parse_chunk_sizes(offload_chunk_size, cfg: HunyuanVideoConfig) -> dict[str, int]:
@@ -753,22 +733,5 @@ class _Compat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("HunyuanVideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = HunyuanVideoConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _Compat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        parse_chunk_sizes(offload_chunk_size, cfg)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _Compat(config, None, cfg, r)
+compat.register_dit("HunyuanVideoTransformer3DModel", HunyuanVideoConfig.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints, check_chunks=parse_chunk_sizes)

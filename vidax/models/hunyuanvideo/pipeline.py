@@ -153,7 +153,8 @@ class HunyuanVideoT2V(Pipeline):
     def dit_config(self) -> hdit.HunyuanVideoConfig:
         if self.preset:
             return self.preset.dit
-        return hdit.HunyuanVideoConfig.from_diffusers(json.loads((self.config_folder / "transformer" / "config.json").read_text()))
+        path = self.config_folder / "transformer" / "config.json"
+        return hdit.HunyuanVideoConfig.from_diffusers(json.loads(path.read_text()))
 
     def vae_config(self) -> hvae.HunyuanVAEConfig:
         if self.preset:

@@ -25,7 +25,7 @@ Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
@@ -47,7 +48,7 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideo15Config:
+class HunyuanVideo15Config(Heads):
     """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
 
     in_channels: int = 65
@@ -81,28 +82,12 @@ class HunyuanVideo15Config:
     num_single_layers = 0
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
-
-    @property
     def patch(self) -> tuple[int, int, int]:
         return (self.patch_size_t, self.patch_size, self.patch_size)
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15Config":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if isinstance(v, list) else v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         return cls(**kw)
 
 _TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
@@ -347,16 +332,5 @@ class _Compat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("HunyuanVideo15Transformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = HunyuanVideo15Config.from_diffusers(config)
-    from vidax.weights.keymap import lazy_params
-
-    one_device = mesh is None and parallelism in (None, "none") and offload_chunk_size is None
-    with lazy_params(offload_chunk_size is None and not one_device):  # placed: each host reads only its shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    if one_device:
-        return _Compat(config, jax.device_put(state), cfg)
-    r = runner(state, cfg, mesh, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl)
-    return _Compat(config, None, cfg, r)
+compat.register_dit("HunyuanVideo15Transformer3DModel", HunyuanVideo15Config.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints, check_chunks=parse_chunk_sizes)

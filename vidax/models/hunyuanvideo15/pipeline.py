@@ -538,7 +538,8 @@ class HunyuanVideo15T2V(Pipeline):
         nb = 2 * b if float(request.guidance) != 1.0 else b
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         f32, dt = (lambda *a: vplan.abstract(a, np.float32)), (lambda *a: vplan.abstract(a, self.dtype))  # noqa: E731
-        args = (runner.step_params({"x": shape}), dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens, cfg.text_embed_dim),
+        args = (runner.step_params({"x": shape}), dt(*shape[:-1], cfg.in_channels), f32(nb), dt(nb, self.text_tokens,
+                                                                                                cfg.text_embed_dim),
                 f32(nb, self.text_tokens), dt(nb, self.glyph_tokens, cfg.text_embed_2_dim), f32(nb, self.glyph_tokens),
                 dt(nb, self.image_tokens(), cfg.image_embed_dim), f32(nb) if cfg.use_meanflow else None)
         units.append(vplan.Unit("sample", "DiT step", jax.jit(runner.apply), args, weights=runner.params,
@@ -688,7 +689,8 @@ class HunyuanVideo15T2V(Pipeline):
         out = []
         for i, s in enumerate(np.asarray(sigmas, np.float32)):
             xin = jnp.asarray(np.concatenate([x[i:i + 1], extra], axis=-1), dt)
-            args = (xin, jnp.full((1,), s * 1000.0, jnp.float32), jnp.asarray(c["embeds"], dt), jnp.asarray(c["mask"], jnp.float32),
+            args = (xin, jnp.full((1,), s * 1000.0, jnp.float32), jnp.asarray(c["embeds"], dt), jnp.asarray(c["mask"],
+                                                                                                            jnp.float32),
                     jnp.asarray(c["embeds_2"], dt), jnp.asarray(c["mask_2"], jnp.float32), jnp.asarray(img, dt),
                     jnp.zeros((1,), jnp.float32) if cfg.use_meanflow else None)
             v = runner(*args) if runner is not None else _forward(params, cfg, *args)

@@ -34,7 +34,8 @@ RECIPES = [
     ),
     Recipe(
         "hunyuanvideo1.5-720p-t2v", _T2V, ("tiny",),
-        dict(dtype="bfloat16", vae_tiling=True, height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0, fps=24),
+        dict(dtype="bfloat16", vae_tiling=True, height=720, width=1280, num_frames=121, steps=50, guidance=6.0, shift=9.0,
+             fps=24),
         option_names=_OPTS, description="HunyuanVideo 1.5 text-to-video, 8.3B (720p, 121 frames)", prefer_axis="tp",
         stage_jobs=_POOLS,
     ),

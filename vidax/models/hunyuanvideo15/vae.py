@@ -49,7 +49,8 @@ class HunyuanVideo15VAEConfig:
     def down_levels(self) -> list[tuple[int, int | None, bool]]:
         """Per encoder level: ``(out channels, downsample out channels or None, temporal)``."""
         ch, out = self.block_out_channels, []
-        ls, lt = math.log2(self.spatial_compression_ratio), math.log2(self.spatial_compression_ratio // self.temporal_compression_ratio)
+        ls = math.log2(self.spatial_compression_ratio)
+        lt = math.log2(self.spatial_compression_ratio // self.temporal_compression_ratio)
         for i, c in enumerate(ch):
             if i < ls:
                 out.append((c, ch[i + 1] if self.downsample_match_channel else c, i >= lt))

@@ -322,7 +322,8 @@ def audio_vae_keymap(cfg: AudioVAEConfig, encoder: bool = True) -> KeyMap:
     d = m.decoder
     k = _conv_keys("decoder.conv_in", "decoder.conv_in", c) + _conv_keys("decoder.conv_out", "decoder.conv_out", c)
     k += _norm_keys("decoder.norm_out", "decoder.norm_out", cfg.norm_type)
-    k += _res_keys("decoder.mid.block_1", "decoder.mid1", d.mid1, cfg) + _res_keys("decoder.mid.block_2", "decoder.mid2", d.mid2, cfg)
+    k += _res_keys("decoder.mid.block_1", "decoder.mid1", d.mid1, cfg) + _res_keys("decoder.mid.block_2", "decoder.mid2", d.mid2,
+                                                                                   cfg)
     if d.mid_attn is not None:
         k += _attn_keys("decoder.mid.attn_1", "decoder.mid_attn", cfg)
     for level in range(len(cfg.ch_mult)):
@@ -336,7 +337,8 @@ def audio_vae_keymap(cfg: AudioVAEConfig, encoder: bool = True) -> KeyMap:
         e = m.encoder
         k += _conv_keys("encoder.conv_in", "encoder.conv_in", c) + _conv_keys("encoder.conv_out", "encoder.conv_out", c)
         k += _norm_keys("encoder.norm_out", "encoder.norm_out", cfg.norm_type)
-        k += _res_keys("encoder.mid.block_1", "encoder.mid1", e.mid1, cfg) + _res_keys("encoder.mid.block_2", "encoder.mid2", e.mid2, cfg)
+        k += _res_keys("encoder.mid.block_1", "encoder.mid1", e.mid1, cfg) + _res_keys("encoder.mid.block_2", "encoder.mid2",
+                                                                                       e.mid2, cfg)
         if e.mid_attn is not None:
             k += _attn_keys("encoder.mid.attn_1", "encoder.mid_attn", cfg)
         for level in range(len(cfg.ch_mult)):
@@ -634,7 +636,8 @@ def _vocoder_keys(prefix: str, dst: str, m: Vocoder) -> list:
     if cfg.final_bias:
         k.append(Rule(f"{prefix}conv_out.bias", f"{dst}conv_out.bias"))
     for i in range(len(cfg.upsample_factors)):
-        k += [Rule(f"{prefix}upsamplers.{i}.weight", f"{dst}ups.{i}.kernel"), Rule(f"{prefix}upsamplers.{i}.bias", f"{dst}ups.{i}.bias")]
+        k += [Rule(f"{prefix}upsamplers.{i}.weight", f"{dst}ups.{i}.kernel"), Rule(f"{prefix}upsamplers.{i}.bias",
+                                                                                   f"{dst}ups.{i}.bias")]
 
     def act(ref, d, a):
         if isinstance(a, AntiAlias):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import sharding as vsh
 from vidax.models.ltx import vae as lvae
 from vidax.pipeline import DecodeSpan, OptionError, to_uint8, to_unit_range
 from vidax.schedulers import from_diffusers_config
@@ -99,9 +100,7 @@ def replicated(runner):
     step and the later ones see the same argument shardings (one compile)."""
     if runner is None:
         return lambda a: a
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    s = NamedSharding(runner.mesh, PartitionSpec())
+    s = vsh.replicated(runner.mesh)
     return lambda a: jax.device_put(a, s)
 
 

@@ -13,11 +13,9 @@ offloaded blocks through :class:`vidax.core.runner.DiTRunner` (:func:`runner`).
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,19 +23,19 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.models.ltx import layers as L
 from vidax.core.runner import DiTRunner, context_local, run_local
-from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTXDiTConfig:
+class LTXDiTConfig(Heads):
     in_channels: int = 128
     out_channels: int = 128
     patch_size: int = 1
@@ -55,22 +53,15 @@ class LTXDiTConfig:
     base_width: int = 2048
     theta: float = 10000.0
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "LTXDiTConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {ren.get(k, k): v for k, v in cfg.items() if ren.get(k, k) in names}
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         for key, want in (("qk_norm", "rms_norm_across_heads"), ("activation_fn", "gelu-approximate"),
                           ("norm_elementwise_affine", False)):
             if key in cfg and cfg[key] != want:
                 raise ValueError(f"LTXVideoTransformer3DModel config: {key}={cfg[key]!r} is not supported (expected {want!r})")
-        if kw.get("cross_attention_dim", cls.cross_attention_dim) != kw.get("num_heads", cls.num_heads) * kw.get("head_dim", cls.head_dim):
+        if kw.get("cross_attention_dim", cls.cross_attention_dim) != kw.get("num_heads", cls.num_heads) * kw.get("head_dim",
+                                                                                                                 cls.head_dim):
             raise ValueError("LTXVideoTransformer3DModel config: cross_attention_dim must equal the model width "
                              "(the caption projection feeds the cross-attention)")
         return cls(**kw)
@@ -152,26 +143,10 @@ class LTXHead(nnx.Module):
         return {"y": self.proj_out(y)}
 
 
-class LTXTransformer(nnx.Module):
+class LTXTransformer(nn.TextDiT):
     """The LTX-Video DiT: ``embed`` -> stacked ``blocks`` -> ``head`` over named activations."""
 
-    #: the input only the cross-attention keys / values read (computed once per sample stage)
-    CONTEXT = ("ctx",)
-
-    def __init__(self, cfg: LTXDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = LTXEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: LTXBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = LTXHead(cfg, rngs=rngs, param_dtype=param_dtype)
-
-    @staticmethod
-    def step(blk, carry, consts, par):
-        return {"h": blk(carry["h"], consts, par)}
-
-    @staticmethod
-    def kv(blk, c, par):
-        """This block's text keys / values, from ``embed.kv_context``."""
-        return blk.attn2.context_kv(c["ctx"], par)
+    EMBED, BLOCK, HEAD = LTXEmbed, LTXBlock, LTXHead
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
@@ -258,48 +233,27 @@ def model_inputs(cfg: LTXDiTConfig, tokens, t, ctx, mask, cos, sin) -> dict:
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: LTXDiTConfig, seed: int = 0, dtype=np.float32) -> LTXTransformer:
-    return LTXTransformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+KIT = nn.ModelKit(LTXTransformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "proj_in", "kernel"))
+abstract_state, param_shapes, abstract_model, state_dtype = (KIT.abstract_state, KIT.param_shapes, KIT.abstract_model,
+                                                             KIT.state_dtype)
 
 
 def init_state(cfg: LTXDiTConfig, seed: int = 0, dtype=np.float32) -> nnx.State:
     """Seeded random weights (every parameter perturbed), host numpy."""
-    return L.seeded_state(lambda: _build(cfg, 0, dtype), seed)
-
-
-def abstract_state(cfg: LTXDiTConfig, dtype=np.float32) -> nnx.State:
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: LTXDiTConfig, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdef(cfg: LTXDiTConfig, dtype: str = "float32"):
-    return nnx.graphdef(nnx.eval_shape(lambda: _build(cfg, 0, dtype)))
-
-
-@functools.lru_cache(maxsize=None)
-def abstract_model(cfg: LTXDiTConfig, dtype: str = "float32"):
-    return nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
+    return L.seeded_state(lambda: KIT.build(cfg, 0, dtype), seed)
 
 
 def forward(state, cfg: LTXDiTConfig, inputs: dict, *, attn_impl=None, context=None) -> dict:
     """``{"y": [B, S, Cout]}`` from a state and :func:`model_inputs` (pure; ``jax.jit(forward,
     static_argnums=1)`` compiles once per shape); ``context``: :func:`context`'s keys / values."""
-    m = nnx.merge(graphdef(cfg, state_dtype(state).name), state)
+    m = KIT.merge(state, cfg)
     return m(inputs, vsh.ParallelContext(attn_impl=attn_impl), context)
 
 
 def context(state, cfg: LTXDiTConfig, ctx, *, attn_impl=None) -> dict:
     """The blocks' text keys / values from a state (pure): once per sample stage, then every
     :func:`forward` takes them as ``context``."""
-    m = nnx.merge(graphdef(cfg, state_dtype(state).name), state)
+    m = KIT.merge(state, cfg)
     return m.context(ctx, vsh.ParallelContext(attn_impl=attn_impl))
 
 
@@ -307,17 +261,12 @@ def context(state, cfg: LTXDiTConfig, ctx, *, attn_impl=None) -> dict:
 def parallel_constraints(cfg: LTXDiTConfig, *, tokens: int | None = None, batch: int | None = None):
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", 4 * cfg.dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def runner(state, cfg: LTXDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
     """The DiT on a (dp, tp, sp) mesh, resident or with ``offload_chunk_size`` blocks streamed."""
-    model = abstract_model(cfg, state_dtype(state).name)
-    return DiTRunner(model, state, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -369,19 +318,10 @@ def config_from_original(ckpt) -> LTXDiTConfig:
 def load_dit(path, cfg: LTXDiTConfig | None = None, dtype=np.float32):
     """(host state, cfg) from a diffusers folder or an original-release file; nothing random is
     materialised."""
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = LTXDiTConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    names = list(ckpt)
-    if any(n.startswith("model.diffusion_model.") for n in names):
-        ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names if n.startswith("model.diffusion_model.")}
-    pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
-        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
-        what=lambda c: f"LTXVideoTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=LTXDiTConfig.from_diffusers, is_original=_is_original,
+                    config_from_original=config_from_original, prefix="model.diffusion_model.",
+                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+                    what=lambda c: f"LTXVideoTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -413,22 +353,5 @@ class _Compat(compat.CompatModel):
 video_coords_fn = video_coords
 
 
-@compat.register("LTXVideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = LTXDiTConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _Compat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _Compat(config, None, cfg, r)
+compat.register_dit("LTXVideoTransformer3DModel", LTXDiTConfig.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints)

@@ -23,11 +23,9 @@ replicated across ``sp`` and video-to-audio attention gathers the video keys/val
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +33,20 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, HEAD_NAMES, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.attention import attention
 from vidax.models.ltx import layers as L
 from vidax.core.runner import DiTRunner, context_local, run_local
-from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTX2DiTConfig:
+class LTX2DiTConfig(Heads):
     in_channels: int = 128
     out_channels: int = 128
     patch_size: int = 1
@@ -94,10 +92,6 @@ class LTX2DiTConfig:
     use_keyframes_abs_pos_embedding: bool = False
 
     @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
     def audio_dim(self) -> int:
         return self.audio_num_heads * self.audio_head_dim
 
@@ -107,14 +101,9 @@ class LTX2DiTConfig:
 
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "LTX2DiTConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim",
-               "audio_num_attention_heads": "audio_num_heads", "audio_attention_head_dim": "audio_head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {ren.get(k, k): (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if ren.get(k, k) in names}
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
-        if kw.get("audio_out_channels") is None:
-            kw["audio_out_channels"] = kw.get("audio_in_channels", cls.audio_in_channels)
+        kw = diffusers_kwargs(cls, cfg, {**HEAD_NAMES, "audio_num_attention_heads": "audio_num_heads",
+                                         "audio_attention_head_dim": "audio_head_dim"},
+                              (("out_channels", "in_channels"), ("audio_out_channels", "audio_in_channels")))
         for key, want in (("qk_norm", "rms_norm_across_heads"), ("activation_fn", "gelu-approximate"),
                           ("norm_elementwise_affine", False)):
             if key in cfg and cfg[key] != want:
@@ -361,18 +350,17 @@ class LTX2Head(nnx.Module):
                 "ya": out(carry["a"], self.audio_sst, c["ea"], self.audio_proj_out)}
 
 
-class LTX2Transformer(nnx.Module):
+class LTX2Transformer(nn.StackedDiT):
     """``embed`` -> stacked ``blocks`` -> ``head`` over named activations (see :func:`model_inputs`)."""
 
+    EMBED, BLOCK, HEAD = LTX2Embed, LTX2Block, LTX2Head
+
     def __init__(self, cfg: LTX2DiTConfig, *, rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = LTX2Embed(cfg, rngs=rngs, param_dtype=param_dtype)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
         #: the inputs only the text cross-attention keys / values read (computed once per sample
         #: stage); none when the prompt modulation follows sigma (LTX-2.3's ``prompt_adaln``): then
         #: the keys / values change every step
         self.CONTEXT = () if cfg.prompt_modulation and cfg.use_prompt_adaln_single else ("ctx", "actx")
-        self.blocks = nn.stack(lambda r: LTX2Block(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = LTX2Head(cfg, rngs=rngs, param_dtype=param_dtype)
 
     @staticmethod
     def step(blk, carry, consts, par):
@@ -523,7 +511,8 @@ def model_inputs(cfg: LTX2DiTConfig, vtok, atok, ctx, actx, t, ropes: dict, *, t
     mask = jnp.ones(ctx.shape[:2], F32) if mask is None else jnp.asarray(mask, F32)
     amask = jnp.ones(actx.shape[:2], F32) if amask is None else jnp.asarray(amask, F32)
     a = {"vtok": jnp.asarray(vtok), "atok": jnp.asarray(atok), **({} if ctx is None else {"ctx": jnp.asarray(ctx)}),
-         **({} if actx is None else {"actx": jnp.asarray(actx)}), "t": t, "ta": ta, "sigma": z if sigma is None else sigma, "sigma_a": z if sigma_a is None else sigma_a,
+         **({} if actx is None else {"actx": jnp.asarray(actx)}), "t": t, "ta": ta, "sigma": z if sigma is None else sigma,
+         "sigma_a": z if sigma_a is None else sigma_a,
          "ca_t": ca_t, "ca_ta": ca_ta, "bias": L.mask_bias(mask), "abias": L.mask_bias(amask),
          "perturb": ones if perturb is None else vec(perturb, ones),
          "xmod": ones if isolate is None else 1.0 - jnp.asarray(isolate, F32), "stg": jnp.asarray(stg)}
@@ -534,46 +523,25 @@ def model_inputs(cfg: LTX2DiTConfig, vtok, atok, ctx, actx, t, ropes: dict, *, t
 
 
 # ----------------------------------------------------------------------------------- state
-def _build(cfg: LTX2DiTConfig, seed: int = 0, dtype=np.float32) -> LTX2Transformer:
-    return LTX2Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(dtype))
+KIT = nn.ModelKit(LTX2Transformer, units=("embed", "blocks", "head"), dtype_leaf=("embed", "proj_in", "kernel"))
+abstract_state, param_shapes, abstract_model, state_dtype = (KIT.abstract_state, KIT.param_shapes, KIT.abstract_model,
+                                                             KIT.state_dtype)
 
 
 def init_state(cfg: LTX2DiTConfig, seed: int = 0, dtype=np.float32):
-    return L.seeded_state(lambda: _build(cfg, 0, dtype), seed)
-
-
-def abstract_state(cfg: LTX2DiTConfig, dtype=np.float32):
-    return nn.abstract_state(lambda: _build(cfg, 0, dtype))[1]
-
-
-def param_shapes(cfg: LTX2DiTConfig, dtype=np.float32) -> dict:
-    return nn.shapes(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def abstract_model(cfg: LTX2DiTConfig, dtype: str = "float32"):
-    return nnx.eval_shape(lambda: _build(cfg, 0, dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def graphdef(cfg: LTX2DiTConfig, dtype: str = "float32"):
-    return nnx.graphdef(abstract_model(cfg, dtype))
-
-
-def state_dtype(state) -> np.dtype:
-    return np.dtype(jax.tree.leaves(state["embed"]["proj_in"]["kernel"])[0].dtype)
+    return L.seeded_state(lambda: KIT.build(cfg, 0, dtype), seed)
 
 
 def forward(state, cfg: LTX2DiTConfig, inputs: dict, *, attn_impl=None, context=None) -> dict:
     """``{"y": video [B, S, Cout], "ya": audio [B, La, Ca]}`` (pure; jit with ``static_argnums=1``);
     ``context``: :func:`context`'s keys / values (``inputs`` then need no ``ctx`` / ``actx``)."""
-    return nnx.merge(graphdef(cfg, state_dtype(state).name), state)(inputs, vsh.ParallelContext(attn_impl=attn_impl),
+    return KIT.merge(state, cfg)(inputs, vsh.ParallelContext(attn_impl=attn_impl),
                                                                      context)
 
 
 def context(state, cfg: LTX2DiTConfig, ctx, actx, *, attn_impl=None) -> dict:
     """The blocks' text keys / values of both streams from a state (pure): once per sample stage."""
-    return nnx.merge(graphdef(cfg, state_dtype(state).name), state).context(ctx, actx,
+    return KIT.merge(state, cfg).context(ctx, actx,
                                                                            vsh.ParallelContext(attn_impl=attn_impl))
 
 
@@ -582,16 +550,11 @@ def parallel_constraints(cfg: LTX2DiTConfig, *, tokens: int | None = None, batch
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("audio_num_heads", cfg.audio_num_heads, ("tp",), "audio heads are split over tp"),
          vmesh.Divisible("ffn_dim", 4 * cfg.audio_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("video tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch, what="video tokens")
 
 
 def runner(state, cfg: LTX2DiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
-    return DiTRunner(abstract_model(cfg, state_dtype(state).name), state, mesh, parallelism,
-                     constraints=parallel_constraints(cfg), **kw)
+    return KIT.runner(state, cfg, mesh, parallelism, constraints=parallel_constraints(cfg), **kw)
 
 
 # ----------------------------------------------------------------------------------- key maps
@@ -619,8 +582,10 @@ def diffusers_keymap(cfg: LTX2DiTConfig) -> KeyMap:
     block = [("scale_shift_table", "sst", "none"), ("audio_scale_shift_table", "audio_sst", "none"),
              ("video_a2v_cross_attn_scale_shift_table", "a2v_sst", "none"),
              ("audio_a2v_cross_attn_scale_shift_table", "audio_a2v_sst", "none"),
-             *L.attn_keys("attn1", "attn1", cfg.gated_attn, **ab), *L.attn_keys("audio_attn1", "audio_attn1", cfg.audio_gated_attn, **ab),
-             *L.attn_keys("attn2", "attn2", cfg.gated_attn, **ab), *L.attn_keys("audio_attn2", "audio_attn2", cfg.audio_gated_attn, **ab),
+             *L.attn_keys("attn1", "attn1", cfg.gated_attn, **ab),
+             *L.attn_keys("audio_attn1", "audio_attn1", cfg.audio_gated_attn, **ab),
+             *L.attn_keys("attn2", "attn2", cfg.gated_attn, **ab),
+             *L.attn_keys("audio_attn2", "audio_attn2", cfg.audio_gated_attn, **ab),
              *L.attn_keys("audio_to_video_attn", "a2v", cfg.gated_attn, **ab),
              *L.attn_keys("video_to_audio_attn", "v2a", cfg.audio_gated_attn, **ab),
              *L.ff_keys("ff", "ff", cfg.ff_bias), *L.ff_keys("audio_ff", "audio_ff", cfg.audio_ff_bias)]
@@ -665,20 +630,10 @@ def _is_original(names) -> bool:
 def load_dit(path, cfg: LTX2DiTConfig | None = None, dtype=np.float32):
     """(host state, cfg) from a diffusers ``transformer/`` folder, or an original-release file
     (``model.diffusion_model.*`` names; the config must be given: the release ships none)."""
-    path = Path(path)
-    if cfg is None and path.is_dir():
-        cfg = LTX2DiTConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    names = list(ckpt)
-    if any(n.startswith("model.diffusion_model.") for n in names):
-        ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names if n.startswith("model.diffusion_model.")}
-    pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=_is_original, config_from_original=None,
-        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
-        what=lambda c: f"LTX2VideoTransformer3DModel (dim {c.dim}, audio {c.audio_dim}, {c.num_layers} layers)",
-        source=path)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=LTX2DiTConfig.from_diffusers, is_original=_is_original,
+                    prefix="model.diffusion_model.",
+                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+                    what=lambda c: f"LTX2VideoTransformer3DModel (dim {c.dim}, audio {c.audio_dim}, {c.num_layers} layers)")
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -721,22 +676,5 @@ class _Compat(compat.CompatModel):
 video_coords_fn, audio_coords_fn = video_coords, audio_coords
 
 
-@compat.register("LTX2VideoTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = LTX2DiTConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _Compat(config, jax.device_put(state), cfg)
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _Compat(config, None, cfg, r)
+compat.register_dit("LTX2VideoTransformer3DModel", LTX2DiTConfig.from_diffusers, _Compat, load_dit, runner,
+                    constraints=parallel_constraints)

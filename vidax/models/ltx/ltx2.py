@@ -322,9 +322,11 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         grid = self.latent_grid(request.height, request.width, request.num_frames)
         p, pt = cfg.patch_size, cfg.patch_size_t
         tg = (grid[0] // pt, grid[1] // p, grid[2] // p)
-        s, la, fps = tg[0] * tg[1] * tg[2], self.audio_frames(request.num_frames, float(request.fps or 24)), float(request.fps or 24)
+        s, la, fps = tg[0] * tg[1] * tg[2], self.audio_frames(request.num_frames,
+                                                              float(request.fps or 24)), float(request.fps or 24)
         ropes = vplan.like(ldit2.rope_tables(cfg, ldit2.video_coords(*tg, cfg, fps), ldit2.audio_coords(la, cfg)))
-        stg = tuple(int(x) for x in str(request.options.get("stg_blocks") or "28").split(",") if x.strip() and int(x) < cfg.num_layers)
+        stg = tuple(int(x) for x in str(request.options.get("stg_blocks") or "28").split(",")
+                    if x.strip() and int(x) < cfg.num_layers)
         vec = vplan.abstract((nb,), np.float32)
 
         def inputs(vtok, atok, ctx, actx, vt, ropes, tb, mask):

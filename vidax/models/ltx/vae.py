@@ -105,7 +105,8 @@ V2_DEFAULTS = LTXVAEConfig(
     version=2, block_out_channels=(256, 512, 1024, 2048), down_block_types=("LTX2VideoDownBlock3D",) * 4,
     decoder_block_out_channels=(256, 512, 1024), layers_per_block=(4, 6, 6, 2, 2), decoder_layers_per_block=(5, 5, 5, 5),
     spatio_temporal_scaling=(True, True, True, True), decoder_spatio_temporal_scaling=(True, True, True),
-    decoder_inject_noise=(False, False, False, False), downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    decoder_inject_noise=(False, False, False, False), downsample_type=("spatial", "temporal", "spatiotemporal",
+                                                                        "spatiotemporal"),
     upsample_type=("spatiotemporal",) * 3, upsample_residual=(True, True, True), upsample_factor=(2, 2, 2),
     decoder_causal=True, decoder_spatial_padding_mode="reflect", spatial_compression_ratio=32, temporal_compression_ratio=8)
 
@@ -338,7 +339,8 @@ class UpBlock(nnx.Module):
         self.conv_in = ResBlock(cin, cout, **rk) if cin != cout else None
         up = None
         if scaling[i]:
-            stride = {"spatial": (1, 2, 2), "temporal": (2, 1, 1), "spatiotemporal": (2, 2, 2)}[utype[i] if v == 2 else "spatiotemporal"]
+            stride = {"spatial": (1, 2, 2), "temporal": (2, 1, 1),
+                      "spatiotemporal": (2, 2, 2)}[utype[i] if v == 2 else "spatiotemporal"]
             up = Upsampler(cout * factor[i], stride, residual=resid[i], upscale=factor[i], pad_mode=pad, causal=causal, **kw)
         self.up = up
         self.resnets = nnx.List([ResBlock(cout, cout, **rk) for _ in range(layers[i + 1])])

@@ -15,9 +15,8 @@ one core runner. Every parameter carries logical axis names, mapped to mesh axes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,19 +24,19 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
+from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
-from vidax.core import offload as voff
 from vidax.core import geometry
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed, split_heads
 from vidax.core.runner import DiTRunner, context_local, run_local
 from vidax.core.embeddings import apply_rope_interleaved, rope_3d_angles, sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_checkpoint_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 
 @dataclass(frozen=True)
-class WanDiTConfig:
+class WanDiTConfig(Heads):
     patch_size: tuple = (1, 2, 2)
     num_heads: int = 40
     head_dim: int = 128
@@ -54,21 +53,9 @@ class WanDiTConfig:
     rope_max_seq_len: int = 1024
     pos_embed_seq_len: int | None = None  # FLF2V learned image-token positions
 
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "WanDiTConfig":
-        ren = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in cfg.items():
-            k = ren.get(k, k)
-            if k in names:
-                kw[k] = tuple(v) if k == "patch_size" else v
-        if kw.get("out_channels") is None:
-            kw["out_channels"] = kw.get("in_channels", cls.in_channels)
+        kw = diffusers_kwargs(cls, cfg)
         qk = cfg.get("qk_norm", "rms_norm_across_heads")
         if qk not in (None, "rms_norm_across_heads"):
             raise ValueError(f"WanTransformer3DModel config: qk_norm={qk!r} is not supported (expected 'rms_norm_across_heads')")
@@ -76,7 +63,8 @@ class WanDiTConfig:
 
 
 PRESETS = {
-    "tiny": WanDiTConfig(num_heads=2, head_dim=12, in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2),
+    "tiny": WanDiTConfig(num_heads=2, head_dim=12, in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=48,
+                         num_layers=2),
     "1.3b": WanDiTConfig(num_heads=12, head_dim=128, ffn_dim=8960, num_layers=30),
     "14b": WanDiTConfig(num_heads=40, head_dim=128, ffn_dim=13824, num_layers=40),
 }
@@ -270,18 +258,13 @@ class WanHead(nnx.Module):
         return {"y": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
-class WanTransformer(nnx.Module):
+class WanTransformer(nn.StackedDiT):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
+    EMBED, BLOCK, HEAD = WanEmbed, WanBlock, WanHead
     #: the inputs only the cross-attention keys / values read (computed once per sample stage)
     CONTEXT = ("ctx", "img")
-
-    def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.cfg = cfg
-        self.embed = WanEmbed(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.blocks = nn.stack(lambda r: WanBlock(cfg, rngs=r, param_dtype=param_dtype), cfg.num_layers, rngs)
-        self.head = WanHead(cfg, rngs=rngs, param_dtype=param_dtype)
 
     @staticmethod
     def step(blk, carry, c, par):
@@ -410,11 +393,7 @@ def parallel_constraints(cfg: WanDiTConfig, *, tokens: int | None = None, batch:
     length has none: cross-attention keys are replicated over sp and split by heads over tp."""
     r = [vmesh.UlyssesHeads("num_heads", cfg.num_heads),
          vmesh.Divisible("ffn_dim", cfg.ffn_dim, ("tp",), "FFN up/down are split over tp")]
-    if tokens is not None:
-        r.append(vmesh.SpTokens("tokens", tokens))
-    if batch is not None:
-        r.append(vmesh.Divisible("batch", batch, ("dp",), "the batch (2B with CFG) is split over dp"))
-    return r
+    return r + vmesh.input_rules(tokens, batch)
 
 
 def runner(state, cfg: WanDiTConfig, mesh=None, parallelism=None, **kw) -> DiTRunner:
@@ -519,19 +498,10 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     """Load DiT weights from a diffusers folder (config.json + safetensors) or an original-release
     checkpoint (file or folder). Returns ``(state, cfg)``: the abstract state filled tensor by
     tensor with host numpy (cast on the host); no random init is ever materialised."""
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = WanDiTConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    names = list(ckpt)
-    if any(n.startswith("model.diffusion_model.") for n in names):
-        ckpt = {n.removeprefix("model.diffusion_model."): ckpt[n] for n in names}
-    pure, cfg = load_checkpoint_params(
-        ckpt, cfg, is_original=_is_original, config_from_original=config_from_original,
-        keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-        shapes=lambda c: param_shapes(c, dtype), dtype=dtype,
-        what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)", source=path)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=WanDiTConfig.from_diffusers, is_original=_is_original,
+                    config_from_original=config_from_original, prefix="model.diffusion_model.", keep_others=True,
+                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+                    what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
 
 
 # ----------------------------------------------------------------------------------- compat
@@ -555,23 +525,5 @@ class _WanDiTCompat(compat.CompatModel):
         return np.asarray(y).transpose(0, 4, 1, 2, 3)
 
 
-@compat.register("WanTransformer3DModel", scalable=True)
-def _load_compat(config: dict, folder: Path, dtype=np.float32, mesh=None, parallelism=None, offload_chunk_size=None,
-                 prefetch: bool = True, attn_impl=None, **_):
-    cfg = WanDiTConfig.from_diffusers(config)
-    if mesh is None and parallelism in (None, "none") and offload_chunk_size is None:
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-        return _WanDiTCompat(config, jax.device_put(state), cfg)
-    # fail on an impossible layout before reading a single tensor
-    m = vmesh.make_mesh(mesh) if mesh is not None else vmesh.single_device_mesh()
-    vsh.resolve_parallelism(parallelism, m)
-    vmesh.check_divisible(parallel_constraints(cfg), m, ring=vmesh.ring_degree(mesh))
-    if offload_chunk_size is not None:
-        voff.resolve_chunk_size(offload_chunk_size, cfg.num_layers)
-    from vidax.weights.keymap import lazy_params
-
-    with lazy_params(offload_chunk_size is None):  # resident: each host reads only its devices' shards
-        state, cfg = load_dit(folder, cfg, dtype=dtype)
-    r = runner(state, cfg, m, parallelism, offload_chunk_size=offload_chunk_size, prefetch=prefetch, attn_impl=attn_impl,
-               ring=vmesh.ring_degree(mesh))
-    return _WanDiTCompat(config, None, cfg, r)
+compat.register_dit("WanTransformer3DModel", WanDiTConfig.from_diffusers, _WanDiTCompat, load_dit, runner,
+                    constraints=parallel_constraints)

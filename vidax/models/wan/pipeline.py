@@ -811,7 +811,8 @@ class WanI2V(WanT2V):
         vae = self.load_vae()
         image_cond = self.encode_image(image, height, width, num_frames, vae=vae)
         lat = self.sample_latents(cond, uncond, seed=seed, height=height, width=width, num_frames=num_frames,
-                                  steps=steps, guidance=guidance, guidance_2=guidance_2, scheduler=self.scheduler(steps, scheduler, shift),
+                                  steps=steps, guidance=guidance, guidance_2=guidance_2,
+                                  scheduler=self.scheduler(steps, scheduler, shift),
                           on_step=on_step, image_cond=image_cond)
         return to_uint8(self.decode_video(lat, vae=vae))
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vidax.core import conv as vconv
-from vidax.core.tiles import TILE_AXIS, blend_grid, split_even, tile_devices, tile_mesh
+from vidax.core.tiles import TILE_SPEC, WHOLE_SPEC, blend_grid, split_even, tile_devices, tile_mesh, tile_shardings
 from vidax.models.wan.vae import (WanVAEConfig, decode_chunk_jit, denormalize_latents, param_shapes, patchify,
                                   plan_decode_unit, state_from_pure, to_device, unpatchify)
 
@@ -46,15 +46,13 @@ def _tiles_program(mesh, cfg: WanVAEConfig, first: bool, attn_impl, conv_impl: s
     mesh, and every device runs the single-tile program (:func:`decode_chunk_jit`) on its own tile
     -- no communication, the same arithmetic as decoding the tiles one after the other. The caches
     are donated. One program per (mesh, tile shape, first)."""
-    from jax.sharding import PartitionSpec as P
-
     from vidax.core.sharding import smap
 
     def one(state, z, cache):
         return decode_chunk_jit(state, z, cache, cfg=cfg, first=first, attn_impl=attn_impl, conv_impl=conv_impl,
                                  raw=True)
 
-    t, rep = P(TILE_AXIS), P()
+    t, rep = TILE_SPEC, WHOLE_SPEC
     if first:
         return jax.jit(smap(lambda state, z: one(state, z, None), mesh, (rep, t), (t, t)))
     return jax.jit(smap(one, mesh, (rep, t, t), (t, t)), donate_argnums=(2,))
@@ -95,12 +93,9 @@ def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, sto
     nd = len(devs) if max((len(v) for v in by_shape.values()), default=1) > 1 else 1
     impl = vconv.conv_impl(conv_impl)
     if nd > 1:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
         mesh = tile_mesh(tuple(devs[:nd]))
-        spread = NamedSharding(mesh, P(TILE_AXIS))
-        state = jax.device_put(state, NamedSharding(mesh, P()))  # the weights on every device of the mesh
+        spread, whole = tile_shardings(mesh)
+        state = jax.device_put(state, whole)  # the weights on every device of the mesh
 
         def put(a):
             return jax.device_put(a, spread)
@@ -366,9 +361,6 @@ def plan_tiles_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtyp
     (:func:`_tiles_program`, as :func:`decode_tiles` runs it); on one chip, or when one tile covers
     the ``height x width`` latent frame, the single-tile program. Compiled on the first ``devices``
     of ``jax.devices()`` (fake CPU devices for a plan)."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     from vidax.core import plan as vplan
 
     lt = TILE // (cfg.scale_factor_spatial or cfg.spatial_ratio)
@@ -383,8 +375,8 @@ def plan_tiles_unit(cfg: WanVAEConfig, batch: int, height: int, width: int, dtyp
     z1 = vplan.abstract((batch, cfg.z_dim, 1, th, tw), np.float32)
     _, cache1 = jax.eval_shape(partial(decode_chunk_jit, cfg=cfg, first=True, attn_impl=None, conv_impl="native"),
                                state, z1, None)
-    spread = NamedSharding(mesh, P(TILE_AXIS))
-    state = vplan.like(state, NamedSharding(mesh, P()))
+    spread, whole = tile_shardings(mesh)
+    state = vplan.like(state, whole)
     z = vplan.abstract((nd * batch, *z1.shape[1:]), np.float32, spread)
     cache = {k: vplan.abstract((nd * v.shape[0], *v.shape[1:]), v.dtype, spread) for k, v in cache1.items()}
     return vplan.Unit("decode", f"VAE decode, one latent frame of {nd} {TILE}-px tiles (one per device)",

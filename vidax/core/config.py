@@ -1,0 +1,31 @@
+"""Model configs from reference ``config.json`` files: the keyword arguments of a dataclass config."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+#: diffusers' attention-size names -> the DiT configs' field names
+HEAD_NAMES = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}
+
+
+class Heads:
+    """A DiT config's derived widths (a mixin of a dataclass with ``num_heads`` / ``head_dim``):
+    ``dim`` = heads x head size, ``mlp_dim`` = ``dim`` x ``mlp_ratio`` (where the config has one)."""
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+def diffusers_kwargs(cls, cfg: dict, rename: dict = HEAD_NAMES, defaults=(("out_channels", "in_channels"),)) -> dict:
+    """The fields of dataclass ``cls`` found in ``cfg`` (after ``rename``), lists as tuples (configs
+    are hashable); each ``(field, source)`` of ``defaults`` left None takes ``source``'s value."""
+    names = {f.name for f in fields(cls)}
+    kw = {rename.get(k, k): (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if rename.get(k, k) in names}
+    for name, source in defaults:
+        if kw.get(name) is None:
+            kw[name] = kw.get(source, getattr(cls, source))
+    return kw
