@@ -7,7 +7,10 @@
   checkpoint on one device, within 1e-4 (the fast tier samples one mesh per family:
   ``tests/sweep.py``; ``make test-all`` runs all 24);
 - ``vidax generate --mesh sp=8,ring=2`` end to end, one program per step;
-- one-line refusals naming the heads / tokens.
+- one-line refusals naming the heads / tokens;
+- shard reads: every family's DiT loaded at ``tp=2`` reads each query projection as two halves of
+  its rows, in one process and in two (``jax.distributed`` on loopback; the fast tier runs Wan and
+  1 of the other 7 families there).
 """
 from __future__ import annotations
 
@@ -210,8 +213,8 @@ def _arrays(out):
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """Each family's checkpoint folder, inputs and single-device output, built on first use."""
+def checkpoint(tmp_path_factory):
+    """Each family's checkpoint folder and inputs, built on first use (no JAX program compiled)."""
     cache = {}
 
     def get(name):
@@ -219,6 +222,19 @@ def family(tmp_path_factory):
             ref, kw = FAMILIES[name]()
             path = tmp_path_factory.mktemp(f"usp_{name}")
             ref.save_pretrained(path)
+            cache[name] = (path, kw)
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint):
+    """Each family's checkpoint folder, inputs and single-device output, built on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path, kw = checkpoint(name)
             cache[name] = (path, kw, _arrays(compat.load_pretrained(path).forward(**kw)))
         return cache[name]
     return get
@@ -340,50 +356,59 @@ _TWO_PROCESS_SCRIPT = r"""
 import json, sys
 from vidax.core import mesh as vmesh
 vmesh.init_distributed()
+import jax
+from jax.sharding import NamedSharding
 from vidax.weights.io import LazyTensor
 reads = []
 orig = LazyTensor.read
 def spy(self, index=None):
-    reads.append([self.name, None if index is None else [[s.start, s.stop] for s in index]])
+    box = None if index is None else [[s.start, s.stop] if isinstance(s, slice) else [int(s), int(s) + 1]
+                                      for s in (index if isinstance(index, tuple) else (index,))]
+    reads.append([self.name, list(self.shape), box])
     return orig(self, index)
 LazyTensor.read = spy
 from vidax import compat
 m = compat.load_pretrained(sys.argv[1], mesh="tp=2", parallelism="tp")
-k = m.runner.stacks["blocks"]["attn1"]["q"]["kernel"].get_value()
 first = list(reads)  # the tp=2 load's reads
-import numpy as np
-kw = dict(np.load(sys.argv[2]))
-ring = compat.load_pretrained(sys.argv[1], mesh="sp=2,ring=2", parallelism="sp").forward(**kw)  # a ring across hosts
-np.save(sys.argv[3], np.asarray(ring))
-print(json.dumps({"reads": first, "local": [list(s.data.shape) for s in k.addressable_shards], "global": list(k.shape)}))
+held = []  # every array the runner holds split over tp (any family's runner): global shape, split dims, local shards
+for attr, part in vars(m.runner).items():
+    for path, a in jax.tree_util.tree_flatten_with_path(part)[0]:
+        if not (isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding)):
+            continue
+        dims = [d for d, ax in enumerate(a.sharding.spec) if ax == "tp" or (isinstance(ax, tuple) and "tp" in ax)]
+        if dims:
+            held.append([attr + jax.tree_util.keystr(path), list(a.shape), dims,
+                         [list(s.data.shape) for s in a.addressable_shards]])
+if len(sys.argv) > 2:  # Wan: the same DiT on a ring across the two processes
+    import numpy as np
+    kw = dict(np.load(sys.argv[2]))
+    ring = compat.load_pretrained(sys.argv[1], mesh="sp=2,ring=2", parallelism="sp").forward(**kw)
+    np.save(sys.argv[3], np.asarray(ring))
+print(json.dumps({"reads": first, "held": held}))
 """
 
+# each case: two JAX processes (10-16 s CPU at level 0). Wan (and its cross-host ring) always; 1 of the other 7
+TWO_PROCESS = ["wan"] + sweep.sample([f for f in FAMILIES if f != "wan"], 1, "two-process-reads")
 
-def test_two_processes_each_read_only_their_rows(family, tmp_path):
-    """Two processes (one fake device each, ``jax.distributed`` on loopback) load the Wan DiT with
-    ``mesh="tp=2"``: each reads only its own half of the rows of every query projection and holds
-    only its half of the stacked kernel; neither reads any tensor whole. Then the same DiT on
-    ``sp=2,ring=2`` (the ring's K/V hops cross the two processes) computes what one device does."""
+
+def _two_processes(args, root):
+    """Run :data:`_TWO_PROCESS_SCRIPT` with ``args`` as two processes (one fake CPU device each,
+    ``jax.distributed`` on loopback); their JSON reports."""
     import json
     import os
     import socket
     import subprocess
     import sys
-    from pathlib import Path
 
     from tests.sweep import xla_flags
 
-    path, kw, one = family("wan")
-    np.savez(tmp_path / "kw.npz", **kw)
-    root = Path(__file__).resolve().parent.parent
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIDAX_") or k == "VIDAX_FAMILIES"}
     env.update(XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu", VIDAX_COMPILE_CACHE="off", PYTHONPATH=str(root),
                VIDAX_COORDINATOR=f"127.0.0.1:{port}", VIDAX_NUM_PROCESSES="2", VIDAX_DISTRIBUTED_TIMEOUT="30")
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SCRIPT, str(path), str(tmp_path / "kw.npz"),
-                               str(tmp_path / f"ring{i}.npy")], cwd=root, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SCRIPT, *(a(i) for a in args)], cwd=root, text=True,
                               env={**env, "VIDAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
     outs = []
@@ -394,15 +419,47 @@ def test_two_processes_each_read_only_their_rows(family, tmp_path):
             p.kill()
         assert p.returncode == 0, err[-3000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    halves = []
-    for o in outs:
-        assert all(r[1] is not None for r in o["reads"]), "a tensor was read whole"
-        q = [r for r in o["reads"] if r[0].endswith("attn1.to_q.weight")]
-        rows = {tuple(r[1][0]) for r in q}
-        assert len(rows) == 1 and len(q) == 3  # one half of each of the 3 layers' query rows
-        halves.append(rows.pop())
-        n = o["global"]
-        assert o["local"] == [[n[0], n[1], n[2] // 2]]  # this process's devices hold half the columns
-    assert sorted(halves) == [(0, n[2] // 2), (n[2] // 2, n[2])]
-    for i in range(2):
-        assert_parity(np.load(tmp_path / f"ring{i}.npy"), one[0], tol=1e-4, what=f"process {i}: sp=2,ring=2 across hosts")
+    return outs
+
+
+@pytest.mark.parametrize("name", TWO_PROCESS)
+def test_two_processes_each_read_only_their_rows(checkpoint, family, name, tmp_path):
+    """Two processes (one fake device each, ``jax.distributed`` on loopback) load the family's DiT
+    with ``mesh="tp=2"``: each reads exactly its own half of the rows of every query projection
+    (the two halves together, no overlap), neither reads any tensor whole, and each holds only its
+    half of every array split over ``tp`` (a query kernel among them). For Wan, the same DiT on
+    ``sp=2,ring=2`` (the ring's K/V hops cross the two processes) also computes what one device
+    does. (``make test`` runs Wan and 1 of the other 7 families: ``tests/sweep.py``.)"""
+    from pathlib import Path
+
+    path, kw = checkpoint(name)
+    args = [lambda i: str(path)]
+    if name == "wan":
+        np.savez(tmp_path / "kw.npz", **kw)
+        args += [lambda i: str(tmp_path / "kw.npz"), lambda i: str(tmp_path / f"ring{i}.npy")]
+    outs = _two_processes(args, Path(__file__).resolve().parent.parent)
+    rows = []  # per process: {query tensor: its rows read}
+    for i, o in enumerate(outs):
+        assert o["reads"] and all(r[2] is not None for r in o["reads"]), f"process {i}: a tensor was read whole"
+        mine: dict = {}
+        for n, shape, box in o["reads"]:
+            if n.endswith(_Q) and "token_refiner" not in n:  # the prompt refiner stays whole
+                mine.setdefault((n, tuple(shape)), []).append(_rows(tuple(slice(a, b) for a, b in box), shape))
+        assert mine, f"process {i}: no query projection read"
+        rows.append(mine)
+        assert any("['q']" in p and "kernel" in p for p, *_ in o["held"]), f"process {i}: no query kernel split over tp"
+        for p, shape, dims, local in o["held"]:
+            want = [s // 2 if d in dims else s for d, s in enumerate(shape)]
+            assert local == [want], f"process {i}: {p} {shape} split on {dims}: holds {local}"
+    assert rows[0].keys() == rows[1].keys()
+    for key in rows[0]:
+        n, shape = key
+        half = shape[0] // 2
+        assert len(rows[0][key]) == len(rows[1][key]) == 1, f"{n}: rows read {rows[0][key]}, {rows[1][key]}"
+        assert sorted(rows[0][key] + rows[1][key]) == [(0, half), (half, shape[0])], \
+            f"{n}: rows read {rows[0][key]} and {rows[1][key]}"
+    if name == "wan":
+        one = family("wan")[2]
+        for i in range(2):
+            assert_parity(np.load(tmp_path / f"ring{i}.npy"), one[0], tol=1e-4,
+                          what=f"process {i}: sp=2,ring=2 across hosts")
