@@ -42,7 +42,11 @@ def _latents(run):
      "cogvideox-2b has no published MagCache ratios"),
     (dict(cache="magcache", cache_ratios=[1.0, -2.0]), "cache_ratios", "positive numbers"),
     (dict(cache="magcache", cache_ratios=[1.0, 1.0], cache_retention=1.5), "cache_retention", "between 0.0 and 1.0"),
-    (dict(cache="teacache"), "cache", "not implemented yet"),
+    (dict(model="cogvideox-2b", height=None, width=None, cache="teacache"), "cache",
+     "cogvideox-2b has no published TeaCache coefficients"),
+    (dict(cache="taylorseer", cache_threshold=0.1), "cache_threshold", "fixed schedule"),
+    (dict(cache="taylorseer", cache_interval=0), "cache_interval", "must be >= 1"),
+    (dict(cache="fbcache", cache_order=2), "cache_order", "is a taylorseer setting"),
     (dict(cache="fbcache", offload_chunk_size=1), "cache", "offload-chunk-size"),
 ])
 def test_bad_cache_options_are_one_line_errors(over, field, msg):
@@ -266,6 +270,106 @@ def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, ret
     else:
         assert all(ours)
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("interval,warmup,order",
+                         sweep.sample([(3, 2, 1), (2, 1, 2), (4, 3, 1)], 1, "taylorseer-diffusers"))
+def test_taylorseer_matches_diffusers_taylorseer_cache(wan_ref, interval, warmup, order):
+    """diffusers' TaylorSeer with every block hooked (their outputs extrapolated between the computed
+    steps: the last block's is what the head reads), factors in float32."""
+    import torch
+    from diffusers import TaylorSeerCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps = 10
+    config = TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup, max_order=order,
+                                   taylor_factors_dtype=torch.float32, cache_identifiers=[r"blocks\.\d+"])
+    ref, ref_computed = _ref_run(pipe, config, cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("taylorseer", 0.0, interval=interval, warmup=warmup, order=order), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed and 2 * warmup < sum(ours) < 2 * steps
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat, steps):
+    """TeaCache as its authors publish it (Wan2.1, retention mode), written here over diffusers'
+    Wan transformer with torch hooks: per CFG branch (diffusers calls cond, then uncond), the
+    relative L1 change of the timestep projection since the branch's previous call, rescaled by
+    the polynomial and accumulated; below the threshold the block stack's output is the input plus
+    the branch's last residual; the first ``warmup`` steps always computed."""
+    import torch
+
+    tr = pipe.transformer
+    st = {"call": 0, "acc": [0.0, 0.0], "prev": [None, None], "res": [None, None], "x": None, "compute": True}
+    computed = []
+
+    def on_embed(m, args, out):
+        e0 = out[1].detach().numpy().astype(np.float32)
+        j, step = st["call"] % 2, st["call"] // 2
+        prev, st["prev"][j] = st["prev"][j], e0
+        if step < warmup or prev is None:
+            st["acc"][j], st["compute"] = 0.0, True
+        else:
+            rel = float(np.abs(e0 - prev).mean() / np.abs(prev).mean())
+            st["acc"][j] += float(np.polyval(coefficients, rel))
+            st["compute"] = st["acc"][j] >= threshold
+            if st["compute"]:
+                st["acc"][j] = 0.0
+        computed.append(st["compute"])
+
+    def on_first(m, args):
+        st["x"] = args[0].detach().clone()
+
+    def on_last(m, args, out):
+        j = st["call"] % 2
+        st["call"] += 1
+        if st["compute"]:
+            st["res"][j] = out - st["x"]
+            return out
+        return st["x"] + st["res"][j]  # the blocks ran (a tiny model): their output is replaced
+
+    hooks = [tr.condition_embedder.register_forward_hook(on_embed), tr.blocks[0].register_forward_pre_hook(on_first),
+             tr.blocks[-1].register_forward_hook(on_last)]
+    try:
+        with torch.no_grad():
+            z = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                     latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
+                     height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return z, computed
+
+
+@pytest.mark.parametrize("threshold", sweep.sample([0.5, 0.8], 1, "teacache-reference"))
+def test_teacache_matches_the_published_algorithm(wan_ref, threshold):
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.magcache import TEA_COEFFS
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps, warmup = 10, 2
+    # a polynomial in the range of the tiny model's changes (the releases' are fitted to theirs)
+    coeffs = (1.0, 0.0)
+    ref, ref_computed = _teacache_reference(pipe, coeffs, threshold, warmup, cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("teacache", threshold, warmup=warmup, coefficients=coeffs), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed and 2 * warmup < sum(ours) < 2 * steps, (ours, vx.step_cache.changes)
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+    # the releases' own polynomials are what --cache teacache takes for them
+    r = validate(Request(**{**REQ, "cache": "teacache"}))
+    assert r.cache_settings().coefficients == tuple(TEA_COEFFS["wan2.1-t2v-1.3b"]) and r.cache_warmup == 5
 
 
 def test_magcache_through_the_stages(tmp_path):

@@ -663,7 +663,17 @@ class DiTRunner:
             cache.tail = self._place_like(cache.tail)
         if cache.prev is not None:
             cache.prev = self._place_like({key: cache.prev})[key]
-        compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
+        if cache.method == "taylorseer":
+            return self._taylor_call(inputs, c1, consts)
+        if cache.method == "teacache":
+            name = getattr(self.model, "TEACACHE_INPUT", None)
+            if name is None:
+                raise ValueError(f"teacache: {type(self.model).__name__} declares no modulated input (TEACACHE_INPUT)")
+            if cache.mod_prev is not None:
+                cache.mod_prev = self._place_like({name: cache.mod_prev})[name]
+            compute = cache.decide_modulated(consts[name])
+        else:
+            compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
         rows = rows_mask(compute, batch)
         if compute.all() or (not compute.any() and cache.tail is None):
             final, tail = u("rest")(self.stacks, c1, consts, n_first)
@@ -681,6 +691,24 @@ class DiTRunner:
         prev = None if prev is None else self._place_like({key: prev})[key]
         cache.record(compute, prev=prev if n_first else None, tail=tail,
                      residual=None if tail is None else tail[key])
+        return u("head")(self.rest, final, consts, _shapes_key(inputs))
+
+    def _taylor_call(self, inputs, c1, consts):
+        """taylorseer: the blocks on the schedule's steps (their output features update the Taylor
+        factors), the extrapolated features on the others; the head every step."""
+        cache, u = self.cache, self._cache_unit
+        compute = cache.decide_schedule()
+        if compute.all():
+            final, _ = u("rest")(self.stacks, c1, consts, 0)
+            cache.taylor_update(final)
+        elif not compute.any():
+            if cache.taylor and not isinstance(jax.tree.leaves(cache.taylor)[0], jax.Array):  # from a checkpoint
+                cache.taylor = tuple(self._place_like(t) for t in cache.taylor)
+            shapes = jax.eval_shape(lambda c, k: self._links_all(c, k, vsh.LOCAL), c1, consts)
+            final = {k: v.astype(shapes[k].dtype) for k, v in cache.taylor_predict().items()}
+        else:  # the branches share one schedule; only an expert's start resets them, all together
+            raise ValueError(f"taylorseer: the CFG branches disagree on the schedule ({compute.tolist()})")
+        cache.record(compute)
         return u("head")(self.rest, final, consts, _shapes_key(inputs))
 
     @property

@@ -276,6 +276,8 @@ class WanTransformer(nnx.Module):
 
     #: the inputs only the cross-attention keys / values read (computed once per sample stage)
     CONTEXT = ("ctx", "img")
+    #: TeaCache's modulated input: the timestep projection (the published coefficients' ``e0``)
+    TEACACHE_INPUT = "temb6"
 
     def __init__(self, cfg: WanDiTConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg

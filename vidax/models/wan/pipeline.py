@@ -117,6 +117,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
     FAMILY = "wan"
     STEP_CACHE = True
     MAG_RATIOS = wmag.MAG_RATIOS  # published MagCache calibrations (vidax/models/wan/magcache.py)
+    TEA_COEFFS = wmag.TEA_COEFFS  # published TeaCache polynomials (same file)
     OPTIONS = (
         Option("shift", float, 5.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
