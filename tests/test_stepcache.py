@@ -113,12 +113,16 @@ def test_threshold_zero_is_bitwise_uncached_and_a_huge_one_skips(tmp_path, capsy
         " ".join(capsys.readouterr().out.split())
 
 
-def test_sigkill_during_cached_sampling_resumes_bitwise(tmp_path):
+# fbcache always; the other methods' state (Taylor factors restored for a predicted step 5;
+# TeaCache's modulated input and accumulator) in make test-all
+@pytest.mark.parametrize("cache", [["fbcache", "--cache-threshold", "1.2"]] + sweep.sample(
+    [["taylorseer", "--cache-interval", "2", "--cache-warmup", "2"], ["teacache", "--cache-warmup", "3"]], 0,
+    "cache-sigkill"), ids=lambda c: c[0])
+def test_sigkill_during_cached_sampling_resumes_bitwise(tmp_path, cache):
     url = f"file://{tmp_path / 'killed'}"
     args = [sys.executable, "-m", "stages.cli", "generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48",
             "--frames", "9", "--steps", "8", "--guidance", "4", "--seed", "7", "--checkpoint-every", "2",
-            "--scheduler", "flow_euler_sde", "--cache", "fbcache", "--cache-threshold", "1.2", "--run-id", "k1",
-            "--store", url]
+            "--scheduler", "flow_euler_sde", "--cache", *cache, "--run-id", "k1", "--store", url]
     p = subprocess.run(args, env={**ENV, "VIDAX_FAULTS": "sample:kill_after_step=4"}, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
