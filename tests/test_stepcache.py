@@ -276,8 +276,13 @@ def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, ret
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("interval,warmup,order",
-                         sweep.sample([(3, 2, 1), (2, 1, 2), (4, 3, 1)], 1, "taylorseer-diffusers"))
+# taylorseer (interval, warmup, order) against diffusers and teacache (threshold) against the reference:
+# one of the five in make test, all in make test-all
+_TS_TEA = sweep.sample([("taylorseer", (3, 2, 1)), ("taylorseer", (2, 1, 2)), ("taylorseer", (4, 3, 1)),
+                        ("teacache", 0.5), ("teacache", 0.8)], 1, "taylorseer-teacache-parity")
+
+
+@pytest.mark.parametrize("interval,warmup,order", [p for m, p in _TS_TEA if m == "taylorseer"])
 def test_taylorseer_matches_diffusers_taylorseer_cache(wan_ref, interval, warmup, order):
     """diffusers' TaylorSeer with every block hooked (their outputs extrapolated between the computed
     steps: the last block's is what the head reads), factors in float32."""
@@ -352,7 +357,7 @@ def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat
     return z, computed
 
 
-@pytest.mark.parametrize("threshold", sweep.sample([0.5, 0.8], 1, "teacache-reference"))
+@pytest.mark.parametrize("threshold", [p for m, p in _TS_TEA if m == "teacache"])
 def test_teacache_matches_the_published_algorithm(wan_ref, threshold):
     from tests.test_wan_pipeline import _inputs
     from vidax.core.stepcache import CacheSettings, StepCache
