@@ -13,6 +13,7 @@ from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
 from tests import sweep
 from tests.test_wan_pipeline import ref_pipeline  # noqa: F401 - the fixture wan_ref reuses
+from tests import test_ltx_pipeline
 from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
@@ -246,6 +247,64 @@ def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def ltx_ref(tmp_path_factory):
+    """diffusers' tiny LTX-Video folder, transformer, VAE and scheduler (test_ltx_pipeline's fixture)."""
+    return test_ltx_pipeline.folder.__wrapped__(tmp_path_factory)
+
+
+# taylorseer (interval, warmup, order) against diffusers, teacache (threshold) against the reference and
+# fbcache on LTX-Video (threshold) against diffusers: one of the seven in make test, all in make test-all
+_PARITY = sweep.sample([("taylorseer", (3, 2, 1)), ("taylorseer", (2, 1, 2)), ("taylorseer", (4, 3, 1)),
+                        ("teacache", 0.5), ("teacache", 0.8), ("fbcache-ltx", 0.1), ("fbcache-ltx", 0.2)], 1,
+                       "taylorseer-teacache-ltx-parity")
+
+
+@pytest.mark.parametrize("threshold", [p for m, p in _PARITY if m == "fbcache-ltx"])
+def test_fbcache_matches_diffusers_on_ltx_video(ltx_ref, threshold):
+    """Another family: LTX-Video's batched [cond; uncond] call (diffusers' "cond_uncond" context, one
+    decision for the batch) against ``LTXPipeline`` with ``FirstBlockCacheConfig``."""
+    import torch
+    from diffusers import FirstBlockCacheConfig, LTXPipeline
+
+    from tests.refutil import to_numpy
+    from tests.test_ltx_pipeline import _embeds
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltxv import LTXVideo
+
+    root, dit, vae, sched = ltx_ref
+    h, w, frames, steps = 64, 96, 17, 8
+    cond, cm = _embeds(1, 0)
+    unc, um = _embeds(1, 1)
+    pipe = LTXVideo(str(root))
+    grid = pipe.latent_grid(h, w, frames)
+    x0 = np.random.default_rng(3).standard_normal((1, *grid, 8)).astype(np.float32)
+    pipe.step_cache = StepCache(CacheSettings("fbcache", threshold), steps)
+    ours = pipe.sample_latents(cond, cm, unc, um, seed=0, height=h, width=w, num_frames=frames, steps=steps,
+                               guidance=3.0, fps=24.0, guidance_rescale=0.0, latents=x0)
+    ref = LTXPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=dit)
+    calls, tail = [], []
+    h0 = dit.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k=None: calls.append(len(tail)))
+    h1 = dit.transformer_blocks[-1].ff.register_forward_pre_hook(lambda m, a: tail.append(1))
+    dit.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        with torch.no_grad():
+            out = ref(prompt_embeds=torch.from_numpy(cond), prompt_attention_mask=torch.from_numpy(cm),
+                      negative_prompt_embeds=torch.from_numpy(unc), negative_prompt_attention_mask=torch.from_numpy(um),
+                      latents=torch.from_numpy(np.asarray(pack(x0))), height=h, width=w, num_frames=frames,
+                      num_inference_steps=steps, guidance_scale=3.0, guidance_rescale=0.0, frame_rate=24,
+                      output_type="latent", return_dict=False)[0]
+    finally:
+        dit.disable_cache()
+        h0.remove()
+        h1.remove()
+    ref_computed = [calls[i + 1] > calls[i] if i + 1 < len(calls) else len(tail) > calls[i] for i in range(len(calls))]
+    assert [bool(d[0]) for d in pipe.step_cache.decisions] == ref_computed
+    assert 1 < sum(ref_computed) < steps, ref_computed  # the threshold takes decisions both ways
+    np.testing.assert_allclose(ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), atol=1e-4, rtol=0)
+
+
 MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
 
 
@@ -276,13 +335,7 @@ def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, ret
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
 
 
-# taylorseer (interval, warmup, order) against diffusers and teacache (threshold) against the reference:
-# one of the five in make test, all in make test-all
-_TS_TEA = sweep.sample([("taylorseer", (3, 2, 1)), ("taylorseer", (2, 1, 2)), ("taylorseer", (4, 3, 1)),
-                        ("teacache", 0.5), ("teacache", 0.8)], 1, "taylorseer-teacache-parity")
-
-
-@pytest.mark.parametrize("interval,warmup,order", [p for m, p in _TS_TEA if m == "taylorseer"])
+@pytest.mark.parametrize("interval,warmup,order", [p for m, p in _PARITY if m == "taylorseer"])
 def test_taylorseer_matches_diffusers_taylorseer_cache(wan_ref, interval, warmup, order):
     """diffusers' TaylorSeer with every block hooked (their outputs extrapolated between the computed
     steps: the last block's is what the head reads), factors in float32."""
@@ -357,7 +410,7 @@ def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat
     return z, computed
 
 
-@pytest.mark.parametrize("threshold", [p for m, p in _TS_TEA if m == "teacache"])
+@pytest.mark.parametrize("threshold", [p for m, p in _PARITY if m == "teacache"])
 def test_teacache_matches_the_published_algorithm(wan_ref, threshold):
     from tests.test_wan_pipeline import _inputs
     from vidax.core.stepcache import CacheSettings, StepCache
