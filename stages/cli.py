@@ -303,7 +303,8 @@ def cmd_status(a) -> int:
         records.get("sample"), dict) else None
     if ev:
         cs = (records.get("sample").get("details") or {}).get("cache") or {}
-        con.print(f"DiT evaluations (sample, cache {cs.get('method')} threshold {cs.get('threshold')}): "
+        knob = (f"interval {cs.get('interval')}" if cs.get("method") == "taylorseer" else f"threshold {cs.get('threshold')}")
+        con.print(f"DiT evaluations (sample, cache {cs.get('method')} {knob}): "
                   f"{ev['computed']} computed, {ev['skipped']} skipped")
     for n in R.video_names(len(req.prompts)):
         con.print(f"video: {run.url(n)}")
