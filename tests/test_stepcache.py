@@ -176,7 +176,10 @@ def test_cached_units_compile_once():
     def sizes():  # programs per unit, whatever other tests of this process compiled before
         return {n: f._cache_size() for n, f in runner._cunits.items()}
 
+    contexts = []  # the text keys / values: computed once per sample stage, cached units or not
+    runner.context = lambda inputs, f=runner.context: contexts.append(1) or f(inputs)
     vx.sample_latents(cond, cond * 0.5, **kw)
+    assert contexts == [1]
     first = sizes()
     # again with a threshold in the middle of the changes seen: some steps skipped, nothing new
     # compiled for the units the first run built (8 steps: a per-step compile would show)

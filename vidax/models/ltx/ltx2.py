@@ -497,7 +497,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         from vidax.core import runner as vrunner
 
         if isinstance(params, vrunner.DiTRunner):
-            if not params.context_inputs or params.cache is not None:  # (not with --cache)
+            if not params.context_inputs:
                 return None
             return lambda prm, ctx, actx: params.context({"ctx": ctx, "actx": actx})
         if not vrunner.context_names(ldit2.abstract_model(cfg, ldit2.state_dtype(params).name)):

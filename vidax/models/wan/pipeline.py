@@ -506,8 +506,8 @@ class WanT2V(wtiles.TileStages, Pipeline):
         call = context = None
         # the text (and image) cross-attention keys / values are computed once per segment (expert)
         # by ``context`` and every step reads them (``runner.TEXT_KV_ONCE`` off: per step, as before)
-        # (the step cache's units take the text as it is: no once-computed K/V with --cache)
-        kv = bool(vrunner.context_names(wdit.WanTransformer)) and self.step_cache is None
+        # (the step cache's units take them too)
+        kv = bool(vrunner.context_names(wdit.WanTransformer))
         # the compiled step is shared by every call with the same model shape, mesh and schedule
         # (later prompts, the other A14B expert, resumed segments): it holds no weights
         key = ("wan", cfg, aux is None, kv)
