@@ -113,13 +113,18 @@ def _add_generate_args(g: argparse.ArgumentParser, model: str | None) -> None:
                         "AI-Toolkit, LyCORIS diff); repeatable; Wan2.2 A14B: high= / low= for one expert")
     g.add_argument("--run-id", help="default: derived from the request, so repeating it resumes")
     c = g.add_argument_group("step caching (fewer DiT evaluations; part of the sample stage's key)")
-    c.add_argument("--cache", help="none (default), fbcache (First Block Cache) or magcache (MagCache)")
+    c.add_argument("--cache", help="none (default), fbcache (First Block Cache), taylorseer (TaylorSeer), magcache "
+                   "(MagCache) or teacache (TeaCache)")
     c.add_argument("--cache-threshold", type=float, help="fbcache: relative change of the first block's residual "
                    "at or below which the other blocks are skipped (default 0.05); magcache: accumulated error "
-                   "(default 0.06)")
+                   "(default 0.06); teacache: accumulated rescaled change (default 0.1)")
     c.add_argument("--cache-max-skips", type=int, help="magcache: most steps skipped in a row (default 3)")
     c.add_argument("--cache-retention", type=float, help="magcache: fraction of the first steps always computed "
                    "(default 0.2)")
+    c.add_argument("--cache-interval", type=int, help="taylorseer: a computed step every N steps (default 5)")
+    c.add_argument("--cache-warmup", type=int, help="taylorseer / teacache: first steps always computed "
+                   "(default 3 / 5)")
+    c.add_argument("--cache-order", type=int, help="taylorseer: order of the Taylor series (default 1)")
     c.add_argument("--cache-ratios", help="magcache: calibrated ratios, a JSON file (vidax calibrate) or a "
                    "comma-separated list (default: the release's published ones)")
     recipe = registry.MODELS.get(model or registry.default_model())
@@ -148,7 +153,8 @@ def _request_from_args(a) -> Request:
                    checkpoint_every=a.checkpoint_every, dtype=a.dtype, mesh=a.mesh,
                    offload_chunk_size=a.offload_chunk_size, image=a.image, lora=a.lora, options=options,
                    cache=a.cache, cache_threshold=a.cache_threshold, cache_max_skips=a.cache_max_skips,
-                   cache_retention=a.cache_retention, cache_ratios=_ratios_arg(a.cache_ratios))
+                   cache_retention=a.cache_retention, cache_ratios=_ratios_arg(a.cache_ratios),
+                   cache_interval=a.cache_interval, cache_warmup=a.cache_warmup, cache_order=a.cache_order)
 
 
 def _ratios_arg(text):
@@ -299,7 +305,8 @@ def cmd_status(a) -> int:
         records.get("sample"), dict) else None
     if ev:
         cs = (records.get("sample").get("details") or {}).get("cache") or {}
-        con.print(f"DiT evaluations (sample, cache {cs.get('method')} threshold {cs.get('threshold')}): "
+        knob = (f"interval {cs.get('interval')}" if cs.get("method") == "taylorseer" else f"threshold {cs.get('threshold')}")
+        con.print(f"DiT evaluations (sample, cache {cs.get('method')} {knob}): "
                   f"{ev['computed']} computed, {ev['skipped']} skipped")
     for n in R.video_names(len(req.prompts)):
         con.print(f"video: {run.url(n)}")

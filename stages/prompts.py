@@ -23,7 +23,8 @@ from vidax.pipeline import OptionError
 
 _FIELD_TYPES = {"seed": int, "height": int, "width": int, "num_frames": int, "steps": int, "decode_stages": int,
                 "checkpoint_every": int, "guidance": float, "fps": float, "cache_threshold": float,
-                "cache_max_skips": int, "cache_retention": float}
+                "cache_max_skips": int, "cache_retention": float, "cache_interval": int, "cache_warmup": int,
+                "cache_order": int}
 
 
 class PromptFileError(ValueError):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from vidax import registry
 from vidax.pipeline import OptionError
 
-CACHE_FIELDS = ("cache", "cache_threshold", "cache_max_skips", "cache_retention", "cache_ratios")
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_max_skips", "cache_retention", "cache_ratios", "cache_interval",
+                "cache_warmup", "cache_order")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_SEED = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds without x64: larger ones would alias
 MAX_GUIDANCE = 100.0
@@ -64,6 +65,9 @@ class Request:
     cache_max_skips: int | None = None  # magcache: most steps skipped in a row (default 3)
     cache_retention: float | None = None  # magcache: fraction of the first steps always computed (default 0.2)
     cache_ratios: str | list | None = None  # magcache: calibrated ratios (a list, or a JSON file from vidax calibrate)
+    cache_interval: int | None = None  # taylorseer: a computed step every N steps (default 5)
+    cache_warmup: int | None = None  # taylorseer / teacache: first steps always computed (default 3 / 5)
+    cache_order: int | None = None  # taylorseer: Taylor series order (default 1)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -100,9 +104,11 @@ class Request:
 
         recipe = registry.MODELS.get(self.model)
         published = getattr(recipe.pipeline_class(), "MAG_RATIOS", {}).get(self.model) if recipe is not None else None
+        tea = getattr(recipe.pipeline_class(), "TEA_COEFFS", {}).get(self.model) if recipe is not None else None
         return stepcache.settings(self.cache, self.cache_threshold, max_skips=self.cache_max_skips,
                                   retention=self.cache_retention, ratios=self.cache_ratios, model=self.model,
-                                  published=published)
+                                  published=published, interval=self.cache_interval, warmup=self.cache_warmup,
+                                  order=self.cache_order, coefficients=tea)
 
     @classmethod
     def from_json(cls, d: dict) -> "Request":
@@ -283,7 +289,7 @@ def _check_cache(r: Request) -> Request:
     from vidax.core.stepcache import CacheError
 
     if r.cache is not None and not isinstance(r.cache, str):
-        raise RequestError("cache", f"{r.cache!r}: a method name (none, fbcache, magcache)")
+        raise RequestError("cache", f"{r.cache!r}: a method name (none, fbcache, taylorseer, magcache, teacache)")
     try:
         cs = r.cache_settings()
     except CacheError as e:
@@ -294,10 +300,13 @@ def _check_cache(r: Request) -> Request:
         raise RequestError("cache", f"{r.model} does not run a step cache yet")
     if r.offload_chunk_size is not None:
         raise RequestError("cache", "step caching does not run with --offload-chunk-size yet")
-    return dataclasses.replace(r, cache=cs.method, cache_threshold=cs.threshold,
+    ts = cs.method == "taylorseer"
+    return dataclasses.replace(r, cache=cs.method, cache_threshold=None if ts else cs.threshold,
                                cache_max_skips=cs.max_skips if cs.method == "magcache" else None,
                                cache_retention=cs.retention if cs.method == "magcache" else None,
-                               cache_ratios=[list(r) for r in cs.ratios] if cs.method == "magcache" else None)
+                               cache_ratios=[list(r) for r in cs.ratios] if cs.method == "magcache" else None,
+                               cache_interval=cs.interval if ts else None, cache_order=cs.order if ts else None,
+                               cache_warmup=cs.warmup if cs.method in ("taylorseer", "teacache") else None)
 
 
 def _check_loras(r: Request, pipe, plan: bool) -> Request:

@@ -13,6 +13,7 @@ from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
 from tests import sweep
 from tests.test_wan_pipeline import ref_pipeline  # noqa: F401 - the fixture wan_ref reuses
+from tests import test_ltx_pipeline
 from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
@@ -42,7 +43,11 @@ def _latents(run):
      "cogvideox-2b has no published MagCache ratios"),
     (dict(cache="magcache", cache_ratios=[1.0, -2.0]), "cache_ratios", "positive numbers"),
     (dict(cache="magcache", cache_ratios=[1.0, 1.0], cache_retention=1.5), "cache_retention", "between 0.0 and 1.0"),
-    (dict(cache="teacache"), "cache", "not implemented yet"),
+    (dict(model="cogvideox-2b", height=None, width=None, cache="teacache"), "cache",
+     "cogvideox-2b has no published TeaCache coefficients"),
+    (dict(cache="taylorseer", cache_threshold=0.1), "cache_threshold", "fixed schedule"),
+    (dict(cache="taylorseer", cache_interval=0), "cache_interval", "must be >= 1"),
+    (dict(cache="fbcache", cache_order=2), "cache_order", "is a taylorseer setting"),
     (dict(cache="fbcache", offload_chunk_size=1), "cache", "offload-chunk-size"),
 ])
 def test_bad_cache_options_are_one_line_errors(over, field, msg):
@@ -109,12 +114,16 @@ def test_threshold_zero_is_bitwise_uncached_and_a_huge_one_skips(tmp_path, capsy
         " ".join(capsys.readouterr().out.split())
 
 
-def test_sigkill_during_cached_sampling_resumes_bitwise(tmp_path):
+# fbcache always; the other methods' state (Taylor factors restored for a predicted step 5;
+# TeaCache's modulated input and accumulator) in make test-all
+@pytest.mark.parametrize("cache", [["fbcache", "--cache-threshold", "1.2"]] + sweep.sample(
+    [["taylorseer", "--cache-interval", "2", "--cache-warmup", "2"], ["teacache", "--cache-warmup", "3"]], 0,
+    "cache-sigkill"), ids=lambda c: c[0])
+def test_sigkill_during_cached_sampling_resumes_bitwise(tmp_path, cache):
     url = f"file://{tmp_path / 'killed'}"
     args = [sys.executable, "-m", "stages.cli", "generate", "--prompt", REQ["prompt"], "--height", "32", "--width", "48",
             "--frames", "9", "--steps", "8", "--guidance", "4", "--seed", "7", "--checkpoint-every", "2",
-            "--scheduler", "flow_euler_sde", "--cache", "fbcache", "--cache-threshold", "1.2", "--run-id", "k1",
-            "--store", url]
+            "--scheduler", "flow_euler_sde", "--cache", *cache, "--run-id", "k1", "--store", url]
     p = subprocess.run(args, env={**ENV, "VIDAX_FAULTS": "sample:kill_after_step=4"}, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
@@ -167,7 +176,10 @@ def test_cached_units_compile_once():
     def sizes():  # programs per unit, whatever other tests of this process compiled before
         return {n: f._cache_size() for n, f in runner._cunits.items()}
 
+    contexts = []  # the text keys / values: computed once per sample stage, cached units or not
+    runner.context = lambda inputs, f=runner.context: contexts.append(1) or f(inputs)
     vx.sample_latents(cond, cond * 0.5, **kw)
+    assert contexts == [1]
     first = sizes()
     # again with a threshold in the middle of the changes seen: some steps skipped, nothing new
     # compiled for the units the first run built (8 steps: a per-step compile would show)
@@ -238,6 +250,64 @@ def test_fbcache_matches_diffusers_first_block_cache(wan_ref, threshold):
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def ltx_ref(tmp_path_factory):
+    """diffusers' tiny LTX-Video folder, transformer, VAE and scheduler (test_ltx_pipeline's fixture)."""
+    return test_ltx_pipeline.folder.__wrapped__(tmp_path_factory)
+
+
+# taylorseer (interval, warmup, order) against diffusers, teacache (threshold) against the reference and
+# fbcache on LTX-Video (threshold) against diffusers: one of the seven in make test, all in make test-all
+_PARITY = sweep.sample([("taylorseer", (3, 2, 1)), ("taylorseer", (2, 1, 2)), ("taylorseer", (4, 3, 1)),
+                        ("teacache", 0.5), ("teacache", 0.8), ("fbcache-ltx", 0.1), ("fbcache-ltx", 0.2)], 1,
+                       "taylorseer-teacache-ltx-parity")
+
+
+@pytest.mark.parametrize("threshold", [p for m, p in _PARITY if m == "fbcache-ltx"])
+def test_fbcache_matches_diffusers_on_ltx_video(ltx_ref, threshold):
+    """Another family: LTX-Video's batched [cond; uncond] call (diffusers' "cond_uncond" context, one
+    decision for the batch) against ``LTXPipeline`` with ``FirstBlockCacheConfig``."""
+    import torch
+    from diffusers import FirstBlockCacheConfig, LTXPipeline
+
+    from tests.refutil import to_numpy
+    from tests.test_ltx_pipeline import _embeds
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltxv import LTXVideo
+
+    root, dit, vae, sched = ltx_ref
+    h, w, frames, steps = 64, 96, 17, 8
+    cond, cm = _embeds(1, 0)
+    unc, um = _embeds(1, 1)
+    pipe = LTXVideo(str(root))
+    grid = pipe.latent_grid(h, w, frames)
+    x0 = np.random.default_rng(3).standard_normal((1, *grid, 8)).astype(np.float32)
+    pipe.step_cache = StepCache(CacheSettings("fbcache", threshold), steps)
+    ours = pipe.sample_latents(cond, cm, unc, um, seed=0, height=h, width=w, num_frames=frames, steps=steps,
+                               guidance=3.0, fps=24.0, guidance_rescale=0.0, latents=x0)
+    ref = LTXPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=dit)
+    calls, tail = [], []
+    h0 = dit.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k=None: calls.append(len(tail)))
+    h1 = dit.transformer_blocks[-1].ff.register_forward_pre_hook(lambda m, a: tail.append(1))
+    dit.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        with torch.no_grad():
+            out = ref(prompt_embeds=torch.from_numpy(cond), prompt_attention_mask=torch.from_numpy(cm),
+                      negative_prompt_embeds=torch.from_numpy(unc), negative_prompt_attention_mask=torch.from_numpy(um),
+                      latents=torch.from_numpy(np.asarray(pack(x0))), height=h, width=w, num_frames=frames,
+                      num_inference_steps=steps, guidance_scale=3.0, guidance_rescale=0.0, frame_rate=24,
+                      output_type="latent", return_dict=False)[0]
+    finally:
+        dit.disable_cache()
+        h0.remove()
+        h1.remove()
+    ref_computed = [calls[i + 1] > calls[i] if i + 1 < len(calls) else len(tail) > calls[i] for i in range(len(calls))]
+    assert [bool(d[0]) for d in pipe.step_cache.decisions] == ref_computed
+    assert 1 < sum(ref_computed) < steps, ref_computed  # the threshold takes decisions both ways
+    np.testing.assert_allclose(ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), atol=1e-4, rtol=0)
+
+
 MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
 
 
@@ -266,6 +336,105 @@ def test_magcache_matches_diffusers_mag_cache(wan_ref, threshold, max_skips, ret
     else:
         assert all(ours)
     np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("interval,warmup,order", [p for m, p in _PARITY if m == "taylorseer"])
+def test_taylorseer_matches_diffusers_taylorseer_cache(wan_ref, interval, warmup, order):
+    """diffusers' TaylorSeer with every block hooked (their outputs extrapolated between the computed
+    steps: the last block's is what the head reads), factors in float32."""
+    import torch
+    from diffusers import TaylorSeerCacheConfig
+
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps = 10
+    config = TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup, max_order=order,
+                                   taylor_factors_dtype=torch.float32, cache_identifiers=[r"blocks\.\d+"])
+    ref, ref_computed = _ref_run(pipe, config, cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("taylorseer", 0.0, interval=interval, warmup=warmup, order=order), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed and 2 * warmup < sum(ours) < 2 * steps
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+
+
+def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat, steps):
+    """TeaCache as its authors publish it (Wan2.1, retention mode), written here over diffusers'
+    Wan transformer with torch hooks: per CFG branch (diffusers calls cond, then uncond), the
+    relative L1 change of the timestep projection since the branch's previous call, rescaled by
+    the polynomial and accumulated; below the threshold the block stack's output is the input plus
+    the branch's last residual; the first ``warmup`` steps always computed."""
+    import torch
+
+    tr = pipe.transformer
+    st = {"call": 0, "acc": [0.0, 0.0], "prev": [None, None], "res": [None, None], "x": None, "compute": True}
+    computed = []
+
+    def on_embed(m, args, out):
+        e0 = out[1].detach().numpy().astype(np.float32)
+        j, step = st["call"] % 2, st["call"] // 2
+        prev, st["prev"][j] = st["prev"][j], e0
+        if step < warmup or prev is None:
+            st["acc"][j], st["compute"] = 0.0, True
+        else:
+            rel = float(np.abs(e0 - prev).mean() / np.abs(prev).mean())
+            st["acc"][j] += float(np.polyval(coefficients, rel))
+            st["compute"] = st["acc"][j] >= threshold
+            if st["compute"]:
+                st["acc"][j] = 0.0
+        computed.append(st["compute"])
+
+    def on_first(m, args):
+        st["x"] = args[0].detach().clone()
+
+    def on_last(m, args, out):
+        j = st["call"] % 2
+        st["call"] += 1
+        if st["compute"]:
+            st["res"][j] = out - st["x"]
+            return out
+        return st["x"] + st["res"][j]  # the blocks ran (a tiny model): their output is replaced
+
+    hooks = [tr.condition_embedder.register_forward_hook(on_embed), tr.blocks[0].register_forward_pre_hook(on_first),
+             tr.blocks[-1].register_forward_hook(on_last)]
+    try:
+        with torch.no_grad():
+            z = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                     latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
+                     height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return z, computed
+
+
+@pytest.mark.parametrize("threshold", [p for m, p in _PARITY if m == "teacache"])
+def test_teacache_matches_the_published_algorithm(wan_ref, threshold):
+    from tests.test_wan_pipeline import _inputs
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.wan.magcache import TEA_COEFFS
+    from vidax.models.wan.pipeline import WanT2V
+
+    pipe, folder = wan_ref
+    cond, uncond, lat = _inputs()
+    steps, warmup = 10, 2
+    # a polynomial in the range of the tiny model's changes (the releases' are fitted to theirs)
+    coeffs = (1.0, 0.0)
+    ref, ref_computed = _teacache_reference(pipe, coeffs, threshold, warmup, cond, uncond, lat, steps)
+    vx = WanT2V(folder)
+    vx.step_cache = StepCache(CacheSettings("teacache", threshold, warmup=warmup, coefficients=coeffs), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, steps=steps, guidance=5.0)
+    ours = [bool(b) for d in vx.step_cache.decisions for b in d]
+    assert ours == ref_computed and 2 * warmup < sum(ours) < 2 * steps, (ours, vx.step_cache.changes)
+    np.testing.assert_allclose(z, ref, atol=1e-4, rtol=0)
+    # the releases' own polynomials are what --cache teacache takes for them
+    r = validate(Request(**{**REQ, "cache": "teacache"}))
+    assert r.cache_settings().coefficients == tuple(TEA_COEFFS["wan2.1-t2v-1.3b"]) and r.cache_warmup == 5
 
 
 def test_magcache_through_the_stages(tmp_path):
@@ -333,9 +502,9 @@ def test_magcache_with_published_ratios_runs(tmp_path):
 
 
 @pytest.mark.parametrize("model", sweep.sample(["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v",
-                                                "cosmos2.5-2b", "ltx-video-0.9"], 2, "fbcache-families"))
+                                                "cosmos2.5-2b", "ltx-video-0.9", "ltx2-t2v"], 2, "fbcache-families"))
 def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
-    """threshold 0: every step computed, the uncached latents (bitwise; Cosmos within rounding); a
+    """threshold 0: every step computed, the uncached latents (bitwise; Cosmos, LTX-2 within rounding); a
     huge threshold: only the first call computes (per branch)."""
     from vidax import registry
 
@@ -353,8 +522,8 @@ def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     branches = ev0["computed"] // 4
     assert none is None and ev0 == {"computed": 4 * branches, "skipped": 0} and branches in (1, 2)
     assert ev1 == {"computed": branches, "skipped": 3 * branches}
-    if model.startswith("cosmos"):
-        np.testing.assert_allclose(zero, plain, atol=1e-4, rtol=0)
+    if model.startswith(("cosmos", "ltx2")):  # other programs (LTX-2: every guidance pass in one batch)
+        np.testing.assert_allclose(zero, plain, atol=2e-5, rtol=0)
     else:
         assert zero.tobytes() == plain.tobytes()
     assert not np.allclose(huge, plain, atol=1e-3)

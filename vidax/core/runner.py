@@ -570,9 +570,7 @@ class DiTRunner:
         self.check_inputs(inputs)
         tables = self.tables({**{k: tuple(v.shape) for k, v in inputs.items()}, **statics})
         if self.cache is not None:
-            if context is not None:
-                raise ValueError("the step cache's units take the text inputs, not a once-computed context")
-            return self._cached_call(inputs, tables)
+            return self._cached_call(inputs, tables, context)
         if self.offload is None:
             return self._fwd(self.rest, self.stacks, inputs, tables, context)
         valid = self.token_count(jax.eval_shape(self._prepared, inputs, tables))
@@ -603,17 +601,19 @@ class DiTRunner:
             key = next(k for k in sorted(carry) if jnp.ndim(carry[k]) >= 2)
         return key
 
-    def _scan_range(self, name, blocks, carry, consts, par, lo: int, hi: int):
-        """Blocks ``lo..hi-1`` of stack ``name`` (the stacked weights indexed in the loop: no copy)."""
+    def _scan_range(self, name, blocks, carry, consts, par, lo: int, hi: int, kv=None):
+        """Blocks ``lo..hi-1`` of stack ``name`` (the stacked weights indexed in the loop: no copy);
+        ``kv``: the stack's once-computed text keys / values (each layer's slice to its block)."""
         step = getattr(self.model, "step" if name == "blocks" else f"step_{name}")
         graph = self.graphs[name]
 
         if (lo, hi) == (0, jax.tree.leaves(blocks)[0].shape[0]):  # the whole stack: as the plain forward runs it
-            return self._scan(name, blocks, carry, consts, par)
+            return self._scan(name, blocks, carry, consts, par, kv)
 
         def body(c, i):
-            blk = jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False), blocks)
-            return step(nnx.merge(graph, blk), c, consts, par), None
+            at = lambda t: jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False), t)  # noqa: E731
+            k = consts if kv is None else {**consts, "kv": at(kv)}
+            return step(nnx.merge(graph, at(blocks)), c, k, par), None
 
         out, _ = jax.lax.scan(body, carry, jnp.arange(lo, hi))
         return out
@@ -640,35 +640,37 @@ class DiTRunner:
     def _build_cache_units(self) -> dict:
         first_stack = self.stack_names[0]
 
-        def embed_first(rest, stacks, inputs, tables, n_first):
+        def embed_first(rest, stacks, inputs, tables, n_first, ctx):
             a = self._prepared(inputs, tables)
             carry_s, consts_s = self._embed_shapes(rest, a)
             key = self._metric_key(carry_s)
 
-            def inner(rest, stacks, a):
+            def inner(rest, stacks, a, ctx):
                 carry, consts = self._embed(rest, a, self.par)
                 c1 = carry if not n_first else self._scan_range(first_stack, stacks[first_stack], carry, consts,
-                                                                self.par, 0, n_first)
+                                                                self.par, 0, n_first, ctx.get(first_stack))
                 return c1, consts, c1[key] - carry[key]
 
             specs = (self._specs(carry_s), self._specs(consts_s), self.act_spec(key, carry_s[key].shape))
-            return self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a)), specs)(rest, stacks, a)
+            return self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a), self._kv_specs(ctx)),
+                              specs)(rest, stacks, a, ctx)
 
-        def blocks_rest(stacks, c1, consts, n_first):
+        def blocks_rest(stacks, c1, consts, n_first, ctx):
             """The remaining blocks, and the carry they start from carried through the links (``base``)."""
             n_layers = jax.tree.leaves(stacks[first_stack])[0].shape[0]
             base_s = jax.eval_shape(lambda c, k: self._links_all(c, k, vsh.LOCAL), c1, consts)
 
-            def inner(stacks, c1, consts):
-                c = self._scan_range(first_stack, stacks[first_stack], c1, consts, self.par, n_first, n_layers)
+            def inner(stacks, c1, consts, ctx):
+                c = self._scan_range(first_stack, stacks[first_stack], c1, consts, self.par, n_first, n_layers,
+                                     ctx.get(first_stack))
                 for n in self.stack_names[1:]:
                     c = self._link(n, c, consts, self.par)
-                    c = self._scan(n, stacks[n], c, consts, self.par)
+                    c = self._scan(n, stacks[n], c, consts, self.par, ctx.get(n))
                 return c, self._links_all(c1, consts, self.par)
 
             spec = self._specs(base_s)
-            final, base = self._smap(inner, (self.stack_specs, self._specs(c1), self._specs(consts)),
-                                     (spec, spec))(stacks, c1, consts)
+            final, base = self._smap(inner, (self.stack_specs, self._specs(c1), self._specs(consts),
+                                             self._kv_specs(ctx)), (spec, spec))(stacks, c1, consts, ctx)
             return final, jax.tree.map(lambda f, b: f - b, final, base)
 
         def shortcut(c1, consts, tail):
@@ -694,8 +696,9 @@ class DiTRunner:
         """Carry-like arrays placed with their activation layout (a no-op when they already are)."""
         return {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, np.shape(v)))) for k, v in tree.items()}
 
-    def _cached_call(self, inputs, tables):
-        """One cached forward (``self.cache`` decides per CFG branch; see vidax.core.stepcache)."""
+    def _cached_call(self, inputs, tables, context=None):
+        """One cached forward (``self.cache`` decides per CFG branch; see vidax.core.stepcache);
+        ``context``: the once-computed text keys / values (:meth:`context`), or None."""
         from vidax.core.stepcache import rows_mask
 
         cache, u = self.cache, self._cache_unit
@@ -706,22 +709,33 @@ class DiTRunner:
         n_first = 1 if cache.method == "fbcache" else 0
         # the inputs laid out as the programs take them (whichever program made them): one compile each
         inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
-        c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first)
+        ctx = context or {}
+        c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first, ctx)
         key = self._metric_key(c1)
         batch = c1[key].shape[0]
         if cache.tail is not None:  # e.g. restored from a step checkpoint (host arrays)
             cache.tail = self._place_like(cache.tail)
         if cache.prev is not None:
             cache.prev = self._place_like({key: cache.prev})[key]
-        compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
+        if cache.method == "taylorseer":
+            return self._taylor_call(inputs, c1, consts, ctx)
+        if cache.method == "teacache":
+            name = getattr(self.model, "TEACACHE_INPUT", None)
+            if name is None:
+                raise ValueError(f"teacache: {type(self.model).__name__} declares no modulated input (TEACACHE_INPUT)")
+            if cache.mod_prev is not None:
+                cache.mod_prev = self._place_like({name: cache.mod_prev})[name]
+            compute = cache.decide_modulated(consts[name])
+        else:
+            compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
         rows = rows_mask(compute, batch)
         if compute.all() or (not compute.any() and cache.tail is None):
-            final, tail = u("rest")(self.stacks, c1, consts, n_first)
+            final, tail = u("rest")(self.stacks, c1, consts, n_first, ctx)
             prev = r
         elif not compute.any():
             final, tail, prev = u("shortcut")(c1, consts, cache.tail), None, None
         else:  # mixed: the whole batch runs, the skipped branches take the cached residual
-            full, tail_new = u("rest")(self.stacks, c1, consts, n_first)
+            full, tail_new = u("rest")(self.stacks, c1, consts, n_first, ctx)
             old = {"final": u("shortcut")(c1, consts, cache.tail), "tail": cache.tail,
                    "prev": r if cache.prev is None else cache.prev}
             m = u("merge")({"final": full, "tail": tail_new, "prev": r}, old, jnp.asarray(rows))
@@ -731,6 +745,24 @@ class DiTRunner:
         prev = None if prev is None else self._place_like({key: prev})[key]
         cache.record(compute, prev=prev if n_first else None, tail=tail,
                      residual=None if tail is None else tail[key])
+        return u("head")(self.rest, final, consts, _shapes_key(inputs))
+
+    def _taylor_call(self, inputs, c1, consts, ctx):
+        """taylorseer: the blocks on the schedule's steps (their output features update the Taylor
+        factors), the extrapolated features on the others; the head every step."""
+        cache, u = self.cache, self._cache_unit
+        compute = cache.decide_schedule()
+        if compute.all():
+            final, _ = u("rest")(self.stacks, c1, consts, 0, ctx)
+            cache.taylor_update(final)
+        elif not compute.any():
+            if cache.taylor and not isinstance(jax.tree.leaves(cache.taylor)[0], jax.Array):  # from a checkpoint
+                cache.taylor = tuple(self._place_like(t) for t in cache.taylor)
+            shapes = jax.eval_shape(lambda c, k: self._links_all(c, k, vsh.LOCAL), c1, consts)
+            final = {k: v.astype(shapes[k].dtype) for k, v in cache.taylor_predict().items()}
+        else:  # the branches share one schedule; only an expert's start resets them, all together
+            raise ValueError(f"taylorseer: the CFG branches disagree on the schedule ({compute.tolist()})")
+        cache.record(compute)
         return u("head")(self.rest, final, consts, _shapes_key(inputs))
 
     @property

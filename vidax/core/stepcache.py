@@ -13,6 +13,16 @@ head -- and asks a :class:`StepCache` between them whether the remaining blocks 
   before any block runs, whether the whole block stack is replaced by the input plus the last
   residual; at most ``max_skips`` steps in a row, and the first ``retention`` fraction of the
   steps always computed.
+- ``taylorseer`` (TaylorSeer, diffusers' ``TaylorSeerCacheConfig`` with every block hooked): a
+  fixed schedule -- every step before ``warmup``, then every ``interval``-th step -- runs the
+  blocks; the steps between skip them and take the features after the last block from a Taylor
+  series (order ``order``, divided differences over the computed steps, float32) around the last
+  computed step; the head runs every step.
+- ``teacache`` (TeaCache, Liu et al., arXiv:2411.19108): the relative L1 change of the model's
+  timestep-modulated input (``TEACACHE_INPUT``, e.g. Wan's ``temb6``) since the previous call,
+  rescaled by the model's published polynomial and accumulated; while the sum stays below the
+  threshold the whole block stack is replaced by the input plus the last residual (the first
+  ``warmup`` steps always computed: the authors' Wan2.1 "retention" mode).
 
 State is per CFG branch (the rows of a ``[cond; uncond]`` batch, ``branches`` groups) and per
 expert (a new expert starts empty), and is saved with every sampling step checkpoint
@@ -32,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 METHODS = ("none", "fbcache", "taylorseer", "magcache", "teacache")
-IMPLEMENTED = ("fbcache", "magcache")
+IMPLEMENTED = ("fbcache", "magcache", "taylorseer", "teacache")
 #: defaults per method (diffusers' config defaults)
 DEFAULT_THRESHOLD = {"fbcache": 0.05, "magcache": 0.06, "teacache": 0.1, "taylorseer": 0.0}
 
@@ -53,12 +63,20 @@ class CacheSettings:
     max_skips: int = 3            # magcache: at most this many skipped steps in a row (K)
     retention: float = 0.2        # magcache: this fraction of the first steps is always computed
     ratios: tuple = field(default=())  # magcache: per-step magnitude ratios, a tuple per CFG branch (or one for all)
+    interval: int = 5             # taylorseer: a computed step every this many steps (diffusers' cache_interval)
+    warmup: int = 3               # taylorseer: steps always computed first (disable_cache_before_step); teacache: 5
+    order: int = 1                # taylorseer: the Taylor series' order (max_order)
+    coefficients: tuple = field(default=())  # teacache: the rescaling polynomial, highest power first
 
     def key(self) -> dict:
         """What enters the sample stage's key."""
         d = {"method": self.method, "threshold": self.threshold}
         if self.method == "magcache":
             d.update(max_skips=self.max_skips, retention=self.retention, ratios=[list(r) for r in self.ratios])
+        elif self.method == "taylorseer":
+            d = {"method": self.method, "interval": self.interval, "warmup": self.warmup, "order": self.order}
+        elif self.method == "teacache":
+            d.update(warmup=self.warmup, coefficients=list(self.coefficients))
         return d
 
 
@@ -102,12 +120,13 @@ def read_ratios(value) -> tuple:
 
 
 def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=None, model: str = "",
-             published=None) -> CacheSettings | None:
+             published=None, interval=None, warmup=None, order=None, coefficients=None) -> CacheSettings | None:
     """Validated settings (None for no cache). ``published``: the model's published MagCache ratios
-    (used when ``ratios`` is not given)."""
+    (used when ``ratios`` is not given); ``coefficients``: its published TeaCache polynomial."""
     if method in (None, "none"):
         for name, v in (("cache_threshold", threshold), ("cache_max_skips", max_skips),
-                        ("cache_retention", retention), ("cache_ratios", ratios)):
+                        ("cache_retention", retention), ("cache_ratios", ratios), ("cache_interval", interval),
+                        ("cache_warmup", warmup), ("cache_order", order)):
             if v is not None:
                 raise CacheError(name, "needs a cache method (--cache fbcache|magcache|...)")
         return None
@@ -115,12 +134,35 @@ def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=N
         raise CacheError("cache", f"{method!r}: choose one of {', '.join(METHODS)}")
     if method not in IMPLEMENTED:
         raise CacheError("cache", f"{method!r} is not implemented yet; available: none, {', '.join(IMPLEMENTED)}")
+    if method == "taylorseer" and threshold is not None:
+        raise CacheError("cache_threshold", "taylorseer runs a fixed schedule: give --cache-interval / "
+                                            "--cache-warmup / --cache-order, not a threshold")
     thr = DEFAULT_THRESHOLD[method] if threshold is None else _number("cache_threshold", threshold, 0.0)
     if method != "magcache":
         for name, v in (("cache_max_skips", max_skips), ("cache_retention", retention), ("cache_ratios", ratios)):
             if v is not None:
-                raise CacheError(name, f"is a magcache setting; --cache {method} takes --cache-threshold only")
+                raise CacheError(name, f"is a magcache setting; not one of --cache {method}")
+    if method not in ("taylorseer", "teacache"):
+        for name, v in (("cache_interval", interval), ("cache_warmup", warmup), ("cache_order", order)):
+            if v is not None:
+                raise CacheError(name, f"is a taylorseer{'' if name != 'cache_warmup' else ' / teacache'} setting; "
+                                       f"not one of --cache {method}")
+    if method == "fbcache":
         return CacheSettings(method, thr)
+    if method == "taylorseer":
+        return CacheSettings(method, 0.0,
+                             interval=5 if interval is None else _number("cache_interval", interval, 1, integer=True),
+                             warmup=3 if warmup is None else _number("cache_warmup", warmup, 0, integer=True),
+                             order=1 if order is None else _number("cache_order", order, 0, 4, integer=True))
+    if method == "teacache":
+        for name, v in (("cache_interval", interval), ("cache_order", order)):
+            if v is not None:
+                raise CacheError(name, "is a taylorseer setting; not one of --cache teacache")
+        if not coefficients:
+            raise CacheError("cache", f"{model or 'this model'} has no published TeaCache coefficients "
+                                      f"(teacache runs on: Wan2.1 T2V 1.3B / 14B, I2V 480p / 720p)")
+        return CacheSettings(method, thr, warmup=5 if warmup is None else _number("cache_warmup", warmup, 0, integer=True),
+                             coefficients=tuple(float(c) for c in coefficients))
     k = 3 if max_skips is None else _number("cache_max_skips", max_skips, 0, integer=True)
     ret = 0.2 if retention is None else _number("cache_retention", retention, 0.0, 1.0)
     if ratios is None:
@@ -189,6 +231,9 @@ class StepCache:
         self.acc_steps = np.zeros(g, np.int64)
         self.prev = None   # fbcache: the first block's residual of the last computed step (hidden states)
         self.tail = None   # the blocks' residual (a carry tree) of the last computed step
+        self.mod_prev = None  # teacache: the modulated input of the previous call
+        self.taylor = ()   # taylorseer: the Taylor factors (carry trees, float32), order 0 first
+        self.ts_last = np.full(g, -1, np.int64)  # taylorseer: the step of the last update (-1: none)
         self.calib = [[] for _ in range(g)]
         self.cal_prev = None
 
@@ -222,6 +267,12 @@ class StepCache:
         if self.tail is not None:
             for k, v in self.tail.items():
                 out[f"stepcache.tail.{k}"] = np.asarray(v)
+        if self.mod_prev is not None:
+            out["stepcache.mod_prev"] = np.asarray(self.mod_prev)
+        out["stepcache.ts_last"] = self.ts_last
+        for j, tree in enumerate(self.taylor):
+            for k, v in tree.items():
+                out[f"stepcache.taylor.{j}.{k}"] = np.asarray(v)
         return out
 
     def load(self, arrays: dict) -> dict:
@@ -242,6 +293,15 @@ class StepCache:
         self.prev = mine.get("stepcache.prev")
         tail = {k[len("stepcache.tail."):]: v for k, v in mine.items() if k.startswith("stepcache.tail.")}
         self.tail = tail or None
+        self.mod_prev = mine.get("stepcache.mod_prev")
+        if "stepcache.ts_last" in mine:
+            self.ts_last = np.asarray(mine["stepcache.ts_last"]).astype(np.int64)
+        taylor: dict = {}
+        for k, v in mine.items():
+            if k.startswith("stepcache.taylor."):
+                j, name = k[len("stepcache.taylor."):].split(".", 1)
+                taylor.setdefault(int(j), {})[name] = v
+        self.taylor = tuple(taylor[j] for j in sorted(taylor))
         return rest
 
     # ---------------------------------------------------------------- decisions
@@ -277,6 +337,48 @@ class StepCache:
                 self.acc_ratio[j], self.acc_steps[j], self.acc_err[j] = 1.0, 0, 0.0
         return compute
 
+    def decide_schedule(self) -> np.ndarray:
+        """taylorseer: per branch, whether the blocks run this step (diffusers' ``TaylorSeerCacheHook``
+        schedule: every step before ``warmup``, then every ``interval``-th one from ``warmup + 1``)."""
+        c = self.cfg
+        i = self.calls
+        return (i < c.warmup) | ((i - c.warmup - 1) % c.interval == 0) | (self.ts_last < 0)
+
+    def taylor_update(self, feats: dict) -> None:
+        """taylorseer, after a computed step: the new Taylor factors from the features ``feats``."""
+        step = int(self.calls[0])
+        delta = step - int(self.ts_last[0]) if self.ts_last[0] >= 0 else 0
+        self.taylor = _taylor_update(feats, self.taylor if delta else (), np.float32(max(delta, 1)), self.cfg.order)
+        self.ts_last[:] = self.calls
+
+    def taylor_predict(self) -> dict:
+        """taylorseer, a skipped step: the features extrapolated from the last computed step."""
+        off = int(self.calls[0] - self.ts_last[0])
+        coeffs = tuple(np.float32(off ** j / math.factorial(j)) for j in range(len(self.taylor)))
+        return _taylor_predict(self.taylor, coeffs)
+
+    def decide_modulated(self, m) -> np.ndarray:
+        """teacache: per branch, whether the blocks run, from the modulated input ``m`` of this call
+        (its relative L1 change since the previous call, rescaled by the polynomial, accumulated;
+        computed at or over the threshold, and in the first ``warmup`` steps)."""
+        g = self.branches
+        rel = None if self.mod_prev is None else np.asarray(_rel_change(m, self.mod_prev, g), np.float64)
+        self.mod_prev = m
+        if rel is not None:
+            self.changes.append(rel)
+        poly = np.poly1d(self.cfg.coefficients)
+        compute = np.ones(g, bool)
+        for j in range(g):
+            if self.calls[j] < self.cfg.warmup or rel is None or not self.has[j]:
+                self.acc_err[j] = 0.0
+                continue
+            self.acc_err[j] += float(poly(rel[j]))
+            if self.acc_err[j] < self.cfg.threshold:
+                compute[j] = False
+            else:
+                self.acc_err[j] = 0.0
+        return compute
+
     def record(self, compute: np.ndarray, prev=None, tail=None, residual=None) -> None:
         """After a forward: count it, keep the new residuals of the computed branches (``prev``,
         ``tail``: already merged per row by the runner), advance the per-branch step counters."""
@@ -307,6 +409,28 @@ class StepCache:
                 if done.all():
                     self.tail = None
 
+
+
+@partial(jax.jit, static_argnums=3)
+def _taylor_update(feats: dict, prev: tuple, delta, order: int) -> tuple:
+    """Factors ``(f, df, d2f, ...)``: ``feats`` (float32) and the divided differences against the
+    previous factors over ``delta`` steps, up to ``order`` (as many as the previous factors allow)."""
+    new = [{k: v.astype(jnp.float32) for k, v in feats.items()}]
+    for j in range(min(order, len(prev))):
+        new.append({k: (new[j][k] - prev[j][k]) / delta for k in feats})
+    return tuple(new)
+
+
+@jax.jit
+def _taylor_predict(factors: tuple, coeffs: tuple) -> dict:
+    """``sum_j factors[j] * coeffs[j]`` (``coeffs[j] = offset^j / j!``), in float32."""
+    out = {}
+    for k, f0 in factors[0].items():
+        acc = jnp.zeros_like(f0)
+        for f, c in zip(factors, coeffs):
+            acc = acc + f[k] * c
+        out[k] = acc
+    return out
 
 
 def rows_mask(compute: np.ndarray, batch: int) -> np.ndarray:

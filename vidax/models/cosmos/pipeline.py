@@ -470,7 +470,7 @@ class CosmosPredict(CosmosVAEStages, TileStages, Pipeline):
         inputs = partial(_step_inputs, jnp.asarray(sched.sigmas), use_cfg)
         update = partial(_step_update, sched, use_cfg)
         # the text keys / values (and the text projection) are computed once here, not every step
-        kv = bool(vrunner.context_names(cdit.CosmosTransformer)) and self.step_cache is None  # (not with --cache)
+        kv = bool(vrunner.context_names(cdit.CosmosTransformer))
         if kv:
             ctx = _single_device_context(cfg)(params, ctx) if runner is None else runner.context({"ctx": ctx})
         ckw = {"context": ctx} if kv else {}

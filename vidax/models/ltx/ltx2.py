@@ -100,6 +100,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
     FAMILY = "ltx"
     GUIDANCE = "cfg"
     OUTPUTS = ("video", "audio")
+    STEP_CACHE = True
     OPTIONS = (
         Option("audio", bool, True, "write the sound track (sampling always runs both streams)", stages=("mux",)),
         Option("audio_guidance", float, 7.0, "classifier-free guidance of the audio stream", minimum=0.0, maximum=100.0),
@@ -252,7 +253,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
         else:
             with self.lora_merging("dit"), lazy_params(self.mesh is not None and self.offload_chunk_size is None):
                 state, cfg = ldit2.load_dit(self.folder / "transformer", cfg, dtype=self.dtype)
-        if self.mesh is None and self.offload_chunk_size is None:
+        if self.mesh is None and self.offload_chunk_size is None and self.step_cache is None:
             return jax.device_put(state), cfg
         return ldit2.runner(state, cfg, self.mesh, self.parallelism, offload_chunk_size=self.offload_chunk_size,
                             prefetch=self.prefetch), cfg
@@ -436,6 +437,9 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
                 x = init * keep + x * (1.0 - keep)
         else:
             x, a = jnp.asarray(latents, jnp.float32), jnp.asarray(audio_latents, jnp.float32)
+        if self.step_cache is not None:  # one state for the step's batch of passes (as LTX-Video's cond_uncond)
+            self.step_cache.begin(1, 1, start)
+            params.use_cache(self.step_cache)
         model, prm, jit_model, put, stg_blocks = self.av_model(params, cfg, grid, la, fps, keep, o)
         x, a = put(x), put(a)
         f = lambda d: {k: put(jnp.asarray(v, jnp.float32)) for k, v in d.items()}  # noqa: E731
@@ -445,7 +449,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
                          audio_modality=float(o["audio_modality_scale"]), rescale_v=float(o["guidance_rescale"]),
                          rescale_a=float(o["audio_guidance_rescale"]), perturbed_attn=cfg.perturbed_attn and bool(stg_blocks),
                          keep_first=keep, start=start, on_step=on_step, params=prm, jit_model=jit_model,
-                         context=self.av_context(params, cfg))
+                         context=self.av_context(params, cfg), one_group=self.step_cache is not None)
         return np.asarray(x).transpose(0, 4, 1, 2, 3), np.asarray(a)
 
     def av_model(self, params, cfg, grid, la: int, fps: float, keep, options: dict):
@@ -483,7 +487,7 @@ class LTX2(ProbeVAE, Source, Tiles, Pipeline):
                    (runner.apply(prm, inp, context=kv) if prm is not None else runner(inp, context=kv)))
             return unpack(out["y"], tgrid, p, pt), out["ya"]
 
-        jit_model = runner is None or runner.offload is None
+        jit_model = runner is None or (runner.offload is None and runner.cache is None)
         put = replicated(runner)
         prm = ((params if runner is None else runner.params), jax.tree.map(put, ropes)) if jit_model else None
         return model, prm, jit_model, put, stg_blocks

@@ -295,7 +295,7 @@ class LTXVideo(ProbeVAE, Source, Tiles, Pipeline):
         per sample stage), or None (``vidax.core.runner.TEXT_KV_ONCE`` off: per step)."""
         from vidax.core import runner as vrunner
 
-        if not vrunner.context_names(ldit.LTXTransformer) or self.step_cache is not None:  # (not with --cache)
+        if not vrunner.context_names(ldit.LTXTransformer):
             return None
         if isinstance(params, vrunner.DiTRunner):
             return lambda prm, ctx: params.context({"ctx": ctx})

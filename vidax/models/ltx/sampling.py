@@ -108,7 +108,7 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
               audio_guidance: float, stg: float = 0.0, audio_stg: float = 0.0, modality: float = 1.0,
               audio_modality: float = 1.0, rescale_v: float = 0.0, rescale_a: float = 0.0, perturbed_attn: bool = False,
               keep_first=None, start: int = 0, stop: int | None = None, on_step=None, params=None, jit_model: bool = True,
-              context=None):
+              context=None, one_group: bool = False):
     """LTX-2 sampling of video ``x`` [B, F, H, W, C] and packed audio ``a`` [B, La, Ca] together.
     ``cond`` / ``uncond``: ``{"v", "a", "mask"}`` (connector outputs). ``model(params, x, a, t,
     ctx, actx, mask, perturb, xmod) -> (video v, audio v)``: ``perturb`` [n] 0 where
@@ -123,7 +123,8 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     once and holding one group's activations at a time.
 
     ``context(params, ctx, actx) -> tree``: the text keys / values of one pass group, computed once
-    here per group (then ``model`` gets that tree as its ``ctx`` and None as its ``actx``)."""
+    here per group (then ``model`` gets that tree as its ``ctx`` and None as its ``actx``).
+    ``one_group``: every pass of a step in one batch (one DiT call per step: the step cache's unit)."""
     use_cfg = uncond is not None and (guidance > 1.0 or audio_guidance > 1.0)
     do_stg = (stg > 0.0 or audio_stg > 0.0) and perturbed_attn  # without perturbed attention the STG pass is the cond pass
     do_mod = modality > 1.0 or audio_modality > 1.0
@@ -134,10 +135,10 @@ def sample_av(model: Callable, sched, x, a, cond: dict, uncond: dict | None, *, 
     # (name, context, perturb, xmod) per pass
     passes = [("cond", cond, one, one)] + ([("uncond", uncond, one, one)] if use_cfg else [])
     extra = ([("stg", cond, zero, one)] if do_stg else []) + ([("isolated", cond, one, zero)] if do_mod else [])
-    if use_cfg and len(extra) == 1:
+    if use_cfg and len(extra) == 1 and not one_group:
         extra.append(("spare", cond, one, one))  # keep groups of two (the spare pass is discarded)
     passes += extra
-    per = 2 if use_cfg else 1
+    per = len(passes) if one_group else 2 if use_cfg else 1
     groups = [passes[i:i + per] for i in range(0, len(passes), per)]
     names = [p[0] for p in passes]
 

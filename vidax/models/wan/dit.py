@@ -265,6 +265,8 @@ class WanTransformer(nn.StackedDiT):
     EMBED, BLOCK, HEAD = WanEmbed, WanBlock, WanHead
     #: the inputs only the cross-attention keys / values read (computed once per sample stage)
     CONTEXT = ("ctx", "img")
+    #: TeaCache's modulated input: the timestep projection (the published coefficients' ``e0``)
+    TEACACHE_INPUT = "temb6"
 
     @staticmethod
     def step(blk, carry, c, par):

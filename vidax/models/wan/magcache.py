@@ -54,3 +54,16 @@ MAG_RATIOS = {
     "wan2.1-i2v-480p": _branches(_I2V_480P),
     "wan2.1-i2v-720p": _branches(_I2V_720P),
 }
+
+
+#: Published TeaCache rescaling polynomials (highest power first) of the Wan2.1 releases, for the
+#: modulated input ``temb6`` (the timestep projection, ``e0``) with the first 5 steps always computed:
+#: the TeaCache authors' "retention" mode (``--use_ret_steps``). Source: ali-vilab/TeaCache,
+#: ``TeaCache4Wan2.1/teacache_generate.py`` (Liu et al., "Timestep Embedding Tells: It's Time to Cache
+#: for Video Diffusion Model", arXiv:2411.19108); see vidax/models/wan/README.md.
+TEA_COEFFS = {
+    "wan2.1-t2v-1.3b": [-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02],
+    "wan2.1-t2v-14b": [-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01],
+    "wan2.1-i2v-480p": [2.57151496e+05, -3.54229917e+04, 1.40286849e+03, -1.35890334e+01, 1.32517977e-01],
+    "wan2.1-i2v-720p": [8.10705460e+03, 2.13393892e+03, -3.72934672e+02, 1.66203073e+01, -4.17769401e-02],
+}

@@ -117,6 +117,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
     FAMILY = "wan"
     STEP_CACHE = True
     MAG_RATIOS = wmag.MAG_RATIOS  # published MagCache calibrations (vidax/models/wan/magcache.py)
+    TEA_COEFFS = wmag.TEA_COEFFS  # published TeaCache polynomials (same file)
     OPTIONS = (
         Option("shift", float, 5.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
         Option("scheduler", str, "unipc", "sampler", choices=SCHEDULERS),
@@ -505,8 +506,8 @@ class WanT2V(wtiles.TileStages, Pipeline):
         call = context = None
         # the text (and image) cross-attention keys / values are computed once per segment (expert)
         # by ``context`` and every step reads them (``runner.TEXT_KV_ONCE`` off: per step, as before)
-        # (the step cache's units take the text as it is: no once-computed K/V with --cache)
-        kv = bool(vrunner.context_names(wdit.WanTransformer)) and self.step_cache is None
+        # (the step cache's units take them too)
+        kv = bool(vrunner.context_names(wdit.WanTransformer))
         # the compiled step is shared by every call with the same model shape, mesh and schedule
         # (later prompts, the other A14B expert, resumed segments): it holds no weights
         key = ("wan", cfg, aux is None, kv)
