@@ -205,7 +205,8 @@ FLAG_TEXT = {"model": "wan2.1-t2v-1.3b", "preset": "tiny", "checkpoint": "gs://b
              "guidance": "4.5", "image": "gs://b/first.png", "fps": "12", "decode_stages": "2",
              "checkpoint_every": "1", "dtype": "bfloat16", "mesh": "dp=1,tp=2", "offload_chunk_size": "all",
              "lora": "gs://b/style.safetensors:0.5", "run_id": "fox-1", "cache": "magcache",
-             "cache_threshold": "0.1", "cache_max_skips": "2", "cache_retention": "0.3", "cache_ratios": "1.0,0.9"}
+             "cache_threshold": "0.1", "cache_max_skips": "2", "cache_retention": "0.3", "cache_ratios": "1.0,0.9",
+             "cache_interval": "4", "cache_warmup": "2", "cache_order": "2"}
 NOT_REQUEST = {"help", "store"}
 
 
