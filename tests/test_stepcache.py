@@ -502,7 +502,8 @@ def test_magcache_with_published_ratios_runs(tmp_path):
 
 
 @pytest.mark.parametrize("model", sweep.sample(["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v",
-                                                "cosmos2.5-2b", "ltx-video-0.9", "ltx2-t2v"], 2, "fbcache-families"))
+                                                "cosmos2.5-2b", "ltx-video-0.9", "ltx2-t2v", "cosmos3-nano"], 2,
+                                               "fbcache-families"))
 def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     """threshold 0: every step computed, the uncached latents (bitwise; Cosmos, LTX-2 within rounding); a
     huge threshold: only the first call computes (per branch)."""

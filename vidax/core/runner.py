@@ -652,7 +652,7 @@ class DiTRunner:
                 return c1, consts, c1[key] - carry[key]
 
             specs = (self._specs(carry_s), self._specs(consts_s), self.act_spec(key, carry_s[key].shape))
-            return self._smap(inner, (self.rest_specs, self.stack_specs, self._specs(a), self._kv_specs(ctx)),
+            return self._smap(inner, (self.rest_specs, self._fwd_stacks(self.stack_specs), self._specs(a), self._kv_specs(ctx)),
                               specs)(rest, stacks, a, ctx)
 
         def blocks_rest(stacks, c1, consts, n_first, ctx):
@@ -669,7 +669,7 @@ class DiTRunner:
                 return c, self._links_all(c1, consts, self.par)
 
             spec = self._specs(base_s)
-            final, base = self._smap(inner, (self.stack_specs, self._specs(c1), self._specs(consts),
+            final, base = self._smap(inner, (self._fwd_stacks(self.stack_specs), self._specs(c1), self._specs(consts),
                                              self._kv_specs(ctx)), (spec, spec))(stacks, c1, consts, ctx)
             return final, jax.tree.map(lambda f, b: f - b, final, base)
 
@@ -710,7 +710,7 @@ class DiTRunner:
         # the inputs laid out as the programs take them (whichever program made them): one compile each
         inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
         ctx = context or {}
-        c1, consts, r = u("embed_first")(self.rest, self.stacks, inputs, tables, n_first, ctx)
+        c1, consts, r = u("embed_first")(self.rest, self._fwd_stacks(self.stacks), inputs, tables, n_first, ctx)
         key = self._metric_key(c1)
         batch = c1[key].shape[0]
         if cache.tail is not None:  # e.g. restored from a step checkpoint (host arrays)
@@ -730,12 +730,12 @@ class DiTRunner:
             compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
         rows = rows_mask(compute, batch)
         if compute.all() or (not compute.any() and cache.tail is None):
-            final, tail = u("rest")(self.stacks, c1, consts, n_first, ctx)
+            final, tail = u("rest")(self._fwd_stacks(self.stacks), c1, consts, n_first, ctx)
             prev = r
         elif not compute.any():
             final, tail, prev = u("shortcut")(c1, consts, cache.tail), None, None
         else:  # mixed: the whole batch runs, the skipped branches take the cached residual
-            full, tail_new = u("rest")(self.stacks, c1, consts, n_first, ctx)
+            full, tail_new = u("rest")(self._fwd_stacks(self.stacks), c1, consts, n_first, ctx)
             old = {"final": u("shortcut")(c1, consts, cache.tail), "tail": cache.tail,
                    "prev": r if cache.prev is None else cache.prev}
             m = u("merge")({"final": full, "tail": tail_new, "prev": r}, old, jnp.asarray(rows))
@@ -753,7 +753,7 @@ class DiTRunner:
         cache, u = self.cache, self._cache_unit
         compute = cache.decide_schedule()
         if compute.all():
-            final, _ = u("rest")(self.stacks, c1, consts, 0, ctx)
+            final, _ = u("rest")(self._fwd_stacks(self.stacks), c1, consts, 0, ctx)
             cache.taylor_update(final)
         elif not compute.any():
             if cache.taylor and not isinstance(jax.tree.leaves(cache.taylor)[0], jax.Array):  # from a checkpoint

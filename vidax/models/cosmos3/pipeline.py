@@ -209,6 +209,8 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
     COMPONENTS = {"encode": ("text",), "image": ("vae",), "sample": ("dit",), "decode": ("vae",)}
     CODE_DEPS = ("vidax.models.wan.vae", "vidax.models.cosmos.vae", "vidax.models.cosmos.chat",
                  "vidax.models.cosmos.pipeline")
+    #: the vision pathway's calls go through the runner's cached units (the text K/V as their context)
+    STEP_CACHE = True
 
     def __init__(self, source: str | Path = "tiny", *, dtype=np.float32, mesh=None, parallelism: str | None = None,
                  offload_chunk_size=None, prefetch: bool = True, warn_short_prompts: bool | None = None):
@@ -271,7 +273,7 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
 
     @property
     def scaled(self) -> bool:
-        return self.mesh is not None or self.offload_chunk_size is not None
+        return self.mesh is not None or self.offload_chunk_size is not None or self.step_cache is not None
 
     def _load_host(self):
         cfg = self.model_config()
@@ -464,6 +466,9 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
             pre = jax.jit(lambda x, i: (mot.patchify(cfg, jnp.concatenate([x, x]) if use_cfg else x),
                                         jnp.broadcast_to(timesteps[i], noisy.shape) * consts["noisy"]))
             post = jax.jit(partial(_step_update, sched, use_cfg, cfg, thw))
+            if self.step_cache is not None:  # per CFG branch: the [cond; uncond] rows of the one batch
+                self.step_cache.begin(1, 2 if use_cfg else 1, start)
+                runner.use_cache(self.step_cache)
 
             def call(x, st, i):
                 patches, t = pre(x, i)
