@@ -56,6 +56,18 @@ def test_bad_cache_options_are_one_line_errors(over, field, msg):
     assert e.value.field == field and msg in str(e.value)
 
 
+@pytest.mark.parametrize("over", [dict(cache="fbcache", cache_threshold=0.1), dict(cache="taylorseer"),
+                                  dict(cache="magcache", cache_ratios=[1.0, 0.95, 0.9])])
+def test_cosmos3_takes_the_step_caches(over):
+    """Cosmos3's MoT runs through the shared runner's cached units: fbcache, taylorseer and magcache
+    (given ratios) validate; teacache stays refused (no published coefficients)."""
+    cos3 = dict(REQ, model="cosmos3-nano", height=None, width=None, num_frames=5)
+    assert validate(Request(**{**cos3, **over})).cache == over["cache"]
+    with pytest.raises(RequestError) as e:
+        validate(Request(**{**cos3, "cache": "teacache"}))
+    assert e.value.field == "cache" and "no published TeaCache coefficients" in str(e.value)
+
+
 def test_cli_refuses_a_bad_cache_before_writing(tmp_path, capsys):
     url = f"file://{tmp_path}"
     rc = cli.main(["generate", "--prompt", "x", "--cache", "fbcache", "--cache-threshold", "-1", "--store", url])
