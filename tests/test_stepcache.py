@@ -535,8 +535,9 @@ def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     branches = ev0["computed"] // 4
     assert none is None and ev0 == {"computed": 4 * branches, "skipped": 0} and branches in (1, 2)
     assert ev1 == {"computed": branches, "skipped": 3 * branches}
-    if model.startswith(("cosmos", "ltx2")):  # other programs (LTX-2: every guidance pass in one batch)
-        np.testing.assert_allclose(zero, plain, atol=2e-5, rtol=0)
+    if model.startswith(("cosmos", "ltx2")):  # other programs (LTX-2: every guidance pass in one batch):
+        # the suite's parity bound (Cosmos3 measured 1.93e-5 at XLA's default level)
+        np.testing.assert_allclose(zero, plain, atol=1e-4 * max(1.0, float(np.abs(plain).max())), rtol=0)
     else:
         assert zero.tobytes() == plain.tobytes()
     assert not np.allclose(huge, plain, atol=1e-3)
