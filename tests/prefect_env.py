@@ -106,8 +106,16 @@ def prefect_server():
     os.environ.update({k: v for k, v in srv.env.items() if k.startswith("PREFECT_")})
     old.setdefault("PREFECT_LOGGING_TO_API_ENABLED", os.environ.get("PREFECT_LOGGING_TO_API_ENABLED"))
     os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"  # this process's logs stay local (no noise at teardown)
+    # Prefect reads its settings from the environment once, when it is first imported: in a worker
+    # where an earlier test imported it, the variables above come too late and get_client() /
+    # run_deployment() would start and use a temporary server of their own. Enter them as settings.
+    import prefect.settings as ps
+
+    updates = {getattr(ps, k): os.environ[k] for k in [*srv.env, "PREFECT_LOGGING_TO_API_ENABLED"]
+               if k.startswith("PREFECT_") and hasattr(ps, k)}
     try:
-        yield srv
+        with ps.temporary_settings(updates=updates):
+            yield srv
     finally:
         srv.stop()
         for k, v in old.items():

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import prefect  # noqa: F401 - imported at collection, before the session's server starts (see below)
+
 from tests import sweep
 
 
@@ -122,3 +124,22 @@ def test_the_test_server_evaluates_a_parked_event_within_seconds(prefect_server)
     assert fired is not None, "an event whose leader never arrived was not evaluated within 90 s"
     waited = (fired - sent).total_seconds()
     assert waited >= 15, f"the event was not parked (fired after {waited:.1f} s)"
+
+
+def test_prefect_imported_before_the_session_server_still_reaches_it(prefect_server):
+    """Prefect reads its settings from the environment when first imported (this module imports it
+    at collection, before the session's server exists): the server fixture must still be what
+    clients and ``run_deployment`` reach, not a temporary server Prefect starts for itself (the cause
+    of a flows test's setup timing out and a deployment run never seen by the test's worker)."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.context import GLOBAL_SETTINGS_CONTEXT
+
+    assert GLOBAL_SETTINGS_CONTEXT.settings.api.url != prefect_server.api  # imported before the server
+
+    async def url():
+        async with get_client() as c:
+            await c.api_healthcheck()
+            return str(c.api_url)
+    assert asyncio.run(url()).rstrip("/") == prefect_server.api
