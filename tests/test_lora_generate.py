@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import lora_folders
+from tests import lora_folders, sweep
 
 FAMILIES = ["cogvideox", "ltx", "ltx2", "hunyuanvideo", "cosmos"]
 LAYOUTS = ["peft", "aitoolkit", "kohya", "musubi", "lycoris"]
@@ -253,7 +253,7 @@ def _sampled(store, folder, args):
     return _latents(store)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sweep.sample(FAMILIES, 2, "lora-generate"))  # all: make test-all
 def test_generate_with_lora_equals_the_diffusers_fused_folder(folders, tmp_path, family):
     from stages import run as R
 
