@@ -215,10 +215,19 @@ def wan_ref(ref_pipeline):  # noqa: F811 - the imported fixture, by name
     return ref_pipeline
 
 
+def _pipe_latents(pipe, cond, uncond, lat, steps):
+    """The diffusers Wan pipeline's final latents from given embeddings and noise (CFG 5, 32x32, 9 frames)."""
+    import torch
+
+    with torch.no_grad():
+        return pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                    latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
+                    height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+
+
 def _ref_run(pipe, config, cond, uncond, lat, steps):
     """diffusers' pipeline with ``config`` enabled: final latents and, per transformer call, whether
     its blocks after the first ran (the last block's feed-forward was called)."""
-    import torch
 
     tr = pipe.transformer
     calls, tail = [], []
@@ -226,10 +235,7 @@ def _ref_run(pipe, config, cond, uncond, lat, steps):
     h1 = tr.blocks[-1].ffn.register_forward_pre_hook(lambda m, a: tail.append(1))
     tr.enable_cache(config)
     try:
-        with torch.no_grad():
-            z = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
-                     latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
-                     height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+        z = _pipe_latents(pipe, cond, uncond, lat, steps)
     finally:
         tr.disable_cache()
         h0.remove()
@@ -381,7 +387,6 @@ def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat
     relative L1 change of the timestep projection since the branch's previous call, rescaled by
     the polynomial and accumulated; below the threshold the block stack's output is the input plus
     the branch's last residual; the first ``warmup`` steps always computed."""
-    import torch
 
     tr = pipe.transformer
     st = {"call": 0, "acc": [0.0, 0.0], "prev": [None, None], "res": [None, None], "x": None, "compute": True}
@@ -415,10 +420,7 @@ def _teacache_reference(pipe, coefficients, threshold, warmup, cond, uncond, lat
     hooks = [tr.condition_embedder.register_forward_hook(on_embed), tr.blocks[0].register_forward_pre_hook(on_first),
              tr.blocks[-1].register_forward_hook(on_last)]
     try:
-        with torch.no_grad():
-            z = pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
-                     latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=5.0,
-                     height=32, width=32, num_frames=9, output_type="latent").frames.numpy()
+        z = _pipe_latents(pipe, cond, uncond, lat, steps)
     finally:
         for h in hooks:
             h.remove()
