@@ -18,8 +18,11 @@ from vidax.core import sampling
 from vidax.core.jit import CompileCounter
 from vidax.models.wan.pipeline import WanT2V
 
+from tests import sweep
 
-@pytest.mark.parametrize("mesh", [None, "dp=2,tp=2", "dp=2,sp=4"])  # sp=4 on 2 heads: Ulysses 2 x ring 2
+
+# one device, and one of the two meshes in make test (both in make test-all); sp=4 on 2 heads: Ulysses 2 x ring 2
+@pytest.mark.parametrize("mesh", [None] + sweep.sample(["dp=2,tp=2", "dp=2,sp=4"], 1, "one-step-mesh"))
 def test_one_step_program_across_prompts_and_experts(mesh):
     pipe = WanT2V("tiny-a14b", mesh=mesh)
     rng = np.random.default_rng(0)
@@ -168,8 +171,9 @@ def _hunyuanvideo_step_model(mesh, x, t, ctx):
     return fn, (dit.step_params({"x": x.shape}), x, t, ctx, *rest), fn, (dit.params, x, t, ctx, *rest)
 
 
-@pytest.mark.parametrize("mesh", [None, "tp=2"])
-@pytest.mark.parametrize("family", ["wan", "cosmos", "hunyuanvideo"])
+# every family, on one device or on the mesh (one each in make test; both in make test-all)
+@pytest.mark.parametrize("family,mesh", sweep.sample_per_group(
+    [(f, m) for f in ["wan", "cosmos", "hunyuanvideo"] for m in [None, "tp=2"]], lambda c: c[0], 1, "rope-args"))
 def test_rope_tables_are_arguments_of_the_step_not_constants(family, mesh):
     """The sampling step gets the RoPE tables as arguments (~38 MB at 720p would otherwise be compiled
     into the executable), on one device and on a mesh, with the same result."""

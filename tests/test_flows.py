@@ -41,9 +41,12 @@ def _pools_of_deployments() -> dict:
 
 def _deploy(srv, names):
     pools = _pools_of_deployments()
-    for name in names:
-        if pools.get(name) != POOL:
-            srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", "-n", name, "--pool", POOL, "--no-prompt")
+    missing = [n for n in names if pools.get(n) != POOL]
+    if missing:  # one `prefect deploy` for all of them (a CLI process start each would cost seconds)
+        srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", *[a for n in missing for a in ("-n", n)],
+                "--pool", POOL, "--no-prompt")
+        wrong = {n: p for n, p in _pools_of_deployments().items() if n in missing and p != POOL}
+        assert not wrong, f"deployed on other pools: {wrong}"
     return srv
 
 

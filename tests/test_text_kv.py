@@ -12,6 +12,8 @@ import pytest
 from vidax.core import runner as vrunner
 from vidax.core import sampling
 
+from tests import sweep
+
 TOL = 1e-6
 
 
@@ -115,7 +117,8 @@ FAMILIES = {"wan": _wan, "wan-i2v": lambda **k: _wan("tiny-i2v", **k), "wan-a14b
             "cosmos": _cosmos, "ltxv": _ltxv, "ltx2": _ltx2}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# one of each family's variants in make test (all in make test-all)
+@pytest.mark.parametrize("family", sweep.sample_per_group(list(FAMILIES), lambda f: f.split("-")[0], 1, "text-kv"))
 def test_once_computed_kv_equals_per_step_and_runs_once(family, count_kv, monkeypatch):
     """One device: the sampled latents equal the per-step computation's (bitwise on this machine;
     the contract is 1e-6), and the K/V projections run once per layer per context (expert, pass
@@ -135,10 +138,11 @@ def test_once_computed_kv_equals_per_step_and_runs_once(family, count_kv, monkey
     assert counts[False, 3] > counts[False, 2] > 0, counts  # (what the count sees when K/V run every step)
 
 
-@pytest.mark.parametrize("family,mesh,offload,contexts", [
+# meshes x variants: 3 of 8 in make test (all in make test-all)
+@pytest.mark.parametrize("family,mesh,offload,contexts", sweep.sample([
     ("wan", "dp=2,tp=2", None, 1), ("wan-a14b", "tp=2", 1, 2), ("wan-i2v", "sp=2", 1, 1),
     ("cosmos", "tp=2", None, 1), ("cosmos", "dp=2,sp=2", 1, 1), ("ltxv", "tp=2", 1, 1), ("ltx2", "tp=2", None, 2),
-    ("ltx2", "dp=2,sp=2", 1, 2)])
+    ("ltx2", "dp=2,sp=2", 1, 2)], 3, "text-kv-meshes"))
 def test_meshes_and_offload(family, mesh, offload, contexts, monkeypatch):
     """On meshes (the K/V sharded by heads as the weights over tp, replicated over sp) and with
     offloaded blocks (streamed once for the K/V, then a slice per chunk): the same latents as the
