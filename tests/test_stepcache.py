@@ -514,6 +514,13 @@ def test_published_magcache_ratios_of_the_releases(model, branches, n, cond_imag
     if model.startswith("hunyuanvideo"):  # the 720p table: its first ratios and its last
         assert r.cache_ratios[0][1:3] == [1.0754, 1.27807] and r.cache_ratios[0][-1] == 0.75456
         assert r.cache_settings().ratios == (tuple(r.cache_ratios[0]),)
+        # and its TeaCache polynomial, with the authors' schedule (first and last step computed)
+        from vidax.models.hunyuanvideo.magcache import TEA_COEFFS
+
+        t = validate(Request(**{**REQ, **over, "cache": "teacache"})).cache_settings()
+        assert t.coefficients == tuple(TEA_COEFFS[model]["coefficients"]) and t.coefficients[0] == 733.226126
+        assert t.warmup == 1 and t.final and t.key()["final"] is True
+        assert "final" not in validate(Request(**{**REQ, "cache": "teacache"})).cache_settings().key()  # Wan's
 
 
 @pytest.mark.parametrize("model", ["wan2.1-t2v-1.3b"] + sweep.sample(["hunyuanvideo-t2v"], 0, "magcache-published"))
@@ -660,12 +667,49 @@ def hunyuan_ref(tmp_path_factory):
     return pipe, folder
 
 
+def _teacache_hunyuan_reference(tr, coefficients, threshold, steps):
+    """TeaCache as its authors publish it for HunyuanVideo (one branch), over diffusers' transformer with
+    torch hooks: the modulated input is the first double block's normalised video tokens with its first
+    shift / scale (its ``norm1``'s first output); the first and the last step always computed; else the
+    relative L1 change since the previous call, rescaled by the polynomial and accumulated; below the
+    threshold the block stack's video output is its input plus the last residual."""
+    st = {"cnt": 0, "acc": 0.0, "prev": None, "res": None, "x": None, "compute": True}
+    computed = []
+
+    def on_first(m, args, kwargs):
+        st["x"] = args[0] if args else kwargs["hidden_states"]
+
+    def on_norm(m, args, out):
+        mod = out[0].detach().clone()
+        if st["cnt"] in (0, steps - 1):
+            st["compute"], st["acc"] = True, 0.0
+        else:
+            rel = float((mod - st["prev"]).abs().mean() / st["prev"].abs().mean())
+            st["acc"] += float(np.polyval(coefficients, rel))
+            st["compute"] = st["acc"] >= threshold
+            if st["compute"]:
+                st["acc"] = 0.0
+        st["prev"] = mod
+        computed.append(st["compute"])
+
+    def on_last(m, args, out):
+        st["cnt"] = (st["cnt"] + 1) % steps
+        if st["compute"]:
+            st["res"] = out[0] - st["x"]
+            return out
+        return st["x"] + st["res"], out[1]  # the blocks ran (a tiny model): their video output is replaced
+
+    b0 = tr.transformer_blocks[0]
+    return [b0.register_forward_pre_hook(on_first, with_kwargs=True), b0.norm1.register_forward_hook(on_norm),
+            tr.single_transformer_blocks[-1].register_forward_hook(on_last)], computed
+
+
 def _hunyuan_case(hunyuan_ref, method, p):
     """HunyuanVideo: double-stream then single-stream blocks (the tail is the last single block)."""
     import torch
 
     from tests.test_hunyuanvideo_pipeline import _conditioning
-    from vidax.core.stepcache import StepCache
+    from vidax.core.stepcache import CacheSettings, StepCache
     from vidax.models.hunyuanvideo.pipeline import HunyuanVideoT2V
 
     pipe, folder = hunyuan_ref
@@ -681,11 +725,22 @@ def _hunyuan_case(hunyuan_ref, method, p):
                         num_inference_steps=steps, guidance_scale=g, height=16, width=32, num_frames=9,
                         output_type="latent", return_dict=False)[0].numpy()
 
-    ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.single_transformer_blocks[-1].proj_out,
-                            _diffusers_config(method, p, steps, ["transformer_blocks", "single_transformer_blocks"]),
-                            call)
+    if method == "teacache":  # diffusers has no TeaCache hook: the authors' algorithm, written above
+        coeffs = (1.0, 0.0)  # a polynomial in the range of the tiny model's changes
+        hooks, computed = _teacache_hunyuan_reference(tr, coeffs, p, steps)
+        try:
+            ref = call()
+        finally:
+            for h in hooks:
+                h.remove()
+        settings = CacheSettings("teacache", p, warmup=1, coefficients=coeffs, final=True)
+    else:
+        ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.single_transformer_blocks[-1].proj_out,
+                                _diffusers_config(method, p, steps, ["transformer_blocks", "single_transformer_blocks"]),
+                                call)
+        settings = _vidax_settings(method, p)
     vx = HunyuanVideoT2V(folder)
-    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    vx.step_cache = StepCache(settings, steps)
     z = vx.sample_latents(c, latents=lat, steps=steps, guidance=g, height=16, width=32, num_frames=9)
     return z, ref, computed, vx.step_cache
 
@@ -839,7 +894,7 @@ def _hunyuan15_case(hunyuan15_ref, method, p):
 _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1, 2, 0.2)),
                  ("cogvideox", "taylorseer", (2, 2, 1)),
                  ("hunyuanvideo", "fbcache", 0.27), ("hunyuanvideo", "magcache", (0.1, 2, 0.2)),
-                 ("hunyuanvideo", "taylorseer", (3, 2, 2)),
+                 ("hunyuanvideo", "taylorseer", (3, 2, 2)), ("hunyuanvideo", "teacache", 0.3),
                  ("hunyuanvideo1.5", "fbcache", 0.3), ("hunyuanvideo1.5", "magcache", (0.1, 2, 0.25)),
                  ("hunyuanvideo1.5", "taylorseer", (2, 2, 1))]
 

@@ -1,4 +1,6 @@
-"""Published MagCache calibration of HunyuanVideo (text-to-video, 720p): the per-step magnitude ratios
+"""Published step-cache calibrations of HunyuanVideo (text-to-video).
+
+MagCache: the calibration (text-to-video, 720p): the per-step magnitude ratios
 of the block stack's residual (the video tokens), 50 steps, one branch (the release is guidance
 distilled: no CFG batch), the leading 1.0 the authors' padding of the first step.
 
@@ -18,3 +20,16 @@ _T2V_720P = [1.0] + [
 
 #: model id -> MagCache ratios, one list for every CFG branch
 MAG_RATIOS = {"hunyuanvideo-t2v": [_T2V_720P]}
+
+
+#: Published TeaCache rescaling polynomial (highest power first) of HunyuanVideo T2V, with the authors'
+#: schedule: the modulated input is the first double block's normalised video tokens with its first
+#: shift / scale (``HunyuanVideoTransformer.teacache_input``), the first and the last step always
+#: computed. Source: the TeaCache authors' release, ali-vilab/TeaCache,
+#: ``TeaCache4HunyuanVideo/teacache_sample_video.py`` (Liu et al., arXiv:2411.19108); read from copies
+#: that cite that file (chipmunk's ``COEFFICIENTS['hunyuan']``, ComfyUI TeaCache patches' ``HunYuanVideo``
+#: entry, sglang's HunyuanVideo ``TeaCacheParams``), which agree digit for digit.
+TEA_COEFFS = {
+    "hunyuanvideo-t2v": {"coefficients": [7.33226126e+02, -4.01131952e+02, 6.75869174e+01, -3.14987800e+00,
+                                          9.61237896e-02], "warmup": 1, "final": True},
+}

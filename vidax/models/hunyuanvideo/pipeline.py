@@ -127,6 +127,7 @@ class HunyuanVideoT2V(Pipeline):
     FAMILY = "hunyuanvideo"
     STEP_CACHE = True
     MAG_RATIOS = hmag.MAG_RATIOS  # published MagCache calibration (vidax/models/hunyuanvideo/magcache.py)
+    TEA_COEFFS = hmag.TEA_COEFFS  # published TeaCache polynomial (same file)
     GUIDANCE = "embedded"
     OPTIONS = (
         Option("shift", float, 7.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
