@@ -889,7 +889,7 @@ def _hunyuan15_case(hunyuan15_ref, method, p):
 
 
 # per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
-# taylorseer (interval, warmup, order); one of the nine in make test (each 4-26 s at its XLA level, most
+# taylorseer (interval, warmup, order), teacache threshold; one of the ten in make test (each 4-26 s at its XLA level, most
 # of it the cached units' compiles), all in make test-all
 _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1, 2, 0.2)),
                  ("cogvideox", "taylorseer", (2, 2, 1)),
@@ -902,9 +902,11 @@ _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1,
 @pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families"),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_step_caches_match_diffusers_hooks_on_more_families(request, family, method, p):
-    """CogVideoX and HunyuanVideo: vidax's fbcache / magcache / taylorseer against diffusers'
+    """CogVideoX, HunyuanVideo, HunyuanVideo 1.5: vidax's fbcache / magcache / taylorseer against diffusers'
     FirstBlockCacheConfig / MagCacheConfig / TaylorSeerCacheConfig on the same tiny pipeline, prompt
-    embeddings, noise and settings: the same computed / skipped calls, the final latents within 1e-4."""
+    embeddings, noise and settings (where diffusers' hook refuses the transformer, and for TeaCache,
+    against the published algorithm written above): the same computed / skipped calls, the final
+    latents within 1e-4."""
     case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
             "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref")}[family]
     ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
