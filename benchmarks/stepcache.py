@@ -4,7 +4,7 @@ with and without a cache, measured side by side in one process.
     python -m benchmarks.stepcache [--steps 20] [--repeats 2]
 
 1. MagCache's decisions depend only on the calibrated ratios: the evaluations of each Wan2.1
-   release at its default steps with the published ratios are counted without running a model.
+   (and HunyuanVideo) release at its default steps with the published ratios are counted without running a model.
 2. The tiny Wan preset through the stages (encode -> sample -> decode -> mux) with ``--cache none``,
    ``fbcache`` and ``magcache``: the sample record's seconds and ``dit_evaluations``; configs
    interleaved, the first (compiling) round dropped."""
@@ -19,11 +19,12 @@ import numpy as np
 
 def magcache_counts(model: str, steps: int, threshold=0.06, max_skips=3, retention=0.2) -> dict:
     from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.hunyuanvideo.magcache import MAG_RATIOS as HV
     from vidax.models.wan.magcache import MAG_RATIOS
 
-    ratios = tuple(tuple(b) for b in MAG_RATIOS[model])
+    ratios = tuple(tuple(b) for b in {**MAG_RATIOS, **HV}[model])  # a list per CFG branch (HunyuanVideo: one)
     c = StepCache(CacheSettings("magcache", threshold, max_skips, retention, ratios), steps)
-    c.begin(1, 2)
+    c.begin(1, len(ratios))
     for _ in range(steps):
         compute = c.decide_magnitude()
         c.record(compute, tail={})  # something cached after the first computed step
@@ -40,12 +41,17 @@ def main(argv=None):
                     "width 24), so the blocks, not the dispatch, take the time; 0: the tiny preset as is")
     ap.add_argument("--frames", type=int, default=33)
     a = ap.parse_args(argv)
-    print("MagCache, published ratios, threshold 0.06, K=3, retention 0.2 (both CFG branches):")
+    print("MagCache, published ratios, threshold 0.06, K=3, retention 0.2 (every CFG branch):")
     for model, steps in (("wan2.1-t2v-1.3b", 50), ("wan2.1-t2v-14b", 50), ("wan2.1-i2v-480p", 40),
-                         ("wan2.1-i2v-720p", 40)):
+                         ("wan2.1-i2v-720p", 40), ("hunyuanvideo-t2v", 50)):
         ev = magcache_counts(model, steps)
         print(f"  {model} {steps} steps: {ev['computed']} computed, {ev['skipped']} skipped "
-              f"(of {2 * steps})")
+              f"(of {ev['computed'] + ev['skipped']})")
+    # the MagCache authors' HunyuanVideo settings (their script: threshold 0.24, K 6; or 0.12, K 4)
+    for thr, k in ((0.24, 6), (0.12, 4)):
+        ev = magcache_counts("hunyuanvideo-t2v", 50, threshold=thr, max_skips=k)
+        print(f"  hunyuanvideo-t2v 50 steps, threshold {thr}, K={k}: {ev['computed']} computed, "
+              f"{ev['skipped']} skipped")
     if a.layers:
         from dataclasses import replace
 

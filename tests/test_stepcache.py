@@ -495,24 +495,42 @@ def test_calibrate_measures_ratios_as_diffusers(wan_ref, tmp_path, capsys):
     assert r.cache_ratios == doc["per_branch"]
 
 
-@pytest.mark.parametrize("model", ["wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1-i2v-480p", "wan2.1-i2v-720p"])
-def test_published_magcache_ratios_of_the_releases(model, cond_image):
-    from vidax.models.wan.magcache import MAG_RATIOS
+@pytest.mark.parametrize("model,branches,n", [("wan2.1-t2v-1.3b", 2, 50), ("wan2.1-t2v-14b", 2, 50),
+                                               ("wan2.1-i2v-480p", 2, 40), ("wan2.1-i2v-720p", 2, 40),
+                                               ("hunyuanvideo-t2v", 1, 50)])
+def test_published_magcache_ratios_of_the_releases(model, branches, n, cond_image):
+    """The release's published ratios are what --cache magcache takes: Wan2.1 per CFG branch (conditional,
+    unconditional), HunyuanVideo (guidance distilled) one list for every branch."""
+    from vidax.models.hunyuanvideo.magcache import MAG_RATIOS as HV
+    from vidax.models.wan.magcache import MAG_RATIOS as WAN
 
     over = dict(model=model, cache="magcache", height=None, width=None)
     if "i2v" in model:
         over["image"] = cond_image
     r = validate(Request(**{**REQ, **over}))
-    assert r.cache_ratios == MAG_RATIOS[model] and len(r.cache_ratios) == 2  # conditional, unconditional
+    assert r.cache_ratios == {**WAN, **HV}[model] and len(r.cache_ratios) == branches
     assert r.cache_threshold == 0.06 and r.cache_max_skips == 3 and r.cache_retention == 0.2
-    n = 50 if "t2v" in model else 40
-    assert [len(b) for b in r.cache_ratios] == [n, n] and r.cache_ratios[0][0] == r.cache_ratios[1][0] == 1.0
+    assert [len(b) for b in r.cache_ratios] == [n] * branches and all(b[0] == 1.0 for b in r.cache_ratios)
+    if model.startswith("hunyuanvideo"):  # the 720p table: its first ratios and its last
+        assert r.cache_ratios[0][1:3] == [1.0754, 1.27807] and r.cache_ratios[0][-1] == 0.75456
+        assert r.cache_settings().ratios == (tuple(r.cache_ratios[0]),)
+        # and its TeaCache polynomial, with the authors' schedule (first and last step computed)
+        from vidax.models.hunyuanvideo.magcache import TEA_COEFFS
+
+        t = validate(Request(**{**REQ, **over, "cache": "teacache"})).cache_settings()
+        assert t.coefficients == tuple(TEA_COEFFS[model]["coefficients"]) and t.coefficients[0] == 733.226126
+        assert t.warmup == 1 and t.final and t.key()["final"] is True
+        assert "final" not in validate(Request(**{**REQ, "cache": "teacache"})).cache_settings().key()  # Wan's
 
 
-def test_magcache_with_published_ratios_runs(tmp_path):
-    run, req, _ = _gen(f"file://{tmp_path}", "pub", cache="magcache", steps=10, cache_threshold=0.06)
+@pytest.mark.parametrize("model", ["wan2.1-t2v-1.3b"] + sweep.sample(["hunyuanvideo-t2v"], 0, "magcache-published"))
+def test_magcache_with_published_ratios_runs(tmp_path, model):
+    over = {} if model.startswith("wan") else dict(model=model, height=None, width=None, num_frames=5)
+    run, req, _ = _gen(f"file://{tmp_path}", "pub", cache="magcache", steps=10, cache_threshold=0.06, **over)
     ev = run.record("sample")["details"]["dit_evaluations"]
-    assert ev["computed"] + ev["skipped"] == 20 and ev["skipped"] > 0  # the ratios resampled to 10 steps
+    branches = 2 if model.startswith("wan") else 1  # HunyuanVideo: embedded guidance, one branch
+    # the ratios resampled to 10 steps
+    assert ev["computed"] + ev["skipped"] == 10 * branches and ev["skipped"] > 0
 
 
 @pytest.mark.parametrize("model", sweep.sample(["cogvideox-2b", "hunyuanvideo-t2v", "hunyuanvideo1.5-480p-t2v",
@@ -543,3 +561,356 @@ def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     else:
         assert zero.tobytes() == plain.tobytes()
     assert not np.allclose(huge, plain, atol=1e-3)
+
+
+# ------------------------------------------------------------------ parity: diffusers' hooks on more families
+def _hooked(tr, first, tail, config, call):
+    """``call()`` with diffusers' cache ``config`` enabled on the transformer ``tr``: its result and,
+    per transformer call, whether the blocks after the first ran (``tail``, a module inside the last
+    block, was called)."""
+    calls, ran = [], []
+    h0 = first.register_forward_pre_hook(lambda m, a, k=None: calls.append(len(ran)))
+    h1 = tail.register_forward_pre_hook(lambda m, a: ran.append(1))
+    tr.enable_cache(config)
+    try:
+        out = call()
+    finally:
+        tr.disable_cache()
+        h0.remove()
+        h1.remove()
+    return out, [calls[i + 1] > calls[i] if i + 1 < len(calls) else len(ran) > calls[i] for i in range(len(calls))]
+
+
+def _diffusers_config(method, p, steps, blocks):
+    """diffusers' config of ``method`` with the parameters ``p`` (TaylorSeer: every block of ``blocks`` hooked)."""
+    import torch
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+
+    if method == "fbcache":
+        return FirstBlockCacheConfig(threshold=p)
+    if method == "magcache":
+        thr, k, ret = p
+        return MagCacheConfig(threshold=thr, max_skip_steps=k, retention_ratio=ret, num_inference_steps=steps,
+                              mag_ratios=MAG_RATIOS)
+    interval, warmup, order = p
+    return TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=warmup, max_order=order,
+                                 taylor_factors_dtype=torch.float32,
+                                 cache_identifiers=[rf"{b}\.\d+" for b in blocks])
+
+
+def _vidax_settings(method, p):
+    from vidax.core.stepcache import CacheSettings
+
+    if method == "fbcache":
+        return CacheSettings("fbcache", p)
+    if method == "magcache":
+        thr, k, ret = p
+        return CacheSettings("magcache", thr, k, ret, (tuple(MAG_RATIOS),))
+    interval, warmup, order = p
+    return CacheSettings("taylorseer", 0.0, interval=interval, warmup=warmup, order=order)
+
+
+@pytest.fixture(scope="module")
+def cog_ref(tmp_path_factory):
+    """test_cogvideox_pipeline's tiny CogVideoX-2b pipeline (DDIM), saved as a folder vidax loads."""
+    from tests.test_cogvideox_pipeline import _ref_pipeline
+
+    folder = tmp_path_factory.mktemp("cog_cache")
+    return _ref_pipeline("2b-ddim", folder), folder
+
+
+def _cog_case(cog_ref, method, p):
+    """CogVideoX: one [uncond; cond] call per step (diffusers' "cond_uncond" context): one decision."""
+    import torch
+
+    from vidax.core.stepcache import StepCache
+    from vidax.models.cogvideox.pipeline import CogVideoX
+
+    pipe, folder = cog_ref
+    h, w, frames, steps, g = 32, 48, 9, 8, 6.0
+    vx = CogVideoX(folder)
+    rng = np.random.default_rng(0)
+    cond, uncond = (rng.standard_normal((1, 7, 20)).astype(np.float32) for _ in range(2))
+    lat = rng.standard_normal(vx.latent_shape(1, h, w, frames)).astype(np.float32).transpose(0, 1, 4, 2, 3)
+    tr = pipe.transformer
+
+    def call():
+        with torch.no_grad():
+            return pipe(prompt_embeds=torch.from_numpy(cond), negative_prompt_embeds=torch.from_numpy(uncond),
+                        latents=torch.from_numpy(lat), num_inference_steps=steps, guidance_scale=g, height=h,
+                        width=w, num_frames=frames, output_type="latent", return_dict=False)[0].numpy()
+
+    ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                            _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    z = vx.sample_latents(cond, uncond, latents=lat, height=h, width=w, num_frames=frames, steps=steps, guidance=g)
+    return z, ref.transpose(0, 2, 1, 3, 4), computed, vx.step_cache
+
+
+@pytest.fixture(scope="module")
+def hunyuan_ref(tmp_path_factory):
+    """test_hunyuanvideo_pipeline's tiny HunyuanVideoPipeline (guidance-distilled), saved as a folder."""
+    import torch
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+
+    from tests.refutil import perturb
+    from tests.test_hunyuanvideo_pipeline import DIT, VAE
+
+    torch.manual_seed(0)
+    tr = perturb(HunyuanVideoTransformer3DModel(**DIT), seed=1)
+    vae = perturb(AutoencoderKLHunyuanVideo(**VAE), seed=2)
+    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae, text_encoder_2=None,
+                                tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
+    folder = tmp_path_factory.mktemp("hv_cache")
+    pipe.save_pretrained(folder)
+    return pipe, folder
+
+
+def _teacache_hunyuan_reference(tr, coefficients, threshold, steps):
+    """TeaCache as its authors publish it for HunyuanVideo (one branch), over diffusers' transformer with
+    torch hooks: the modulated input is the first double block's normalised video tokens with its first
+    shift / scale (its ``norm1``'s first output); the first and the last step always computed; else the
+    relative L1 change since the previous call, rescaled by the polynomial and accumulated; below the
+    threshold the block stack's video output is its input plus the last residual."""
+    st = {"cnt": 0, "acc": 0.0, "prev": None, "res": None, "x": None, "compute": True}
+    computed = []
+
+    def on_first(m, args, kwargs):
+        st["x"] = args[0] if args else kwargs["hidden_states"]
+
+    def on_norm(m, args, out):
+        mod = out[0].detach().clone()
+        if st["cnt"] in (0, steps - 1):
+            st["compute"], st["acc"] = True, 0.0
+        else:
+            rel = float((mod - st["prev"]).abs().mean() / st["prev"].abs().mean())
+            st["acc"] += float(np.polyval(coefficients, rel))
+            st["compute"] = st["acc"] >= threshold
+            if st["compute"]:
+                st["acc"] = 0.0
+        st["prev"] = mod
+        computed.append(st["compute"])
+
+    def on_last(m, args, out):
+        st["cnt"] = (st["cnt"] + 1) % steps
+        if st["compute"]:
+            st["res"] = out[0] - st["x"]
+            return out
+        return st["x"] + st["res"], out[1]  # the blocks ran (a tiny model): their video output is replaced
+
+    b0 = tr.transformer_blocks[0]
+    return [b0.register_forward_pre_hook(on_first, with_kwargs=True), b0.norm1.register_forward_hook(on_norm),
+            tr.single_transformer_blocks[-1].register_forward_hook(on_last)], computed
+
+
+def _hunyuan_case(hunyuan_ref, method, p):
+    """HunyuanVideo: double-stream then single-stream blocks (the tail is the last single block)."""
+    import torch
+
+    from tests.test_hunyuanvideo_pipeline import _conditioning
+    from vidax.core.stepcache import CacheSettings, StepCache
+    from vidax.models.hunyuanvideo.pipeline import HunyuanVideoT2V
+
+    pipe, folder = hunyuan_ref
+    steps, g = 8, 6.0
+    c = _conditioning()
+    lat = np.random.default_rng(1).standard_normal((1, 4, 3, 4, 8)).astype(np.float32)
+    tr = pipe.transformer
+
+    def call():
+        with torch.no_grad():
+            return pipe(prompt_embeds=torch.from_numpy(c["embeds"]), prompt_attention_mask=torch.from_numpy(c["mask"]),
+                        pooled_prompt_embeds=torch.from_numpy(c["pooled"]), latents=torch.from_numpy(lat),
+                        num_inference_steps=steps, guidance_scale=g, height=16, width=32, num_frames=9,
+                        output_type="latent", return_dict=False)[0].numpy()
+
+    if method == "teacache":  # diffusers has no TeaCache hook: the authors' algorithm, written above
+        coeffs = (1.0, 0.0)  # a polynomial in the range of the tiny model's changes
+        hooks, computed = _teacache_hunyuan_reference(tr, coeffs, p, steps)
+        try:
+            ref = call()
+        finally:
+            for h in hooks:
+                h.remove()
+        settings = CacheSettings("teacache", p, warmup=1, coefficients=coeffs, final=True)
+    else:
+        ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.single_transformer_blocks[-1].proj_out,
+                                _diffusers_config(method, p, steps, ["transformer_blocks", "single_transformer_blocks"]),
+                                call)
+        settings = _vidax_settings(method, p)
+    vx = HunyuanVideoT2V(folder)
+    vx.step_cache = StepCache(settings, steps)
+    z = vx.sample_latents(c, latents=lat, steps=steps, guidance=g, height=16, width=32, num_frames=9)
+    return z, ref, computed, vx.step_cache
+
+
+@pytest.fixture(scope="module")
+def hunyuan15_ref(tmp_path_factory):
+    """test_hunyuanvideo15_pipeline's tiny text-to-video DiT with two blocks (a first and a last one), its
+    VAE, and vidax's load of the DiT."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    from tests.refutil import perturb
+    from tests.test_hunyuanvideo15_pipeline import DIT, VAE
+    from vidax.models.hunyuanvideo15 import dit as hdit
+
+    torch.manual_seed(0)
+    m = perturb(HunyuanVideo15Transformer3DModel(**{**DIT, "num_layers": 2}, task_type="t2v"), seed=1)
+    f = tmp_path_factory.mktemp("hv15_cache")
+    m.save_pretrained(f)
+    return m, perturb(AutoencoderKLHunyuanVideo15(**VAE), seed=2), hdit.load_dit(f)
+
+
+def _fbcache_reference(tr, threshold):
+    """First Block Cache as published (ParaAttention, Cheng 2025), over the transformer's blocks with torch
+    hooks, per CFG branch (calls alternate cond, uncond): the first block's residual of the hidden
+    states against the one of the branch's last computed call, ``mean|r - r_prev| / mean|r_prev|``; at or
+    below the threshold the last block's outputs are the first block's plus the residuals (hidden and
+    text streams) the remaining blocks added at the branch's last computed call. Returns the hooks
+    and the per-call decisions."""
+    st = {"call": 0, "prev": {}, "res": {}, "head": None, "compute": True}
+    computed = []
+
+    def on_first(m, args, out):
+        j = st["call"] % 2
+        r = out[0] - args[0]
+        prev = st["prev"].get(j)
+        st["compute"] = prev is None or float((r - prev).abs().mean() / prev.abs().mean()) > threshold
+        if st["compute"]:
+            st["prev"][j] = r
+        st["head"] = out
+        computed.append(st["compute"])
+
+    def on_last(m, args, out):
+        j, h = st["call"] % 2, st["head"]
+        st["call"] += 1
+        if st["compute"]:
+            st["res"][j] = (out[0] - h[0], out[1] - h[1])
+            return out
+        return h[0] + st["res"][j][0], h[1] + st["res"][j][1]
+
+    blocks = tr.transformer_blocks
+    return [blocks[0].register_forward_hook(on_first), blocks[-1].register_forward_hook(on_last)], computed
+
+
+def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps):
+    """MagCache as published (Ma et al. 2025, the authors' HunyuanVideo script), per CFG branch: from the
+    step's magnitude ratio the accumulated ratio, error and skip count; while the error stays within the
+    threshold and the count within ``max_skips`` (after the first ``retention * steps`` steps) the block
+    stack's hidden output is its input plus the branch's last residual; the counters restart at the
+    last step."""
+    st = {"call": 0, "compute": True, "x": None}
+    br = {j: dict(cnt=0, ratio=1.0, err=0.0, k=0, res=None) for j in (0, 1)}
+    computed = []
+
+    def on_first(m, args):
+        b = br[st["call"] % 2]
+        st["x"], st["compute"] = args[0], True
+        if b["cnt"] >= int(retention * steps):
+            b["ratio"] *= ratios[b["cnt"]]
+            b["err"] += abs(1 - b["ratio"])
+            b["k"] += 1
+            if b["res"] is not None and b["err"] <= threshold and b["k"] <= max_skips:
+                st["compute"] = False
+            else:
+                b["ratio"], b["err"], b["k"] = 1.0, 0.0, 0
+        computed.append(st["compute"])
+
+    def on_last(m, args, out):
+        b = br[st["call"] % 2]
+        st["call"] += 1
+        b["cnt"] += 1
+        if b["cnt"] >= steps:
+            b.update(cnt=0, ratio=1.0, err=0.0, k=0)
+        if st["compute"]:
+            b["res"] = out[0] - st["x"]
+            return out
+        return st["x"] + b["res"], out[1]
+
+    blocks = tr.transformer_blocks
+    return [blocks[0].register_forward_pre_hook(on_first), blocks[-1].register_forward_hook(on_last)], computed
+
+
+def _hunyuan15_case(hunyuan15_ref, method, p):
+    """HunyuanVideo 1.5 (CFG through its guider: a cond then an uncond call per step): diffusers'
+    TaylorSeerCacheConfig; its FirstBlockCache / MagCache hooks refuse the transformer
+    (``HunyuanVideo15TransformerBlock`` is not in ``TransformerBlockRegistry``: "Model class ... not
+    registered."), so those two run against the published algorithms written above."""
+    import torch
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    from tests.test_hunyuanvideo15_pipeline import _cond, _sched
+    from vidax.core.stepcache import StepCache
+    from vidax.models.hunyuanvideo15 import dit as hdit
+    from vidax.models.hunyuanvideo15 import pipeline as hpipe
+
+    tr, vae, (state, cfg) = hunyuan15_ref
+    steps, shift, g = 8, 5.0, 6.0
+    rng = np.random.default_rng(0)
+    cond, uncond = _cond(rng, 1, (7,), (3,)), _cond(rng, 1, (2,), (0,))
+    noise = rng.standard_normal((1, 4, 3, 4, 4)).astype(np.float32)
+    pipe = HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae, scheduler=_sched(shift),
+                                  text_encoder_2=None, tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=g))
+    pipe.vision_num_semantic_tokens = 5
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+
+    def call():
+        with torch.no_grad():
+            return pipe(prompt_embeds=t(cond["embeds"]), prompt_embeds_mask=t(cond["mask"]),
+                        prompt_embeds_2=t(cond["embeds_2"]), prompt_embeds_mask_2=t(cond["mask_2"]),
+                        negative_prompt_embeds=t(uncond["embeds"]), negative_prompt_embeds_mask=t(uncond["mask"]),
+                        negative_prompt_embeds_2=t(uncond["embeds_2"]),
+                        negative_prompt_embeds_mask_2=t(uncond["mask_2"]), height=16, width=16, num_frames=9,
+                        num_inference_steps=steps, latents=t(noise), output_type="latent").frames.numpy()
+
+    if method == "taylorseer":
+        ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                                _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    else:
+        with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
+            tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
+        tr.disable_cache()
+        # the ratios resampled to the steps by nearest neighbour, as the authors' scripts do
+        nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+        hooks, computed = (_fbcache_reference(tr, p) if method == "fbcache" else
+                           _magcache_reference(tr, *p, nearest, steps))
+        try:
+            ref = call()
+        finally:
+            for h in hooks:
+                h.remove()
+    vx = hpipe.HunyuanVideo15T2V("tiny")
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    z = vx.sample_latents(cond, uncond, latents=noise, steps=steps, guidance=g, shift=shift,
+                          dit=(hdit.runner(state, cfg), cfg))
+    return z, ref, computed, vx.step_cache
+
+
+# per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
+# taylorseer (interval, warmup, order), teacache threshold; one of the ten in make test (each 4-26 s at its XLA level, most
+# of it the cached units' compiles), all in make test-all
+_FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1, 2, 0.2)),
+                 ("cogvideox", "taylorseer", (2, 2, 1)),
+                 ("hunyuanvideo", "fbcache", 0.27), ("hunyuanvideo", "magcache", (0.1, 2, 0.2)),
+                 ("hunyuanvideo", "taylorseer", (3, 2, 2)), ("hunyuanvideo", "teacache", 0.3),
+                 ("hunyuanvideo1.5", "fbcache", 0.3), ("hunyuanvideo1.5", "magcache", (0.1, 2, 0.25)),
+                 ("hunyuanvideo1.5", "taylorseer", (2, 2, 1))]
+
+
+@pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families"),
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_step_caches_match_diffusers_hooks_on_more_families(request, family, method, p):
+    """CogVideoX, HunyuanVideo, HunyuanVideo 1.5: vidax's fbcache / magcache / taylorseer against diffusers'
+    FirstBlockCacheConfig / MagCacheConfig / TaylorSeerCacheConfig on the same tiny pipeline, prompt
+    embeddings, noise and settings (where diffusers' hook refuses the transformer, and for TeaCache,
+    against the published algorithm written above): the same computed / skipped calls, the final
+    latents within 1e-4."""
+    case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
+            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref")}[family]
+    ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
+    got = [bool(b) for d in cache.decisions for b in d]
+    assert got == ref_computed, (got, ref_computed, [c.tolist() for c in cache.changes])
+    assert 1 < sum(got) < len(got), got  # the settings take decisions both ways
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)

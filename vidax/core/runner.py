@@ -640,13 +640,20 @@ class DiTRunner:
     def _build_cache_units(self) -> dict:
         first_stack = self.stack_names[0]
 
-        def embed_first(rest, stacks, inputs, tables, n_first, ctx):
+        def embed_first(rest, stacks, inputs, tables, n_first, ctx, signal=False):
+            """The embedding (+ the first ``n_first`` blocks) and the first block's residual of the
+            metric key (``signal``: instead, the model's ``teacache_input`` from the first block)."""
             a = self._prepared(inputs, tables)
             carry_s, consts_s = self._embed_shapes(rest, a)
             key = self._metric_key(carry_s)
 
             def inner(rest, stacks, a, ctx):
                 carry, consts = self._embed(rest, a, self.par)
+                if signal:  # the same shape as the metric key's tokens
+                    first = jax.tree.map(lambda s: jax.lax.index_in_dim(s, 0, 0, keepdims=False), stacks[first_stack])
+                    sig = self.model.teacache_input(nnx.merge(self.graphs[first_stack], first), carry, consts,
+                                                    self.par)
+                    return carry, consts, sig.astype(carry[key].dtype)
                 c1 = carry if not n_first else self._scan_range(first_stack, stacks[first_stack], carry, consts,
                                                                 self.par, 0, n_first, ctx.get(first_stack))
                 return c1, consts, c1[key] - carry[key]
@@ -687,7 +694,7 @@ class DiTRunner:
                 return jnp.where(rows.reshape((-1,) + (1,) * (n.ndim - 1)), n, o.astype(n.dtype))
             return jax.tree.map(one, new, old)
 
-        return {"embed_first": jax.jit(embed_first, static_argnums=4), "rest": jax.jit(blocks_rest, static_argnums=3),
+        return {"embed_first": jax.jit(embed_first, static_argnums=(4, 6)), "rest": jax.jit(blocks_rest, static_argnums=3),
                 "shortcut": jax.jit(shortcut), "merge": jax.jit(merge),
                 "head": jax.jit(lambda rest, carry, consts, shapes: self._epilogue(rest, carry, consts, shapes, None),
                                 static_argnums=(3,))}
@@ -710,7 +717,9 @@ class DiTRunner:
         # the inputs laid out as the programs take them (whichever program made them): one compile each
         inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
         ctx = context or {}
-        c1, consts, r = u("embed_first")(self.rest, self._fwd_stacks(self.stacks), inputs, tables, n_first, ctx)
+        signal = cache.method == "teacache" and hasattr(self.model, "teacache_input")
+        c1, consts, r = u("embed_first")(self.rest, self._fwd_stacks(self.stacks), inputs, tables, n_first, ctx,
+                                         signal)
         key = self._metric_key(c1)
         batch = c1[key].shape[0]
         if cache.tail is not None:  # e.g. restored from a step checkpoint (host arrays)
@@ -720,12 +729,12 @@ class DiTRunner:
         if cache.method == "taylorseer":
             return self._taylor_call(inputs, c1, consts, ctx)
         if cache.method == "teacache":
-            name = getattr(self.model, "TEACACHE_INPUT", None)
+            name = key if signal else getattr(self.model, "TEACACHE_INPUT", None)
             if name is None:
                 raise ValueError(f"teacache: {type(self.model).__name__} declares no modulated input (TEACACHE_INPUT)")
             if cache.mod_prev is not None:
                 cache.mod_prev = self._place_like({name: cache.mod_prev})[name]
-            compute = cache.decide_modulated(consts[name])
+            compute = cache.decide_modulated(r if signal else consts[name])
         else:
             compute = cache.decide_first_block(r) if cache.method == "fbcache" else cache.decide_magnitude()
         rows = rows_mask(compute, batch)

@@ -19,7 +19,9 @@ head -- and asks a :class:`StepCache` between them whether the remaining blocks 
   series (order ``order``, divided differences over the computed steps, float32) around the last
   computed step; the head runs every step.
 - ``teacache`` (TeaCache, Liu et al., arXiv:2411.19108): the relative L1 change of the model's
-  timestep-modulated input (``TEACACHE_INPUT``, e.g. Wan's ``temb6``) since the previous call,
+  timestep-modulated input (``TEACACHE_INPUT``, e.g. Wan's ``temb6``; or the model's
+  ``teacache_input(first_block, carry, consts, par)``, e.g. HunyuanVideo's first double block's
+  normalised, modulated video tokens) since the previous call,
   rescaled by the model's published polynomial and accumulated; while the sum stays below the
   threshold the whole block stack is replaced by the input plus the last residual (the first
   ``warmup`` steps always computed: the authors' Wan2.1 "retention" mode).
@@ -67,6 +69,7 @@ class CacheSettings:
     warmup: int = 3               # taylorseer: steps always computed first (disable_cache_before_step); teacache: 5
     order: int = 1                # taylorseer: the Taylor series' order (max_order)
     coefficients: tuple = field(default=())  # teacache: the rescaling polynomial, highest power first
+    final: bool = False           # teacache: the last step always computed too (the authors' HunyuanVideo rule)
 
     def key(self) -> dict:
         """What enters the sample stage's key."""
@@ -77,6 +80,8 @@ class CacheSettings:
             d = {"method": self.method, "interval": self.interval, "warmup": self.warmup, "order": self.order}
         elif self.method == "teacache":
             d.update(warmup=self.warmup, coefficients=list(self.coefficients))
+            if self.final:
+                d["final"] = True
         return d
 
 
@@ -122,7 +127,8 @@ def read_ratios(value) -> tuple:
 def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=None, model: str = "",
              published=None, interval=None, warmup=None, order=None, coefficients=None) -> CacheSettings | None:
     """Validated settings (None for no cache). ``published``: the model's published MagCache ratios
-    (used when ``ratios`` is not given); ``coefficients``: its published TeaCache polynomial."""
+    (used when ``ratios`` is not given); ``coefficients``: its published TeaCache polynomial (a list,
+    or ``{"coefficients": [...], "warmup": N, "final": bool}``: the authors' schedule for that model)."""
     if method in (None, "none"):
         for name, v in (("cache_threshold", threshold), ("cache_max_skips", max_skips),
                         ("cache_retention", retention), ("cache_ratios", ratios), ("cache_interval", interval),
@@ -158,11 +164,13 @@ def settings(method, threshold=None, *, max_skips=None, retention=None, ratios=N
         for name, v in (("cache_interval", interval), ("cache_order", order)):
             if v is not None:
                 raise CacheError(name, "is a taylorseer setting; not one of --cache teacache")
-        if not coefficients:
+        spec = coefficients if isinstance(coefficients, dict) else {"coefficients": coefficients}
+        if not spec.get("coefficients"):
             raise CacheError("cache", f"{model or 'this model'} has no published TeaCache coefficients "
-                                      f"(teacache runs on: Wan2.1 T2V 1.3B / 14B, I2V 480p / 720p)")
-        return CacheSettings(method, thr, warmup=5 if warmup is None else _number("cache_warmup", warmup, 0, integer=True),
-                             coefficients=tuple(float(c) for c in coefficients))
+                                      f"(teacache runs on: Wan2.1 T2V 1.3B / 14B, I2V 480p / 720p, HunyuanVideo T2V)")
+        w = spec.get("warmup", 5) if warmup is None else _number("cache_warmup", warmup, 0, integer=True)
+        return CacheSettings(method, thr, warmup=w, coefficients=tuple(float(c) for c in spec["coefficients"]),
+                             final=bool(spec.get("final", False)))
     k = 3 if max_skips is None else _number("cache_max_skips", max_skips, 0, integer=True)
     ret = 0.2 if retention is None else _number("cache_retention", retention, 0.0, 1.0)
     if ratios is None:
@@ -360,7 +368,7 @@ class StepCache:
     def decide_modulated(self, m) -> np.ndarray:
         """teacache: per branch, whether the blocks run, from the modulated input ``m`` of this call
         (its relative L1 change since the previous call, rescaled by the polynomial, accumulated;
-        computed at or over the threshold, and in the first ``warmup`` steps)."""
+        computed at or over the threshold, in the first ``warmup`` steps, and with ``final`` at the last)."""
         g = self.branches
         rel = None if self.mod_prev is None else np.asarray(_rel_change(m, self.mod_prev, g), np.float64)
         self.mod_prev = m
@@ -369,7 +377,8 @@ class StepCache:
         poly = np.poly1d(self.cfg.coefficients)
         compute = np.ones(g, bool)
         for j in range(g):
-            if self.calls[j] < self.cfg.warmup or rel is None or not self.has[j]:
+            last = self.cfg.final and self.calls[j] >= self.steps - 1
+            if self.calls[j] < self.cfg.warmup or last or rel is None or not self.has[j]:
                 self.acc_err[j] = 0.0
                 continue
             self.acc_err[j] += float(poly(rel[j]))

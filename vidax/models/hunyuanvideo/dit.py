@@ -511,6 +511,16 @@ class HunyuanVideoTransformer(DualStreamHooks, nnx.Module):
 
     STACKS = ("double", "single")
 
+    @staticmethod
+    def teacache_input(blk, carry, c, par):
+        """TeaCache's modulated input (the TeaCache authors' HunyuanVideo script): the first double
+        block's normalised video tokens with its first shift / scale (float32)."""
+        first = c.get("first") if blk.token_replace else None
+        mv = modulation(blk.mod, c["temb"], 6, par)
+        mr = modulation(blk.mod, c["tr"], 6, par) if first is not None else None
+        sel = lambda j: pick(first, mv[:, j], None if mr is None else mr[:, j])  # noqa: E731
+        return _modulate(blk.norm, carry["h"], sel(0), sel(1))
+
     def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs, param_dtype=param_dtype)

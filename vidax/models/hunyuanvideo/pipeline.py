@@ -32,6 +32,7 @@ import numpy as np
 from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.hunyuanvideo import dit as hdit
+from vidax.models.hunyuanvideo import magcache as hmag
 from vidax.models.hunyuanvideo import text as htext
 from vidax.models.hunyuanvideo import vae as hvae
 from vidax.pipeline import (DecodeSpan, Geometry, Named, Option, OptionError, Pipeline, pack_state, to_uint8,
@@ -125,6 +126,8 @@ class HunyuanVideoT2V(Pipeline):
 
     FAMILY = "hunyuanvideo"
     STEP_CACHE = True
+    MAG_RATIOS = hmag.MAG_RATIOS  # published MagCache calibration (vidax/models/hunyuanvideo/magcache.py)
+    TEA_COEFFS = hmag.TEA_COEFFS  # published TeaCache polynomial (same file)
     GUIDANCE = "embedded"
     OPTIONS = (
         Option("shift", float, 7.0, "flow-matching timestep shift", minimum=0.0, maximum=100.0),
