@@ -1,7 +1,9 @@
 """Prefect orchestration against a real `prefect server start` and a real process worker."""
 import json
+import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from tests import sweep
 
 
 POOL = "vidax-test-pool"
+REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux",
                "batch-encode", "batch-sample", "batch-decode", "batch-mux"]
 SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames": 9, "steps": 2, "seed": 11}
@@ -42,9 +45,22 @@ def _pools_of_deployments() -> dict:
 def _deploy(srv, names):
     pools = _pools_of_deployments()
     missing = [n for n in names if pools.get(n) != POOL]
-    if missing:  # one `prefect deploy` for all of them (a CLI process start each would cost seconds)
-        srv.cli("deploy", "--prefect-file", "infra/prefect.yaml", *[a for n in missing for a in ("-n", n)],
-                "--pool", POOL, "--no-prompt")
+    if missing:  # one `prefect deploy` for all of them (a CLI process start each costs seconds), from
+        # a copy of infra/prefect.yaml whose deployments name the test pool (`--pool` is ignored
+        # when one command deploys several)
+        import tempfile
+
+        import yaml
+
+        conf = yaml.safe_load((REPO / "infra/prefect.yaml").read_text())
+        for d in conf["deployments"]:
+            d["work_pool"] = {**(d.get("work_pool") or {}), "name": POOL}
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(conf, f, sort_keys=False)
+        try:
+            srv.cli("deploy", "--prefect-file", f.name, *[a for n in missing for a in ("-n", n)], "--no-prompt")
+        finally:
+            os.unlink(f.name)
         wrong = {n: p for n, p in _pools_of_deployments().items() if n in missing and p != POOL}
         assert not wrong, f"deployed on other pools: {wrong}"
     return srv
