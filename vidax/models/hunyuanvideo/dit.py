@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -57,7 +56,6 @@ from vidax.core.layers import MLP, PatchEmbed, split_heads
 from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
-from vidax.weights import load_params, open_checkpoint
 
 F32 = jnp.float32
 IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
@@ -65,14 +63,10 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideoConfig(Heads):
-    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release)."""
+class HunyuanVideoConfig(DiTConfig, num_heads=24, num_layers=20):
+    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release);
+    ``num_layers`` counts the dual-stream blocks."""
 
-    in_channels: int = 16
-    out_channels: int = 16
-    num_heads: int = 24
-    head_dim: int = 128
-    num_layers: int = 20  # dual-stream blocks
     num_single_layers: int = 40  # single-stream blocks
     num_refiner_layers: int = 2
     mlp_ratio: float = 4.0
@@ -471,14 +465,8 @@ class DualStreamHooks:
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        if name in ("tokens", "h", "out"):
-            return ("batch", "tokens", None)
-        if name in ("cos", "sin"):
-            return ("tokens", None)
-        if name == "first":
-            return ("tokens",)
-        return ("batch", *(None,) * (len(shape) - 1))  # x, ctx / y, masks, pooled, t, guidance, temb, tr, text_len
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
+        return vsh.activation_axes(name, shape, tokens=("tokens", "h", "out"), tables=("cos", "sin", "first"))
 
     def finish(self, out: dict, shapes: dict):
         return unpatchify(self.cfg, out["out"], grid_of(self.cfg, shapes["x"]))
@@ -697,20 +685,13 @@ def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
     ``(state, cfg)``: the abstract state filled tensor by tensor with host numpy (cast on the host)."""
     from vidax.models.hunyuanvideo import convert  # (it imports this module's config)
 
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = HunyuanVideoConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    if convert.is_original(list(ckpt)):
-        if cfg is None:
-            cfg = convert.config_from_original(ckpt)
-        ckpt = convert.original_to_diffusers(ckpt, cfg)
-    elif cfg is None:
-        raise ValueError(f"{path}: no config.json; pass the model config")
-    view = convert.split_proj_out(ckpt, cfg.dim)
-    what = f"HunyuanVideoTransformer3DModel (dim {cfg.dim}, {cfg.num_layers}+{cfg.num_single_layers} blocks)"
-    pure = load_params(view, convert.diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    def view(ckpt, c, original):
+        return convert.split_proj_out(convert.original_to_diffusers(ckpt, c) if original else ckpt, c.dim)
+
+    return KIT.load(path, cfg, dtype, from_config=HunyuanVideoConfig.from_diffusers, is_original=convert.is_original,
+                    config_from_original=convert.config_from_original, view=view,
+                    keymap=lambda c, original: convert.diffusers_keymap(c),
+                    what=lambda c: f"HunyuanVideoTransformer3DModel (dim {c.dim}, {c.num_layers}+{c.num_single_layers} blocks)")
 
 
 # ----------------------------------------------------------------------------------- compat

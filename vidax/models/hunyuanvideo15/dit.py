@@ -26,7 +26,6 @@ Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,28 +33,22 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
 from vidax.core.layers import MLP, PatchEmbed
 from vidax.core.runner import DiTRunner
 from vidax.models.hunyuanvideo import dit as h10
-from vidax.weights import load_params, open_checkpoint
 
 F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideo15Config(Heads):
+class HunyuanVideo15Config(DiTConfig, in_channels=65, out_channels=32, num_layers=54):
     """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
 
-    in_channels: int = 65
-    out_channels: int = 32
-    num_heads: int = 16
-    head_dim: int = 128
-    num_layers: int = 54
     num_refiner_layers: int = 2
     mlp_ratio: float = 4.0
     patch_size: int = 1
@@ -291,19 +284,10 @@ def load_dit(path, cfg: HunyuanVideo15Config | None = None, dtype=np.float32):
     (a folder or file of safetensors with its names). Returns ``(state, cfg)``."""
     from vidax.models.hunyuanvideo15 import convert  # (it imports this module's config)
 
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = HunyuanVideo15Config.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    if convert.is_original(list(ckpt)):
-        if cfg is None:
-            cfg = convert.config_from_original(ckpt)
-        ckpt = convert.original_to_diffusers(ckpt)
-    elif cfg is None:
-        raise ValueError(f"{path}: no config.json; pass the model config")
-    what = f"HunyuanVideo15Transformer3DModel (dim {cfg.dim}, {cfg.num_layers} blocks)"
-    pure = load_params(ckpt, convert.diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=HunyuanVideo15Config.from_diffusers, is_original=convert.is_original,
+                    config_from_original=convert.config_from_original, keymap=lambda c, original: convert.diffusers_keymap(c),
+                    view=lambda ckpt, c, original: convert.original_to_diffusers(ckpt) if original else ckpt,
+                    what=lambda c: f"HunyuanVideo15Transformer3DModel (dim {c.dim}, {c.num_layers} blocks)")
 
 
 # ----------------------------------------------------------------------------------- compat
