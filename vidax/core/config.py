@@ -23,8 +23,8 @@ class Heads:
 @dataclass(frozen=True)
 class DiTConfig(Heads):
     """The fields every one-video-stream DiT config has (diffusers' names after :data:`HEAD_NAMES`).
-    A family's config subclasses it, gives its release's values in the class statement and lists
-    only its own fields::
+    A family's config subclasses it (or a family base that does), gives its release's values of the
+    inherited fields in the class statement and lists only its own fields::
 
         @dataclass(frozen=True)
         class WanDiTConfig(DiTConfig, num_heads=40, head_dim=128, num_layers=40):
@@ -39,10 +39,10 @@ class DiTConfig(Heads):
     def __init_subclass__(cls, **defaults):
         super().__init_subclass__()
         own = cls.__dict__.get("__annotations__", {})
-        types = {f.name: f.type for f in fields(DiTConfig)}
+        types = {f.name: f.type for base in cls.__mro__[:0:-1] for f in getattr(base, "__dataclass_fields__", {}).values()}
         for name, value in defaults.items():
             if name not in types:
-                raise TypeError(f"{cls.__name__}: {name!r} is not a DiTConfig field ({', '.join(types)})")
+                raise TypeError(f"{cls.__name__}: {name!r} is not a field of its base config ({', '.join(types)})")
             own[name] = types[name]
             setattr(cls, name, value)
         cls.__annotations__ = own

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import geometry
+
 
 def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
@@ -309,6 +311,17 @@ class StackedDiT(nnx.Module):
     @staticmethod
     def step(blk, carry, consts, par):
         return {"h": blk(carry["h"], consts, par)}
+
+
+class LatentPatches:
+    """A DiT's ``finish`` where its output tokens ``y`` are the ``cfg.patch_size`` patches (features
+    in ``PATCH_ORDER``) of the channels-last latents ``x`` [B, F, H, W, C]: those latents."""
+
+    PATCH_ORDER = "thwc"
+
+    def finish(self, out: dict, shapes: dict):
+        patch = self.cfg.patch_size
+        return geometry.unpatchify(out["y"], geometry.token_grid(shapes["x"][1:4], patch), patch, self.PATCH_ORDER)
 
 
 class TextDiT(StackedDiT):

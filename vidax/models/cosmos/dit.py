@@ -311,11 +311,12 @@ class CosmosHead(nnx.Module):
         return {"y": self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))}
 
 
-class CosmosTransformer(nn.TextDiT):
+class CosmosTransformer(nn.LatentPatches, nn.TextDiT):
     """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`."""
 
     EMBED, BLOCK, HEAD = CosmosEmbed, CosmosBlock, CosmosHead
+    PATCH_ORDER = "hwtc"  # the reference's output order
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
@@ -344,9 +345,6 @@ class CosmosTransformer(nn.TextDiT):
         if "ctx" in a:
             out["ctx"] = a["ctx"].astype(dtype)
         return out
-
-    def finish(self, out: dict, shapes: dict):
-        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
 
     def check(self, shapes: dict, mesh) -> None:
         g = token_grid(self.cfg, shapes["x"])

@@ -63,29 +63,24 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideoConfig(DiTConfig, num_heads=24, num_layers=20):
-    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release);
-    ``num_layers`` counts the dual-stream blocks."""
+class HunyuanDiTFields(DiTConfig):
+    """The config fields (and their checks) HunyuanVideo 1.0 and 1.5 share, under diffusers' names."""
 
-    num_single_layers: int = 40  # single-stream blocks
     num_refiner_layers: int = 2
     mlp_ratio: float = 4.0
     patch_size: int = 2
     patch_size_t: int = 1
     qk_norm: str = "rms_norm"
-    guidance_embeds: bool = True
     text_embed_dim: int = 4096
-    pooled_projection_dim: int = 768
     rope_theta: float = 256.0
     rope_axes_dim: tuple = (16, 56, 56)
-    image_condition_type: str | None = None
+
+    FAMILY = "HunyuanVideo"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
-        if self.image_condition_type not in IMAGE_CONDITION_TYPES:
-            raise ValueError(f"image_condition_type={self.image_condition_type!r}; supported: {IMAGE_CONDITION_TYPES}")
         if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo uses 'rms_norm')")
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported ({self.FAMILY} uses 'rms_norm')")
         if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
             raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
 
@@ -93,14 +88,29 @@ class HunyuanVideoConfig(DiTConfig, num_heads=24, num_layers=20):
     def patch(self) -> tuple[int, int, int]:
         return (self.patch_size_t, self.patch_size, self.patch_size)
 
+    @classmethod
+    def from_diffusers(cls, cfg: dict):
+        return cls(**diffusers_kwargs(cls, cfg))
+
+
+@dataclass(frozen=True)
+class HunyuanVideoConfig(HunyuanDiTFields, num_heads=24, num_layers=20):
+    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release);
+    ``num_layers`` counts the dual-stream blocks."""
+
+    num_single_layers: int = 40  # single-stream blocks
+    guidance_embeds: bool = True
+    pooled_projection_dim: int = 768
+    image_condition_type: str | None = None
+
+    def __post_init__(self):
+        if self.image_condition_type not in IMAGE_CONDITION_TYPES:
+            raise ValueError(f"image_condition_type={self.image_condition_type!r}; supported: {IMAGE_CONDITION_TYPES}")
+        super().__post_init__()
+
     @property
     def token_replace(self) -> bool:
         return self.image_condition_type == "token_replace"
-
-    @classmethod
-    def from_diffusers(cls, cfg: dict) -> "HunyuanVideoConfig":
-        kw = diffusers_kwargs(cls, cfg)
-        return cls(**kw)
 
 
 PRESETS = {
@@ -283,17 +293,24 @@ class TokenRefiner(nnx.Module):
         return nn.scan(self.blocks, h, lambda blk, h: blk(h, temb, am))
 
 
-class Embed(nnx.Module):
+class PatchTimeEmbed(nnx.Module):
+    """What both HunyuanVideos embed first: the latent patches (``patch``) and the timestep
+    (``time_in``, an MLP of its 256 sinusoidal features), at the model width."""
+
+    def __init__(self, cfg: HunyuanDiTFields, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, cfg.dim, rngs=rngs, param_dtype=param_dtype)
+        self.time_in = MLP(256, cfg.dim, cfg.dim, "silu", rngs=rngs, param_dtype=param_dtype)
+
+
+class Embed(PatchTimeEmbed):
     """Everything before the blocks: patch embedding (per token: runs on a token shard), the
     modulation vector ``temb`` (timestep + pooled CLIP text + embedded guidance), token_replace's
     second vector, and the token refiner over the text."""
 
     def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        d = cfg.dim
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.cfg = cfg
-        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = MLP(256, d, d, "silu", **kw)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
+        d, kw = cfg.dim, dict(rngs=rngs, param_dtype=param_dtype)
         self.vec_in = MLP(cfg.pooled_projection_dim, d, d, "silu", **kw)
         self.guidance_in = MLP(256, d, d, "silu", **kw) if cfg.guidance_embeds else None
         # the reference builds the refiner with its own default MLP ratio (4), whatever mlp_ratio says

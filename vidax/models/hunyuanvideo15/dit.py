@@ -33,11 +33,10 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
-from vidax.core.layers import MLP, PatchEmbed
+from vidax.core.layers import MLP
 from vidax.core.runner import DiTRunner
 from vidax.models.hunyuanvideo import dit as h10
 
@@ -46,42 +45,21 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideo15Config(DiTConfig, in_channels=65, out_channels=32, num_layers=54):
+class HunyuanVideo15Config(h10.HunyuanDiTFields, in_channels=65, out_channels=32, num_layers=54, patch_size=1,
+                           text_embed_dim=3584):
     """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
 
-    num_refiner_layers: int = 2
-    mlp_ratio: float = 4.0
-    patch_size: int = 1
-    patch_size_t: int = 1
-    qk_norm: str = "rms_norm"
-    text_embed_dim: int = 3584
     text_embed_2_dim: int = 1472
     image_embed_dim: int = 1152
-    rope_theta: float = 256.0
-    rope_axes_dim: tuple = (16, 56, 56)
     target_size: int = 640
     task_type: str = "i2v"
     use_meanflow: bool = False
 
-    def __post_init__(self):
-        object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
-        if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo 1.5 uses 'rms_norm')")
-        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
-            raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
-
+    FAMILY = "HunyuanVideo 1.5"
     # what the 1.0 blocks read
     token_replace = False
     num_single_layers = 0
 
-    @property
-    def patch(self) -> tuple[int, int, int]:
-        return (self.patch_size_t, self.patch_size, self.patch_size)
-
-    @classmethod
-    def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15Config":
-        kw = diffusers_kwargs(cls, cfg)
-        return cls(**kw)
 
 _TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
              text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64)
@@ -145,16 +123,13 @@ def reorder(streams, masks):
     return jnp.take_along_axis(y, order[..., None], axis=1), jnp.sum(m, axis=1).astype(jnp.int32)
 
 
-class Embed(nnx.Module):
+class Embed(h10.PatchTimeEmbed):
     """Everything before the blocks: patch embedding (per token), the timestep modulation vector
     and the three condition streams, tagged, T2V-switched and reordered (module docstring)."""
 
     def __init__(self, cfg: HunyuanVideo15Config, *, rngs: nnx.Rngs, param_dtype=F32):
-        d = cfg.dim
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.cfg = cfg
-        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = MLP(256, d, d, "silu", **kw)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
+        d, kw = cfg.dim, dict(rngs=rngs, param_dtype=param_dtype)
         self.time_r = MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
         self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
         self.glyph = GlyphProjection(cfg.text_embed_2_dim, 2048, d, **kw)

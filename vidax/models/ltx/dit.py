@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import DiTConfig, diffusers_kwargs
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import sharding as vsh
@@ -35,17 +35,8 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTXDiTConfig(DiTConfig, in_channels=128, out_channels=128, num_heads=32, head_dim=64, num_layers=28):
-    patch_size: int = 1
-    patch_size_t: int = 1
-    cross_attention_dim: int = 2048
-    norm_eps: float = 1e-6
-    caption_channels: int = 4096
-    attention_bias: bool = True
-    attention_out_bias: bool = True
+class LTXDiTConfig(L.LTXDiTFields, head_dim=64, num_layers=28):
     base_num_frames: int = 20
-    base_height: int = 2048
-    base_width: int = 2048
     theta: float = 10000.0
 
     @classmethod

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import DiTConfig, HEAD_NAMES, diffusers_kwargs
+from vidax.core.config import HEAD_NAMES, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import sharding as vsh
@@ -46,14 +46,9 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTX2DiTConfig(DiTConfig, in_channels=128, out_channels=128, num_heads=32, num_layers=48):
-    patch_size: int = 1
-    patch_size_t: int = 1
-    cross_attention_dim: int = 4096
+class LTX2DiTConfig(L.LTXDiTFields, num_layers=48, cross_attention_dim=4096, caption_channels=3840):
     vae_scale_factors: tuple = (8, 32, 32)
     pos_embed_max_pos: int = 20
-    base_height: int = 2048
-    base_width: int = 2048
     gated_attn: bool = False
     cross_attn_mod: bool = False
     audio_in_channels: int = 128
@@ -69,10 +64,6 @@ class LTX2DiTConfig(DiTConfig, in_channels=128, out_channels=128, num_heads=32, 
     audio_hop_length: int = 160
     audio_gated_attn: bool = False
     audio_cross_attn_mod: bool = False
-    norm_eps: float = 1e-6
-    caption_channels: int = 3840
-    attention_bias: bool = True
-    attention_out_bias: bool = True
     rope_theta: float = 10000.0
     rope_double_precision: bool = True
     causal_offset: int = 1

@@ -253,7 +253,7 @@ class WanHead(nnx.Module):
         return {"y": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
-class WanTransformer(nn.StackedDiT):
+class WanTransformer(nn.LatentPatches, nn.StackedDiT):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
@@ -292,9 +292,6 @@ class WanTransformer(nn.StackedDiT):
         if "img" in a:
             out["img"] = a["img"].astype(dtype)
         return out
-
-    def finish(self, out: dict, shapes: dict):
-        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
 
     def check(self, shapes: dict, mesh) -> None:
         """Input errors (patch size, per-token timesteps, tokens / batch against the mesh)."""
