@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import geometry
+
 
 def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
@@ -311,6 +313,17 @@ class StackedDiT(nnx.Module):
         return {"h": blk(carry["h"], consts, par)}
 
 
+class LatentPatches:
+    """A DiT's ``finish`` where its output tokens ``y`` are the ``cfg.patch_size`` patches (features
+    in ``PATCH_ORDER``) of the channels-last latents ``x`` [B, F, H, W, C]: those latents."""
+
+    PATCH_ORDER = "thwc"
+
+    def finish(self, out: dict, shapes: dict):
+        patch = self.cfg.patch_size
+        return geometry.unpatchify(out["y"], geometry.token_grid(shapes["x"][1:4], patch), patch, self.PATCH_ORDER)
+
+
 class TextDiT(StackedDiT):
     """A :class:`StackedDiT` whose blocks cross-attend to the text ``ctx`` through ``attn2``
     (``attn2.context_kv(ctx, par)``): those keys / values are computed once per sample stage."""
@@ -321,6 +334,14 @@ class TextDiT(StackedDiT):
     def kv(blk, c, par):
         """This block's text keys / values, from ``embed.kv_context``."""
         return blk.attn2.context_kv(c["ctx"], par)
+
+
+def _pick_keymap(diffusers_keymap, original_keymap, cfg, original: bool):
+    return original_keymap(cfg) if original else diffusers_keymap(cfg)
+
+
+def _describe(name: str, cfg) -> str:
+    return f"{name} (dim {cfg.dim}, {cfg.num_layers} layers)"
 
 
 class ModelKit:
@@ -385,18 +406,25 @@ class ModelKit:
         return functools.lru_cache(maxsize=None)(lambda cfg, dtype: nnx.eval_shape(lambda: self.build(cfg, 0, dtype)))
 
     def load(self, path, cfg, dtype, *, from_config, keymap, what, is_original=None, config_from_original=None,
-             prefix: str | None = None, keep_others: bool = False):
+             prefix: str | None = None, keep_others: bool = False, view=None):
         """``(host state, cfg)`` from a diffusers folder (``from_config`` of its ``config.json`` when
         ``cfg`` is None) or an original-release checkpoint (``is_original(names)``; its config from
         ``config_from_original(ckpt)`` when none is given): the abstract state filled tensor by
         tensor, cast on the host; nothing random is materialised. ``prefix`` (e.g.
         ``"model.diffusion_model."``) is stripped where the names carry it (the other names
-        dropped unless ``keep_others``); ``keymap(cfg, original)``, ``what(cfg)`` names the model."""
+        dropped unless ``keep_others``); ``keymap(cfg, original)``, or the pair ``(diffusers_keymap,
+        original_keymap)`` of ``keymap(cfg)``; ``what(cfg)`` names the model, or ``what`` is the
+        reference class's name (``"<what> (dim D, N layers)"``); ``view(ckpt, cfg, original)``: the
+        checkpoint as ``keymap`` reads it (an original release renamed, say)."""
         from pathlib import Path
 
         from vidax import compat
         from vidax.weights import load_checkpoint_params, open_checkpoint
 
+        if isinstance(keymap, tuple):
+            keymap = functools.partial(_pick_keymap, *keymap)
+        if isinstance(what, str):
+            what = functools.partial(_describe, what)
         path = Path(path)
         if cfg is None and path.is_dir() and (path / "config.json").exists():
             cfg = from_config(compat.read_config(path))
@@ -406,7 +434,7 @@ class ModelKit:
             ckpt = {n.removeprefix(prefix): ckpt[n] for n in names if keep_others or n.startswith(prefix)}
         pure, cfg = load_checkpoint_params(
             ckpt, cfg, is_original=is_original or (lambda names: False), config_from_original=config_from_original,
-            keymap=keymap, shapes=lambda c: self.param_shapes(c, dtype), dtype=dtype, what=what, source=path)
+            keymap=keymap, shapes=lambda c: self.param_shapes(c, dtype), dtype=dtype, what=what, source=path, view=view)
         return fill(self.abstract_state(cfg, dtype), pure), cfg
 
     def runner(self, state, cfg, mesh=None, parallelism=None, **kw):

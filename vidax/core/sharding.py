@@ -218,6 +218,28 @@ def logical_spec(names, mapping: Mapping[str, str], mesh=None) -> P:
     return P(*out)
 
 
+def activation_axes(name: str, shape: tuple, *, tokens=(), tables=(), kv=(), per_token=(), replicated=(),
+                    kv_axis: str = "heads") -> tuple:
+    """A DiT's ``act_spec``: the logical axes of activation ``name`` by the role its model lists it
+    under. ``tokens`` ([B, L, ...]: batch and tokens split), ``tables`` (RoPE / position tables
+    [L, ...]: tokens split), ``kv`` (once-computed cross-attention keys / values [B, L, H, Dh]:
+    the heads split as the weights, on ``kv_axis``), ``per_token`` ([B], [B, 1, ...] or per token
+    [B, L, ...]), ``replicated`` (whole on every device); any other name is per sample (batch
+    split only)."""
+    rest = lambda n: (None,) * (len(shape) - n)  # noqa: E731
+    if name in tokens:
+        return ("batch", "tokens", *rest(2))
+    if name in tables:
+        return ("tokens", *rest(1))
+    if name in kv:
+        return ("batch", None, kv_axis, None)
+    if name in per_token:
+        return ("batch", "tokens" if len(shape) >= 2 and shape[1] > 1 else None, *rest(2))[:len(shape)]
+    if name in replicated:
+        return rest(0)
+    return ("batch", *rest(1))
+
+
 # ----------------------------------------------------------------------------------- collectives
 def row_parallel_linear(layer: nnx.Linear, x, axis: str):
     """``sum_shards(x[..., shard] @ kernel[shard, :]) + bias`` with the bias added exactly once.

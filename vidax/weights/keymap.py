@@ -334,15 +334,19 @@ def load_params(
     return out
 
 
-def load_checkpoint_params(ckpt, cfg, *, is_original, config_from_original, keymap, shapes, dtype, what, source):
+def load_checkpoint_params(ckpt, cfg, *, is_original, config_from_original, keymap, shapes, dtype, what, source,
+                           view=None):
     """The shared two-format loader: pick the original-release or diffusers/transformers key map from
     the tensor names, infer ``cfg`` from an original checkpoint's shapes when none was given, and
     build the host parameter tree. ``keymap(cfg, original: bool) -> KeyMap``; ``what(cfg)`` names
-    the model in errors. Returns ``(params, cfg)``."""
+    the model in errors; ``view(ckpt, cfg, original)``, when given, is the checkpoint as ``keymap``
+    reads it (e.g. an original release under the diffusers names). Returns ``(params, cfg)``."""
     original = is_original(list(ckpt))
     if cfg is None:
         if not original:
             raise ValueError(f"{source}: no config.json; pass the model config")
         cfg = config_from_original(ckpt)
+    if view is not None:
+        ckpt = view(ckpt, cfg, original)
     params = load_params(ckpt, keymap(cfg, original), shapes(cfg), dtype=dtype, what=what(cfg))
     return params, cfg

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import geometry
@@ -49,26 +48,21 @@ from vidax.core import sharding as vsh
 from vidax.core.layers import split_heads
 from vidax.core.runner import DiTRunner, run_local
 from vidax.core.embeddings import sinusoidal_embedding
-from vidax.weights import KeyMap, Rule, load_params, open_checkpoint
+from vidax.weights import KeyMap, Rule
 
 F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class CogVideoXConfig(Heads):
+class CogVideoXConfig(DiTConfig, num_heads=30, head_dim=64, num_layers=30):
     """Mirrors diffusers' ``CogVideoXTransformer3DModel`` config (defaults = CogVideoX-2B)."""
 
-    num_heads: int = 30
-    head_dim: int = 64
-    in_channels: int = 16
-    out_channels: int = 16
     flip_sin_to_cos: bool = True
     freq_shift: float = 0
     time_embed_dim: int = 512
     ofs_embed_dim: int | None = None
     text_embed_dim: int = 4096
-    num_layers: int = 30
     attention_bias: bool = True
     sample_width: int = 90
     sample_height: int = 60
@@ -481,14 +475,9 @@ class CogVideoXTransformer(nn.StackedDiT):
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        if name in ("tokens", "vid", "y"):
-            return ("batch", "tokens", None)
-        if name in ("cos", "sin", "pos"):
-            return ("tokens", None)
-        if name == "ofs":
-            return (None,) * len(shape)
-        return ("batch", *(None,) * (len(shape) - 1))  # x, t, temb, ctx, txt: replicated over tp and sp
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
+        return vsh.activation_axes(name, shape, tokens=("tokens", "vid", "y"), tables=("cos", "sin", "pos"),
+                                   replicated=("ofs",))
 
     @staticmethod
     def pack(x, t, ctx, ofs=None, rope=None) -> dict:
@@ -636,21 +625,10 @@ def load_dit(path, cfg: CogVideoXConfig | None = None, dtype=np.float32):
     numpy, cast on the host; no random init is ever materialised."""
     from vidax.models.cogvideox import convert  # (it imports this module's config)
 
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = CogVideoXConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    if convert.is_original(list(ckpt)):
-        if cfg is None:
-            cfg = convert.config_from_original(ckpt)
-        src = convert.sat_view(ckpt, cfg)
-    else:
-        if cfg is None:
-            raise ValueError(f"{path}: no config.json; pass the model config")
-        src = ckpt
-    pure = load_params(src, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
-                       what=f"CogVideoXTransformer3DModel (dim {cfg.dim}, {cfg.num_layers} layers)")
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=CogVideoXConfig.from_diffusers, is_original=convert.is_original,
+                    config_from_original=convert.config_from_original, keymap=lambda c, original: diffusers_keymap(c),
+                    view=lambda ckpt, c, original: convert.sat_view(ckpt, c) if original else ckpt,
+                    what="CogVideoXTransformer3DModel")
 
 
 # ----------------------------------------------------------------------------------- compat

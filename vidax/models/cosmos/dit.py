@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import geometry
@@ -50,12 +50,9 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class CosmosDiTConfig(Heads):
-    in_channels: int = 17  # 16 latent channels + the condition mask (Predict2.5)
-    out_channels: int = 16
-    num_heads: int = 16
-    head_dim: int = 128
-    num_layers: int = 28
+class CosmosDiTConfig(DiTConfig, in_channels=17, num_layers=28):
+    """``in_channels``: 16 latent channels + the condition mask (Predict2.5)."""
+
     mlp_ratio: float = 4.0
     text_embed_dim: int = 1024
     adaln_lora_dim: int = 256
@@ -69,7 +66,7 @@ class CosmosDiTConfig(Heads):
     encoder_hidden_states_channels: int = 1024
     base_fps: int = 24
 
-    ffn_dim = Heads.mlp_dim
+    ffn_dim = DiTConfig.mlp_dim
 
     @property
     def context_dim(self) -> int:
@@ -124,19 +121,6 @@ def apply_rope_half(x, cos, sin):
     return (xf * cos + rot * sin).astype(dt)
 
 
-class HeadRMSNorm(nnx.Module):
-    """RMS norm over one head's features (``[..., head_dim]``), float32 statistics, learned scale."""
-
-    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float, param_dtype=F32):
-        self.eps = eps
-        self.scale = nn.param(rngs, nnx.initializers.ones_init(), (dim,), None, dtype=param_dtype)
-
-    def __call__(self, x):
-        xf = x.astype(F32)
-        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(F32)).astype(x.dtype)
-
-
 class AdaLNLoRA(nnx.Module):
     """``linear_2(linear_1(silu(e)))`` (+ the timestep embedding): ``n`` shift/scale(/gate) vectors
     from the (per-frame) embedded timestep, through a rank-``adaln_lora_dim`` bottleneck."""
@@ -160,8 +144,8 @@ class CosmosAttention(nnx.Module):
         self.k = nn.Linear(kv_dim, d, axes=(None, "heads"), **kw)
         self.v = nn.Linear(kv_dim, d, axes=(None, "heads"), **kw)
         self.o = nn.Linear(d, d, axes=("heads", "embed"), **kw)
-        self.norm_q = HeadRMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
-        self.norm_k = HeadRMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
+        self.norm_q = nn.RMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
+        self.norm_k = nn.RMSNorm(cfg.head_dim, eps=1e-5, rngs=rngs, param_dtype=param_dtype)
 
     def self_attention(self, x, cos, sin, par: vsh.ParallelContext):
         hd = self.head_dim
@@ -261,7 +245,7 @@ class CosmosEmbed(nnx.Module):
         self.patch = nn.Linear(cfg.patch_in * math.prod(cfg.patch_size), d, bias=False, axes=(None, "embed"), **kw)
         self.t1 = nn.Linear(d, d, bias=False, **kw)
         self.t2 = nn.Linear(d, 3 * d, bias=False, **kw)
-        self.t_norm = HeadRMSNorm(d, eps=1e-6, **kw)
+        self.t_norm = nn.RMSNorm(d, eps=1e-6, **kw)
         self.ctx_proj = (nn.Linear(cfg.crossattn_proj_in_channels, cfg.encoder_hidden_states_channels, **kw)
                          if cfg.use_crossattn_projection else None)
         if cfg.extra_pos_embed_type == "learnable":
@@ -327,26 +311,20 @@ class CosmosHead(nnx.Module):
         return {"y": self.proj((_layer_norm(h) * (1 + scale) + shift).astype(dt))}
 
 
-class CosmosTransformer(nn.TextDiT):
+class CosmosTransformer(nn.LatentPatches, nn.TextDiT):
     """The Cosmos-Predict2.5 DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner`."""
 
     EMBED, BLOCK, HEAD = CosmosEmbed, CosmosBlock, CosmosHead
+    PATCH_ORDER = "hwtc"  # the reference's output order
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        if name in ("tokens", "h", "y"):
-            return ("batch", "tokens", None)
-        if name in ("k", "v"):  # once-computed text keys / values: heads split as the weights
-            return ("batch", None, "heads", None)
-        if name in ("cos", "sin", "pos", "pos_index"):
-            return ("tokens", None)
-        if name == "fot":
-            return ("tokens",)
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
         if name in ("pad_mask", "cond_mask") and shape[0] == 1:  # [1, ...]: broadcast over the batch
             return (None,) * len(shape)
-        return ("batch", *(None,) * (len(shape) - 1))  # x, t, emb, temb, ctx, masks: per sample
+        return vsh.activation_axes(name, shape, tokens=("tokens", "h", "y"), kv=("k", "v"),
+                                   tables=("cos", "sin", "pos", "pos_index", "fot"))
 
     @staticmethod
     def pack(x, t, ctx, *, cond_mask=None, pad_mask=None, ctx_mask=None, fps=None) -> dict:
@@ -367,9 +345,6 @@ class CosmosTransformer(nn.TextDiT):
         if "ctx" in a:
             out["ctx"] = a["ctx"].astype(dtype)
         return out
-
-    def finish(self, out: dict, shapes: dict):
-        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
 
     def check(self, shapes: dict, mesh) -> None:
         g = token_grid(self.cfg, shapes["x"])
@@ -637,8 +612,7 @@ def load_dit(path, cfg: CosmosDiTConfig | None = None, dtype=np.float32):
     (``*_ema_bf16.pt`` / safetensors with ``net.*`` names). Returns ``(state, cfg)``: the abstract state
     filled tensor by tensor with host numpy; no random init is materialised."""
     return KIT.load(path, cfg, dtype, from_config=CosmosDiTConfig.from_diffusers, is_original=_is_original,
-                    config_from_original=config_from_original, keymap=keymap,
-                    what=lambda c: f"CosmosTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
+                    config_from_original=config_from_original, keymap=keymap, what="CosmosTransformer3DModel")
 
 
 # ----------------------------------------------------------------------------------- compat

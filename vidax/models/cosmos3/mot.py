@@ -136,19 +136,6 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, :, None] + _rotate_half(xf) * sin[:, :, None]).astype(x.dtype)
 
 
-class RMSNorm(nnx.Module):
-    """``x * rsqrt(mean(x^2) + eps) * w`` with float32 statistics (both reference variants agree in float32)."""
-
-    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float, axis=None, param_dtype=F32):
-        self.eps = eps
-        self.scale = nn.param(rngs, nnx.initializers.ones_init(), (dim,), axis, dtype=param_dtype)
-
-    def __call__(self, x):
-        xf = x.astype(F32)
-        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(F32)).astype(x.dtype)
-
-
 class MLP(nnx.Module):
     """``down(silu(gate(x)) * up(x))`` (Qwen3) or ``down(relu(up(x))^2)`` (Nemotron)."""
 
@@ -175,15 +162,15 @@ class Pathway(nnx.Module):
         kw = dict(rngs=rngs, param_dtype=param_dtype, bias=cfg.attention_bias)
         nk = dict(rngs=rngs, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.head_dim = hd
-        self.ln1 = RMSNorm(d, **nk)
+        self.ln1 = nn.RMSNorm(d, **nk)
         self.q = nn.Linear(d, h * hd, axes=("embed", "heads"), **kw)
         self.k = nn.Linear(d, kv * hd, axes=("embed", "kv_heads"), **kw)
         self.v = nn.Linear(d, kv * hd, axes=("embed", "kv_heads"), **kw)
         self.o = nn.Linear(h * hd, d, axes=("heads", "embed"), **kw)
-        self.norm_q = RMSNorm(hd, **nk) if qk_norm else None
-        self.norm_k = RMSNorm(hd, **nk) if qk_norm else None
-        self.norm_k_gen = RMSNorm(hd, **nk) if k_norm_for_gen else None  # text keys as the vision pathway reads them
-        self.ln2 = RMSNorm(d, **nk)
+        self.norm_q = nn.RMSNorm(hd, **nk) if qk_norm else None
+        self.norm_k = nn.RMSNorm(hd, **nk) if qk_norm else None
+        self.norm_k_gen = nn.RMSNorm(hd, **nk) if k_norm_for_gen else None  # text keys as the vision pathway reads them
+        self.ln2 = nn.RMSNorm(d, **nk)
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype)
 
     def qkv(self, x, cos, sin, par: vsh.ParallelContext):
@@ -274,7 +261,7 @@ class Cosmos3Embed(nnx.Module):
 
 class Cosmos3Head(nnx.Module):
     def __init__(self, cfg: Cosmos3Config, *, rngs: nnx.Rngs, param_dtype=F32):
-        self.norm = RMSNorm(cfg.hidden_size, rngs=rngs, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = nn.RMSNorm(cfg.hidden_size, rngs=rngs, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.patch_latent_dim, axes=("embed", None), rngs=rngs,
                                   param_dtype=param_dtype)
 
@@ -330,11 +317,8 @@ class Cosmos3Omni(nnx.Module):
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
         """Logical axes: the vision tokens split over sp, the text (and its cache) whole on every device."""
-        if name in ("k", "v"):
-            return ("batch", None, "kv_heads", None)
-        if name in ("h", "y", "patches", "t", "noisy", "cos", "sin"):
-            return ("batch", "tokens", *(None,) * (len(shape) - 2))
-        return ("batch", *(None,) * (len(shape) - 1))  # tm, ids and the text pathway's x / cos_u / sin_u
+        return vsh.activation_axes(name, shape, tokens=("h", "y", "patches", "t", "noisy", "cos", "sin"),
+                                   kv=("k", "v"), kv_axis="kv_heads")
 
     @staticmethod
     def pack(patches, t, noisy, cos, sin, text_mask) -> dict:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import offload as voff
@@ -57,7 +56,6 @@ from vidax.core.layers import MLP, PatchEmbed, split_heads
 from vidax.core.runner import DiTRunner, run_local
 from vidax.core.attention import attention
 from vidax.core.embeddings import apply_rope_interleaved, sinusoidal_embedding
-from vidax.weights import load_params, open_checkpoint
 
 F32 = jnp.float32
 IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
@@ -65,33 +63,24 @@ IMAGE_CONDITION_TYPES = (None, "latent_concat", "token_replace")
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideoConfig(Heads):
-    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release)."""
+class HunyuanDiTFields(DiTConfig):
+    """The config fields (and their checks) HunyuanVideo 1.0 and 1.5 share, under diffusers' names."""
 
-    in_channels: int = 16
-    out_channels: int = 16
-    num_heads: int = 24
-    head_dim: int = 128
-    num_layers: int = 20  # dual-stream blocks
-    num_single_layers: int = 40  # single-stream blocks
     num_refiner_layers: int = 2
     mlp_ratio: float = 4.0
     patch_size: int = 2
     patch_size_t: int = 1
     qk_norm: str = "rms_norm"
-    guidance_embeds: bool = True
     text_embed_dim: int = 4096
-    pooled_projection_dim: int = 768
     rope_theta: float = 256.0
     rope_axes_dim: tuple = (16, 56, 56)
-    image_condition_type: str | None = None
+
+    FAMILY = "HunyuanVideo"
 
     def __post_init__(self):
         object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
-        if self.image_condition_type not in IMAGE_CONDITION_TYPES:
-            raise ValueError(f"image_condition_type={self.image_condition_type!r}; supported: {IMAGE_CONDITION_TYPES}")
         if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo uses 'rms_norm')")
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported ({self.FAMILY} uses 'rms_norm')")
         if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
             raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
 
@@ -99,14 +88,29 @@ class HunyuanVideoConfig(Heads):
     def patch(self) -> tuple[int, int, int]:
         return (self.patch_size_t, self.patch_size, self.patch_size)
 
+    @classmethod
+    def from_diffusers(cls, cfg: dict):
+        return cls(**diffusers_kwargs(cls, cfg))
+
+
+@dataclass(frozen=True)
+class HunyuanVideoConfig(HunyuanDiTFields, num_heads=24, num_layers=20):
+    """Mirrors diffusers' ``HunyuanVideoTransformer3DModel`` config (defaults = the 13B release);
+    ``num_layers`` counts the dual-stream blocks."""
+
+    num_single_layers: int = 40  # single-stream blocks
+    guidance_embeds: bool = True
+    pooled_projection_dim: int = 768
+    image_condition_type: str | None = None
+
+    def __post_init__(self):
+        if self.image_condition_type not in IMAGE_CONDITION_TYPES:
+            raise ValueError(f"image_condition_type={self.image_condition_type!r}; supported: {IMAGE_CONDITION_TYPES}")
+        super().__post_init__()
+
     @property
     def token_replace(self) -> bool:
         return self.image_condition_type == "token_replace"
-
-    @classmethod
-    def from_diffusers(cls, cfg: dict) -> "HunyuanVideoConfig":
-        kw = diffusers_kwargs(cls, cfg)
-        return cls(**kw)
 
 
 PRESETS = {
@@ -289,17 +293,24 @@ class TokenRefiner(nnx.Module):
         return nn.scan(self.blocks, h, lambda blk, h: blk(h, temb, am))
 
 
-class Embed(nnx.Module):
+class PatchTimeEmbed(nnx.Module):
+    """What both HunyuanVideos embed first: the latent patches (``patch``) and the timestep
+    (``time_in``, an MLP of its 256 sinusoidal features), at the model width."""
+
+    def __init__(self, cfg: HunyuanDiTFields, *, rngs: nnx.Rngs, param_dtype=F32):
+        self.cfg = cfg
+        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, cfg.dim, rngs=rngs, param_dtype=param_dtype)
+        self.time_in = MLP(256, cfg.dim, cfg.dim, "silu", rngs=rngs, param_dtype=param_dtype)
+
+
+class Embed(PatchTimeEmbed):
     """Everything before the blocks: patch embedding (per token: runs on a token shard), the
     modulation vector ``temb`` (timestep + pooled CLIP text + embedded guidance), token_replace's
     second vector, and the token refiner over the text."""
 
     def __init__(self, cfg: HunyuanVideoConfig, *, rngs: nnx.Rngs, param_dtype=F32):
-        d = cfg.dim
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.cfg = cfg
-        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = MLP(256, d, d, "silu", **kw)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
+        d, kw = cfg.dim, dict(rngs=rngs, param_dtype=param_dtype)
         self.vec_in = MLP(cfg.pooled_projection_dim, d, d, "silu", **kw)
         self.guidance_in = MLP(256, d, d, "silu", **kw) if cfg.guidance_embeds else None
         # the reference builds the refiner with its own default MLP ratio (4), whatever mlp_ratio says
@@ -471,14 +482,8 @@ class DualStreamHooks:
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        if name in ("tokens", "h", "out"):
-            return ("batch", "tokens", None)
-        if name in ("cos", "sin"):
-            return ("tokens", None)
-        if name == "first":
-            return ("tokens",)
-        return ("batch", *(None,) * (len(shape) - 1))  # x, ctx / y, masks, pooled, t, guidance, temb, tr, text_len
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
+        return vsh.activation_axes(name, shape, tokens=("tokens", "h", "out"), tables=("cos", "sin", "first"))
 
     def finish(self, out: dict, shapes: dict):
         return unpatchify(self.cfg, out["out"], grid_of(self.cfg, shapes["x"]))
@@ -707,20 +712,13 @@ def load_dit(path, cfg: HunyuanVideoConfig | None = None, dtype=np.float32):
     ``(state, cfg)``: the abstract state filled tensor by tensor with host numpy (cast on the host)."""
     from vidax.models.hunyuanvideo import convert  # (it imports this module's config)
 
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = HunyuanVideoConfig.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    if convert.is_original(list(ckpt)):
-        if cfg is None:
-            cfg = convert.config_from_original(ckpt)
-        ckpt = convert.original_to_diffusers(ckpt, cfg)
-    elif cfg is None:
-        raise ValueError(f"{path}: no config.json; pass the model config")
-    view = convert.split_proj_out(ckpt, cfg.dim)
-    what = f"HunyuanVideoTransformer3DModel (dim {cfg.dim}, {cfg.num_layers}+{cfg.num_single_layers} blocks)"
-    pure = load_params(view, convert.diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    def view(ckpt, c, original):
+        return convert.split_proj_out(convert.original_to_diffusers(ckpt, c) if original else ckpt, c.dim)
+
+    return KIT.load(path, cfg, dtype, from_config=HunyuanVideoConfig.from_diffusers, is_original=convert.is_original,
+                    config_from_original=convert.config_from_original, view=view,
+                    keymap=lambda c, original: convert.diffusers_keymap(c),
+                    what=lambda c: f"HunyuanVideoTransformer3DModel (dim {c.dim}, {c.num_layers}+{c.num_single_layers} blocks)")
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -26,7 +26,6 @@ Activations are channels-last; the model takes latents as ``[B, F, H, W, C]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,61 +33,33 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
 from vidax.core import nn
 from vidax.core import offload as voff
 from vidax.core import sharding as vsh
-from vidax.core.layers import MLP, PatchEmbed
+from vidax.core.layers import MLP
 from vidax.core.runner import DiTRunner
 from vidax.models.hunyuanvideo import dit as h10
-from vidax.weights import load_params, open_checkpoint
 
 F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class HunyuanVideo15Config(Heads):
+class HunyuanVideo15Config(h10.HunyuanDiTFields, in_channels=65, out_channels=32, num_layers=54, patch_size=1,
+                           text_embed_dim=3584):
     """Mirrors diffusers' ``HunyuanVideo15Transformer3DModel`` config (defaults = the 8.3B release)."""
 
-    in_channels: int = 65
-    out_channels: int = 32
-    num_heads: int = 16
-    head_dim: int = 128
-    num_layers: int = 54
-    num_refiner_layers: int = 2
-    mlp_ratio: float = 4.0
-    patch_size: int = 1
-    patch_size_t: int = 1
-    qk_norm: str = "rms_norm"
-    text_embed_dim: int = 3584
     text_embed_2_dim: int = 1472
     image_embed_dim: int = 1152
-    rope_theta: float = 256.0
-    rope_axes_dim: tuple = (16, 56, 56)
     target_size: int = 640
     task_type: str = "i2v"
     use_meanflow: bool = False
 
-    def __post_init__(self):
-        object.__setattr__(self, "rope_axes_dim", tuple(int(d) for d in self.rope_axes_dim))
-        if self.qk_norm != "rms_norm":
-            raise ValueError(f"qk_norm={self.qk_norm!r} is not supported (HunyuanVideo 1.5 uses 'rms_norm')")
-        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.head_dim or any(d % 2 for d in self.rope_axes_dim):
-            raise ValueError(f"rope_axes_dim={self.rope_axes_dim} must be three even sizes summing to head_dim={self.head_dim}")
-
+    FAMILY = "HunyuanVideo 1.5"
     # what the 1.0 blocks read
     token_replace = False
     num_single_layers = 0
 
-    @property
-    def patch(self) -> tuple[int, int, int]:
-        return (self.patch_size_t, self.patch_size, self.patch_size)
-
-    @classmethod
-    def from_diffusers(cls, cfg: dict) -> "HunyuanVideo15Config":
-        kw = diffusers_kwargs(cls, cfg)
-        return cls(**kw)
 
 _TINY = dict(num_heads=4, head_dim=8, in_channels=9, out_channels=4, num_layers=2, num_refiner_layers=1,
              text_embed_dim=24, text_embed_2_dim=20, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=64)
@@ -152,16 +123,13 @@ def reorder(streams, masks):
     return jnp.take_along_axis(y, order[..., None], axis=1), jnp.sum(m, axis=1).astype(jnp.int32)
 
 
-class Embed(nnx.Module):
+class Embed(h10.PatchTimeEmbed):
     """Everything before the blocks: patch embedding (per token), the timestep modulation vector
     and the three condition streams, tagged, T2V-switched and reordered (module docstring)."""
 
     def __init__(self, cfg: HunyuanVideo15Config, *, rngs: nnx.Rngs, param_dtype=F32):
-        d = cfg.dim
-        kw = dict(rngs=rngs, param_dtype=param_dtype)
-        self.cfg = cfg
-        self.patch = PatchEmbed(cfg.patch, cfg.in_channels, d, **kw)
-        self.time_in = MLP(256, d, d, "silu", **kw)
+        super().__init__(cfg, rngs=rngs, param_dtype=param_dtype)
+        d, kw = cfg.dim, dict(rngs=rngs, param_dtype=param_dtype)
         self.time_r = MLP(256, d, d, "silu", **kw) if cfg.use_meanflow else None
         self.refiner = TokenRefiner(cfg.text_embed_dim, d, cfg.num_heads, cfg.num_refiner_layers, 4.0, **kw)
         self.glyph = GlyphProjection(cfg.text_embed_2_dim, 2048, d, **kw)
@@ -291,19 +259,10 @@ def load_dit(path, cfg: HunyuanVideo15Config | None = None, dtype=np.float32):
     (a folder or file of safetensors with its names). Returns ``(state, cfg)``."""
     from vidax.models.hunyuanvideo15 import convert  # (it imports this module's config)
 
-    path = Path(path)
-    if cfg is None and path.is_dir() and (path / "config.json").exists():
-        cfg = HunyuanVideo15Config.from_diffusers(compat.read_config(path))
-    ckpt = open_checkpoint(path)
-    if convert.is_original(list(ckpt)):
-        if cfg is None:
-            cfg = convert.config_from_original(ckpt)
-        ckpt = convert.original_to_diffusers(ckpt)
-    elif cfg is None:
-        raise ValueError(f"{path}: no config.json; pass the model config")
-    what = f"HunyuanVideo15Transformer3DModel (dim {cfg.dim}, {cfg.num_layers} blocks)"
-    pure = load_params(ckpt, convert.diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype, what=what)
-    return nn.fill(abstract_state(cfg, dtype), pure), cfg
+    return KIT.load(path, cfg, dtype, from_config=HunyuanVideo15Config.from_diffusers, is_original=convert.is_original,
+                    config_from_original=convert.config_from_original, keymap=lambda c, original: convert.diffusers_keymap(c),
+                    view=lambda ckpt, c, original: convert.original_to_diffusers(ckpt) if original else ckpt,
+                    what=lambda c: f"HunyuanVideo15Transformer3DModel (dim {c.dim}, {c.num_layers} blocks)")
 
 
 # ----------------------------------------------------------------------------------- compat

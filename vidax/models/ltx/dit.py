@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import sharding as vsh
@@ -35,22 +35,8 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTXDiTConfig(Heads):
-    in_channels: int = 128
-    out_channels: int = 128
-    patch_size: int = 1
-    patch_size_t: int = 1
-    num_heads: int = 32
-    head_dim: int = 64
-    cross_attention_dim: int = 2048
-    num_layers: int = 28
-    norm_eps: float = 1e-6
-    caption_channels: int = 4096
-    attention_bias: bool = True
-    attention_out_bias: bool = True
+class LTXDiTConfig(L.LTXDiTFields, head_dim=64, num_layers=28):
     base_num_frames: int = 20
-    base_height: int = 2048
-    base_width: int = 2048
     theta: float = 10000.0
 
     @classmethod
@@ -150,19 +136,10 @@ class LTXTransformer(nn.TextDiT):
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        rest = (None,) * (len(shape) - 2)
-        if name in ("tokens", "h", "y"):
-            return ("batch", "tokens", None)
-        if name in ("k", "v"):  # once-computed text keys / values: heads split as the weights
-            return ("batch", None, "heads", None)
-        if name == "t":
-            return ("batch", "tokens") if len(shape) == 2 and shape[1] > 1 else ("batch", *(None,) * (len(shape) - 1))
-        if name in ("temb6", "emb"):
-            return ("batch", "tokens" if shape[1] > 1 else None, *rest)
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
         if name in ("cos", "sin"):  # the rotary width goes with the heads
-            return (None if shape[0] == 1 else "batch", "tokens", "heads", *rest[1:])
-        return ("batch", *(None,) * (len(shape) - 1))  # ctx, bias: replicated over tp and sp
+            return (None if shape[0] == 1 else "batch", "tokens", "heads", *(None,) * (len(shape) - 3))
+        return vsh.activation_axes(name, shape, tokens=("tokens", "h", "y"), kv=("k", "v"), per_token=("t", "temb6", "emb"))
 
     def __call__(self, inputs: dict, par=vsh.LOCAL, context: dict | None = None) -> dict:
         """``context``: the blocks' keys / values from :meth:`context` (``inputs["ctx"]`` then unused)."""
@@ -320,8 +297,7 @@ def load_dit(path, cfg: LTXDiTConfig | None = None, dtype=np.float32):
     materialised."""
     return KIT.load(path, cfg, dtype, from_config=LTXDiTConfig.from_diffusers, is_original=_is_original,
                     config_from_original=config_from_original, prefix="model.diffusion_model.",
-                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-                    what=lambda c: f"LTXVideoTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
+                    keymap=(diffusers_keymap, original_keymap), what="LTXVideoTransformer3DModel")
 
 
 # ----------------------------------------------------------------------------------- compat

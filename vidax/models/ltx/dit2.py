@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, HEAD_NAMES, diffusers_kwargs
+from vidax.core.config import HEAD_NAMES, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import sharding as vsh
@@ -46,18 +46,9 @@ F32 = jnp.float32
 
 
 @dataclass(frozen=True)
-class LTX2DiTConfig(Heads):
-    in_channels: int = 128
-    out_channels: int = 128
-    patch_size: int = 1
-    patch_size_t: int = 1
-    num_heads: int = 32
-    head_dim: int = 128
-    cross_attention_dim: int = 4096
+class LTX2DiTConfig(L.LTXDiTFields, num_layers=48, cross_attention_dim=4096, caption_channels=3840):
     vae_scale_factors: tuple = (8, 32, 32)
     pos_embed_max_pos: int = 20
-    base_height: int = 2048
-    base_width: int = 2048
     gated_attn: bool = False
     cross_attn_mod: bool = False
     audio_in_channels: int = 128
@@ -73,11 +64,6 @@ class LTX2DiTConfig(Heads):
     audio_hop_length: int = 160
     audio_gated_attn: bool = False
     audio_cross_attn_mod: bool = False
-    num_layers: int = 48
-    norm_eps: float = 1e-6
-    caption_channels: int = 3840
-    attention_bias: bool = True
-    attention_out_bias: bool = True
     rope_theta: float = 10000.0
     rope_double_precision: bool = True
     causal_offset: int = 1
@@ -374,24 +360,16 @@ class LTX2Transformer(nn.StackedDiT):
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        rest = lambda n: (None,) * (len(shape) - n)  # noqa: E731
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
         bdim = None if shape and shape[0] == 1 else "batch"
         if name in ("layer", "stg"):
             return ()
-        if name in ("vtok", "h", "y", "keyframes"):
-            return ("batch", "tokens", *rest(2))
-        if name in ("t", "tv", "ev", "cav", "cgv", "ca_t"):  # per video token when [B, S, ...]
-            if len(shape) == 1:
-                return ("batch",)
-            return ("batch", "tokens" if shape[1] > 1 else None, *rest(2))
         if name in ("vcos", "vsin", "cvcos", "cvsin"):
-            return (bdim, "tokens", "heads", *rest(3))
+            return (bdim, "tokens", "heads", *(None,) * (len(shape) - 3))
         if name in ("acos", "asin", "cacos", "casin"):
-            return (bdim, None, "heads", *rest(3))
-        if name in ("k", "v", "ak", "av"):  # once-computed text keys / values: heads split as the weights
-            return ("batch", None, "heads", None)
-        return ("batch", *rest(1))  # audio stream, contexts, masks, per-sample scalars
+            return (bdim, None, "heads", *(None,) * (len(shape) - 3))
+        return vsh.activation_axes(name, shape, tokens=("vtok", "h", "y", "keyframes"), kv=("k", "v", "ak", "av"),
+                                   per_token=("t", "tv", "ev", "cav", "cgv", "ca_t"))
 
     def __call__(self, inputs: dict, par=vsh.LOCAL, context: dict | None = None) -> dict:
         """``context``: the blocks' keys / values from :meth:`context` (the text inputs then unused)."""
@@ -631,8 +609,7 @@ def load_dit(path, cfg: LTX2DiTConfig | None = None, dtype=np.float32):
     """(host state, cfg) from a diffusers ``transformer/`` folder, or an original-release file
     (``model.diffusion_model.*`` names; the config must be given: the release ships none)."""
     return KIT.load(path, cfg, dtype, from_config=LTX2DiTConfig.from_diffusers, is_original=_is_original,
-                    prefix="model.diffusion_model.",
-                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
+                    prefix="model.diffusion_model.", keymap=(diffusers_keymap, original_keymap),
                     what=lambda c: f"LTX2VideoTransformer3DModel (dim {c.dim}, audio {c.audio_dim}, {c.num_layers} layers)")
 
 

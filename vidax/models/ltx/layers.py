@@ -17,6 +17,8 @@ statistics across devices; rotary tables are split with the heads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +26,26 @@ from flax import nnx
 
 from vidax.core import nn
 from vidax.core import sharding as vsh
+from vidax.core.config import DiTConfig
 from vidax.core.embeddings import sinusoidal_embedding
 from vidax.weights import int_keys, linear_rules
 
 F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class LTXDiTFields(DiTConfig, in_channels=128, out_channels=128, num_heads=32):
+    """The config fields both LTX DiTs (LTX-Video, LTX-2's video stream) have, under diffusers' names."""
+
+    patch_size: int = 1
+    patch_size_t: int = 1
+    cross_attention_dim: int = 2048
+    norm_eps: float = 1e-6
+    caption_channels: int = 4096
+    attention_bias: bool = True
+    attention_out_bias: bool = True
+    base_height: int = 2048
+    base_width: int = 2048
 
 
 class TimestepEmbed(nnx.Module):

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from vidax import compat
-from vidax.core.config import Heads, diffusers_kwargs
+from vidax.core.config import DiTConfig, diffusers_kwargs
 from vidax.core import mesh as vmesh
 from vidax.core import nn
 from vidax.core import geometry
@@ -36,16 +36,11 @@ from vidax.weights import KeyMap, Rule
 
 
 @dataclass(frozen=True)
-class WanDiTConfig(Heads):
+class WanDiTConfig(DiTConfig, num_heads=40, num_layers=40):
     patch_size: tuple = (1, 2, 2)
-    num_heads: int = 40
-    head_dim: int = 128
-    in_channels: int = 16
-    out_channels: int = 16
     text_dim: int = 4096
     freq_dim: int = 256
     ffn_dim: int = 13824
-    num_layers: int = 40
     cross_attn_norm: bool = True
     eps: float = 1e-6
     image_dim: int | None = None  # CLIP image-embedding width (I2V)
@@ -258,7 +253,7 @@ class WanHead(nnx.Module):
         return {"y": self.proj((self.norm(h.astype(F32)) * (1 + scale) + shift).astype(dt))}
 
 
-class WanTransformer(nn.StackedDiT):
+class WanTransformer(nn.LatentPatches, nn.StackedDiT):
     """The Wan DiT: ``embed`` -> stacked ``blocks`` -> ``head``, with the hooks of
     :class:`vidax.core.runner.DiTRunner` (``pack`` / ``prepare`` / ``finish`` patchify around them)."""
 
@@ -279,16 +274,9 @@ class WanTransformer(nn.StackedDiT):
 
     @staticmethod
     def act_spec(name: str, shape: tuple) -> tuple:
-        """Logical axes of an activation (see ``vidax.core.sharding.LOGICAL_AXES``)."""
-        if name in ("tokens", "h", "y"):
-            return ("batch", "tokens", None)
-        if name in ("cos", "sin"):
-            return ("tokens", None)
-        if name in ("k", "v", "ki", "vi"):  # once-computed cross-attention keys / values: heads as the weights
-            return ("batch", None, "heads", None)
-        if name in ("t", "temb", "temb6"):  # [B], [B, 1, ...] or per token [B, L, ...]
-            return ("batch", "tokens" if len(shape) >= 2 and shape[1] > 1 else None, *(None,) * (len(shape) - 2))[:len(shape)]
-        return ("batch", *(None,) * (len(shape) - 1))  # x, ctx, img, img_ctx: replicated over tp and sp
+        """Logical axes of an activation (see ``vidax.core.sharding.activation_axes``)."""
+        return vsh.activation_axes(name, shape, tokens=("tokens", "h", "y"), tables=("cos", "sin"),
+                                   kv=("k", "v", "ki", "vi"), per_token=("t", "temb", "temb6"))
 
     @staticmethod
     def pack(x, t, ctx, img=None) -> dict:
@@ -304,9 +292,6 @@ class WanTransformer(nn.StackedDiT):
         if "img" in a:
             out["img"] = a["img"].astype(dtype)
         return out
-
-    def finish(self, out: dict, shapes: dict):
-        return unpatchify(self.cfg, out["y"], token_grid(self.cfg, shapes["x"]))
 
     def check(self, shapes: dict, mesh) -> None:
         """Input errors (patch size, per-token timesteps, tokens / batch against the mesh)."""
@@ -502,8 +487,7 @@ def load_dit(path, cfg: WanDiTConfig | None = None, dtype=np.float32):
     tensor with host numpy (cast on the host); no random init is ever materialised."""
     return KIT.load(path, cfg, dtype, from_config=WanDiTConfig.from_diffusers, is_original=_is_original,
                     config_from_original=config_from_original, prefix="model.diffusion_model.", keep_others=True,
-                    keymap=lambda c, original: original_keymap(c) if original else diffusers_keymap(c),
-                    what=lambda c: f"WanTransformer3DModel (dim {c.dim}, {c.num_layers} layers)")
+                    keymap=(diffusers_keymap, original_keymap), what="WanTransformer3DModel")
 
 
 # ----------------------------------------------------------------------------------- compat
