@@ -888,6 +888,42 @@ def _hunyuan15_case(hunyuan15_ref, method, p):
     return z, ref, computed, vx.step_cache
 
 
+def _ltx_case(ltx_ref, method, p):
+    """LTX-Video: one [uncond; cond] call per step (diffusers' "cond_uncond" context): one decision."""
+    import torch
+    from diffusers import LTXPipeline
+
+    from tests.refutil import to_numpy
+    from tests.test_ltx_pipeline import _embeds
+    from vidax.core.stepcache import StepCache
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltxv import LTXVideo
+
+    root, dit, vae, sched = ltx_ref
+    h, w, frames, steps = 64, 96, 17, 8
+    cond, cm = _embeds(1, 0)
+    unc, um = _embeds(1, 1)
+    pipe = LTXVideo(str(root))
+    grid = pipe.latent_grid(h, w, frames)
+    x0 = np.random.default_rng(3).standard_normal((1, *grid, 8)).astype(np.float32)
+    pipe.step_cache = StepCache(_vidax_settings(method, p), steps)
+    ours = pipe.sample_latents(cond, cm, unc, um, seed=0, height=h, width=w, num_frames=frames, steps=steps,
+                               guidance=3.0, fps=24.0, guidance_rescale=0.0, latents=x0)
+    ref = LTXPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=dit)
+
+    def call():
+        with torch.no_grad():
+            return ref(prompt_embeds=torch.from_numpy(cond), prompt_attention_mask=torch.from_numpy(cm),
+                       negative_prompt_embeds=torch.from_numpy(unc), negative_prompt_attention_mask=torch.from_numpy(um),
+                       latents=torch.from_numpy(np.asarray(pack(x0))), height=h, width=w, num_frames=frames,
+                       num_inference_steps=steps, guidance_scale=3.0, guidance_rescale=0.0, frame_rate=24,
+                       output_type="latent", return_dict=False)[0]
+
+    out, computed = _hooked(dit, dit.transformer_blocks[0], dit.transformer_blocks[-1].ff,
+                            _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    return ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), computed, pipe.step_cache
+
+
 # per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
 # taylorseer (interval, warmup, order), teacache threshold; one of the ten in make test (each 4-26 s at its XLA level, most
 # of it the cached units' compiles), all in make test-all
@@ -899,7 +935,12 @@ _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1,
                  ("hunyuanvideo1.5", "taylorseer", (2, 2, 1))]
 
 
-@pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families"),
+# the families added after (LTX-Video's magcache / taylorseer, ...): one of them in make test, all in make test-all
+_MORE_CASES = [("ltx-video", "magcache", (0.1, 2, 0.2)), ("ltx-video", "taylorseer", (3, 2, 2))]
+
+
+@pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families")
+                         + sweep.sample(_MORE_CASES, 1, "stepcache-more-families"),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_step_caches_match_diffusers_hooks_on_more_families(request, family, method, p):
     """CogVideoX, HunyuanVideo, HunyuanVideo 1.5: vidax's fbcache / magcache / taylorseer against diffusers'
@@ -908,7 +949,7 @@ def test_step_caches_match_diffusers_hooks_on_more_families(request, family, met
     against the published algorithm written above): the same computed / skipped calls, the final
     latents within 1e-4."""
     case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
-            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref")}[family]
+            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref"), "ltx-video": (_ltx_case, "ltx_ref")}[family]
     ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
     got = [bool(b) for d in cache.decisions for b in d]
     assert got == ref_computed, (got, ref_computed, [c.tolist() for c in cache.changes])
