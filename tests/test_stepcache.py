@@ -770,12 +770,15 @@ def _fbcache_reference(tr, threshold):
     below the threshold the last block's outputs are the first block's plus the residuals (hidden and
     text streams) the remaining blocks added at the branch's last computed call. Returns the hooks
     and the per-call decisions."""
+    import torch
+
     st = {"call": 0, "prev": {}, "res": {}, "head": None, "compute": True}
     computed = []
+    one = lambda out: isinstance(out, torch.Tensor)  # noqa: E731 - a block of one stream (Cosmos) returns a tensor
 
     def on_first(m, args, out):
         j = st["call"] % 2
-        r = out[0] - args[0]
+        r = (out if one(out) else out[0]) - args[0]
         prev = st["prev"].get(j)
         st["compute"] = prev is None or float((r - prev).abs().mean() / prev.abs().mean()) > threshold
         if st["compute"]:
@@ -786,6 +789,11 @@ def _fbcache_reference(tr, threshold):
     def on_last(m, args, out):
         j, h = st["call"] % 2, st["head"]
         st["call"] += 1
+        if one(out):
+            if st["compute"]:
+                st["res"][j] = out - h
+                return out
+            return h + st["res"][j]
         if st["compute"]:
             st["res"][j] = (out[0] - h[0], out[1] - h[1])
             return out
@@ -801,6 +809,8 @@ def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps):
     threshold and the count within ``max_skips`` (after the first ``retention * steps`` steps) the block
     stack's hidden output is its input plus the branch's last residual; the counters restart at the
     last step."""
+    import torch
+
     st = {"call": 0, "compute": True, "x": None}
     br = {j: dict(cnt=0, ratio=1.0, err=0.0, k=0, res=None) for j in (0, 1)}
     computed = []
@@ -824,10 +834,11 @@ def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps):
         b["cnt"] += 1
         if b["cnt"] >= steps:
             b.update(cnt=0, ratio=1.0, err=0.0, k=0)
+        one = isinstance(out, torch.Tensor)  # a block of one stream (Cosmos) returns a tensor
         if st["compute"]:
-            b["res"] = out[0] - st["x"]
+            b["res"] = (out if one else out[0]) - st["x"]
             return out
-        return st["x"] + b["res"], out[1]
+        return st["x"] + b["res"] if one else (st["x"] + b["res"], out[1])
 
     blocks = tr.transformer_blocks
     return [blocks[0].register_forward_pre_hook(on_first), blocks[-1].register_forward_hook(on_last)], computed
@@ -924,6 +935,78 @@ def _ltx_case(ltx_ref, method, p):
     return ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), computed, pipe.step_cache
 
 
+@pytest.fixture(scope="module")
+def cosmos25_ref(tmp_path_factory):
+    """test_cosmos_pipeline's tiny Cosmos2_5_PredictBasePipeline (two blocks), saved as a folder vidax loads;
+    its transformer given diffusers' ``CacheMixin`` (``enable_cache``), which ``CosmosTransformer3DModel``
+    does not take: diffusers' own hook code then runs on it."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    from tests.cosmos_fixtures import predict25_folder
+
+    folder = tmp_path_factory.mktemp("predict25_cache")
+    ref = predict25_folder(folder)
+    tr = ref.transformer
+    assert not hasattr(tr, "enable_cache")
+    tr.__class__ = type("CachedCosmosTransformer3DModel", (type(tr), CacheMixin), {})
+    return ref, folder
+
+
+def _cosmos25_case(cosmos25_ref, method, p):
+    """Cosmos-Predict2.5 (a cond then an uncond call per step): diffusers' TaylorSeerCacheConfig, the
+    calls given the "cond" / "uncond" cache contexts the other pipelines give theirs (this pipeline sets
+    none, and diffusers' stateful hooks refuse a call without one); its FirstBlockCache / MagCache hooks
+    refuse the transformer (``CosmosTransformerBlock`` is not in ``TransformerBlockRegistry``), so those
+    two run against the published algorithms written above."""
+    import torch
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from tests.test_cosmos_pipeline import F, H, W, _noise
+    from vidax.core.stepcache import StepCache
+    from vidax.models.cosmos import text as ctext
+    from vidax.models.cosmos.pipeline import CosmosPredict
+
+    ref, folder = cosmos25_ref
+    tr, steps, g = ref.transformer, 8, 3.0
+    prompt, lat = ["a red panda paddles a canoe"], _noise(1, seed=2)
+
+    def call():
+        with torch.no_grad():
+            return ref(prompt=prompt, negative_prompt=None, height=H, width=W, num_frames=F, num_inference_steps=steps,
+                       guidance_scale=g, latents=torch.from_numpy(lat), output_type="latent").frames.numpy()
+
+    n = [0]
+
+    def context(m, args, kwargs):
+        _set_cache_context(m, CacheContext(("cond", "uncond")[n[0] % 2]))
+        n[0] += 1
+
+    hc = tr.register_forward_pre_hook(context, with_kwargs=True)
+    try:
+        if method == "taylorseer":
+            out, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                                    _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+        else:
+            with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
+                tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
+            tr.disable_cache()
+            nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+            hooks, computed = (_fbcache_reference(tr, p) if method == "fbcache" else
+                               _magcache_reference(tr, *p, nearest, steps))
+            try:
+                out = call()
+            finally:
+                for h in hooks:
+                    h.remove()
+    finally:
+        hc.remove()
+    vx = CosmosPredict(folder)
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    cond, uncond = vx.encode_prompts(prompt), vx.encode_prompts([ctext.DEFAULT_NEGATIVE_PROMPT])
+    z = vx.sample_latents(cond, uncond, latents=lat, height=H, width=W, num_frames=F, steps=steps, guidance=g)
+    return z, out, computed, vx.step_cache
+
+
 # per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
 # taylorseer (interval, warmup, order), teacache threshold; one of the ten in make test (each 4-26 s at its XLA level, most
 # of it the cached units' compiles), all in make test-all
@@ -936,7 +1019,9 @@ _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1,
 
 
 # the families added after (LTX-Video's magcache / taylorseer, ...): one of them in make test, all in make test-all
-_MORE_CASES = [("ltx-video", "magcache", (0.1, 2, 0.2)), ("ltx-video", "taylorseer", (3, 2, 2))]
+_MORE_CASES = [("ltx-video", "magcache", (0.1, 2, 0.2)), ("ltx-video", "taylorseer", (3, 2, 2)),
+               ("cosmos2.5", "fbcache", 0.3), ("cosmos2.5", "magcache", (0.1, 2, 0.25)),
+               ("cosmos2.5", "taylorseer", (2, 2, 1))]
 
 
 @pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families")
@@ -949,7 +1034,8 @@ def test_step_caches_match_diffusers_hooks_on_more_families(request, family, met
     against the published algorithm written above): the same computed / skipped calls, the final
     latents within 1e-4."""
     case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
-            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref"), "ltx-video": (_ltx_case, "ltx_ref")}[family]
+            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref"), "ltx-video": (_ltx_case, "ltx_ref"),
+            "cosmos2.5": (_cosmos25_case, "cosmos25_ref")}[family]
     ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
     got = [bool(b) for d in cache.decisions for b in d]
     assert got == ref_computed, (got, ref_computed, [c.tolist() for c in cache.changes])
