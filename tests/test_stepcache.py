@@ -769,13 +769,15 @@ def _block_input(args, kwargs, name="hidden_states", pos=0):
     return args[pos] if len(args) > pos else kwargs[name]
 
 
-def _fbcache_reference(tr, threshold, branches=2):
+def _fbcache_reference(tr, threshold, branches=2, blocks="transformer_blocks", hidden=("hidden_states", 0)):
     """First Block Cache as published (ParaAttention, Cheng 2025), over the transformer's blocks with torch
     hooks, per CFG branch (calls alternate cond, uncond; ``branches=1``: one batched call per step, one
     decision): the first block's residual of the hidden states against the one of the branch's last
     computed call, ``mean|r - r_prev| / mean|r_prev|``; at or below the threshold the last block's
     outputs are the first block's plus the residuals (hidden and text or audio streams) the remaining
-    blocks added at the branch's last computed call. Returns the hooks and the per-call decisions."""
+    blocks added at the branch's last computed call. ``hidden``: the hidden stream's argument name and its
+    position among the block's arguments and outputs (Cosmos3's MoT layer: ``gen_seq``, second). Returns the
+    hooks and the per-call decisions."""
     import torch
 
     st = {"call": 0, "prev": {}, "res": {}, "head": None, "compute": True}
@@ -784,7 +786,7 @@ def _fbcache_reference(tr, threshold, branches=2):
 
     def on_first(m, args, kwargs, out):
         j = st["call"] % branches
-        r = (out if one(out) else out[0]) - _block_input(args, kwargs)
+        r = (out if one(out) else out[hidden[1]]) - _block_input(args, kwargs, *hidden)
         prev = st["prev"].get(j)
         st["compute"] = prev is None or float((r - prev).abs().mean() / prev.abs().mean()) > threshold
         if st["compute"]:
@@ -805,18 +807,20 @@ def _fbcache_reference(tr, threshold, branches=2):
             return out
         return h[0] + st["res"][j][0], h[1] + st["res"][j][1]
 
-    blocks = tr.transformer_blocks
+    blocks = getattr(tr, blocks)
     return [blocks[0].register_forward_hook(on_first, with_kwargs=True),
             blocks[-1].register_forward_hook(on_last)], computed
 
 
-def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps, branches=2, second=None):
+def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps, branches=2, second=None,
+                        blocks="transformer_blocks", hidden=("hidden_states", 0)):
     """MagCache as published (Ma et al. 2025, the authors' HunyuanVideo script), per CFG branch (``branches=1``:
     one batched call per step): from the step's magnitude ratio the accumulated ratio, error and skip
     count; while the error stays within the threshold and the count within ``max_skips`` (after the
     first ``retention * steps`` steps) the block stack's hidden output is its input plus the branch's
     last residual (and, where the blocks carry a ``second`` stream the head reads, LTX-2's audio, that
-    stream's too); the counters restart at the last step."""
+    stream's too: its argument name and position); the counters restart at the last step. ``hidden``: as
+    :func:`_fbcache_reference`'s."""
     import torch
 
     st = {"call": 0, "compute": True, "x": None, "x2": None}
@@ -825,9 +829,9 @@ def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps, bran
 
     def on_first(m, args, kwargs):
         b = br[st["call"] % branches]
-        st["x"], st["compute"] = _block_input(args, kwargs), True
+        st["x"], st["compute"] = _block_input(args, kwargs, *hidden), True
         if second:
-            st["x2"] = _block_input(args, kwargs, second, 1)
+            st["x2"] = _block_input(args, kwargs, *second)
         if b["cnt"] >= int(retention * steps):
             b["ratio"] *= ratios[b["cnt"]]
             b["err"] += abs(1 - b["ratio"])
@@ -846,15 +850,19 @@ def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps, bran
             b.update(cnt=0, ratio=1.0, err=0.0, k=0)
         one = isinstance(out, torch.Tensor)  # a block of one stream (Cosmos) returns a tensor
         if st["compute"]:
-            b["res"] = (out if one else out[0]) - st["x"]
+            b["res"] = (out if one else out[hidden[1]]) - st["x"]
             if second:
-                b["res2"] = out[1] - st["x2"]
+                b["res2"] = out[second[1]] - st["x2"]
             return out
         if one:
             return st["x"] + b["res"]
-        return st["x"] + b["res"], (st["x2"] + b["res2"] if second else out[1])
+        new = list(out)  # the other stream as the blocks computed it, unless it is carried
+        new[hidden[1]] = st["x"] + b["res"]
+        if second:
+            new[second[1]] = st["x2"] + b["res2"]
+        return tuple(new)
 
-    blocks = tr.transformer_blocks
+    blocks = getattr(tr, blocks)
     return [blocks[0].register_forward_pre_hook(on_first, with_kwargs=True),
             blocks[-1].register_forward_hook(on_last)], computed
 
@@ -1086,7 +1094,7 @@ def _ltx2_case(ltx2_ref, method, p):
         tr.disable_cache()
         nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
         hooks, computed = (_fbcache_reference(tr, p, branches=1) if method == "fbcache" else
-                           _magcache_reference(tr, *p, nearest, steps, branches=1, second="audio_hidden_states"))
+                           _magcache_reference(tr, *p, nearest, steps, branches=1, second=("audio_hidden_states", 1)))
         try:
             rv, ra = call()
         finally:
@@ -1097,6 +1105,62 @@ def _ltx2_case(ltx2_ref, method, p):
     ours_a = (a * av.latents_std.numpy() + av.latents_mean.numpy()).reshape(1, la, 4, 4).transpose(0, 2, 1, 3)
     ours = np.concatenate([ours_v.ravel(), ours_a.ravel()])
     return ours, np.concatenate([to_numpy(rv).ravel(), to_numpy(ra).ravel()]), computed, pipe.step_cache
+
+
+@pytest.fixture(scope="module")
+def cosmos3_ref(tmp_path_factory):
+    """test_cosmos3_pipeline's tiny Cosmos3OmniPipeline (two MoT layers), saved as a folder vidax loads."""
+    from tests.cosmos_fixtures import cosmos3_folder
+
+    folder = tmp_path_factory.mktemp("cosmos3_cache")
+    return cosmos3_folder(folder), folder
+
+
+def _cosmos3_case(cosmos3_ref, method, p):
+    """Cosmos3 (a "cond" then an "uncond" call per step): diffusers registers its MoT decoder layer (the
+    generation stream ``gen_seq``, second, the hidden states) and its TaylorSeerCacheConfig runs on its
+    ``layers``; its FirstBlockCache and MagCache hooks fail on that layer in diffusers 0.42 (they read the
+    argument ``hidden_states`` / ``encoder_hidden_states`` by that name, not the registered ``gen_seq`` /
+    ``und_seq``), so those two run against the published algorithms written above."""
+    import torch
+
+    from tests.test_cosmos3_pipeline import F, FPS, H, W, _noise
+    from vidax.core.stepcache import StepCache
+    from vidax.models.cosmos3.pipeline import Cosmos3Omni
+
+    ref, folder = cosmos3_ref
+    tr, steps, g = ref.transformer, 8, 4.0
+    prompt, neg, lat = "a red panda paddles a canoe.", "blurry", _noise(1)
+
+    def call():
+        with torch.no_grad():
+            return to_numpy(ref(prompt=prompt, negative_prompt=neg, num_frames=F, height=H, width=W, fps=FPS,
+                                num_inference_steps=steps, guidance_scale=g, latents=torch.from_numpy(lat),
+                                output_type="latent").video)
+
+    from tests.refutil import to_numpy
+
+    if method == "taylorseer":
+        out, computed = _hooked(tr, tr.layers[0], tr.layers[-1].mlp_moe_gen,
+                                _diffusers_config(method, p, steps, ["layers"]), call)
+    else:
+        # diffusers' hook fails at the first call (fbcache) or the first skip (magcache)
+        with pytest.raises((ValueError, KeyError), match="hidden_states"):
+            _hooked(tr, tr.layers[0], tr.layers[-1].mlp_moe_gen, _diffusers_config(method, p, steps, ["layers"]), call)
+        nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+        where = dict(blocks="layers", hidden=("gen_seq", 1))
+        hooks, computed = (_fbcache_reference(tr, p, **where) if method == "fbcache" else
+                           _magcache_reference(tr, *p, nearest, steps, **where))
+        try:
+            out = call()
+        finally:
+            for hk in hooks:
+                hk.remove()
+    vx = Cosmos3Omni(folder)
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    cond, uncond = vx.tokenize([prompt], neg, num_frames=F, height=H, width=W, fps=FPS)
+    z = vx.sample_latents(cond, uncond, latents=lat, height=H, width=W, num_frames=F, steps=steps, guidance=g, fps=FPS)
+    return z, out, computed, vx.step_cache
 
 
 # per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
@@ -1114,7 +1178,8 @@ _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1,
 _MORE_CASES = [("ltx-video", "magcache", (0.1, 2, 0.2)), ("ltx-video", "taylorseer", (3, 2, 2)),
                ("cosmos2.5", "fbcache", 0.3), ("cosmos2.5", "magcache", (0.1, 2, 0.25)),
                ("cosmos2.5", "taylorseer", (2, 2, 1)), ("ltx2", "fbcache", 0.1), ("ltx2", "magcache", (0.1, 2, 0.25)),
-               ("ltx2", "taylorseer", (2, 2, 1))]
+               ("ltx2", "taylorseer", (2, 2, 1)), ("cosmos3", "fbcache", 0.2), ("cosmos3", "magcache", (0.1, 2, 0.25)),
+               ("cosmos3", "taylorseer", (2, 2, 1))]
 
 
 @pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families")
@@ -1128,7 +1193,8 @@ def test_step_caches_match_diffusers_hooks_on_more_families(request, family, met
     latents within 1e-4."""
     case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
             "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref"), "ltx-video": (_ltx_case, "ltx_ref"),
-            "cosmos2.5": (_cosmos25_case, "cosmos25_ref"), "ltx2": (_ltx2_case, "ltx2_ref")}[family]
+            "cosmos2.5": (_cosmos25_case, "cosmos25_ref"), "ltx2": (_ltx2_case, "ltx2_ref"),
+            "cosmos3": (_cosmos3_case, "cosmos3_ref")}[family]
     ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
     got = [bool(b) for d in cache.decisions for b in d]
     assert got == ref_computed, (got, ref_computed, [c.tolist() for c in cache.changes])
