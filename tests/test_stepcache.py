@@ -3,6 +3,7 @@ diffusers' FirstBlockCache / MagCache hooks, staged (keys, checkpoints, SIGKILL 
 import signal
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from stages.request import Request, RequestError, validate
 from stages.store import RunStore, read_array
 from tests import sweep
 from tests.test_wan_pipeline import ref_pipeline  # noqa: F401 - the fixture wan_ref reuses
-from tests import test_ltx_pipeline
+from tests import test_ltx2_pipeline, test_ltx_pipeline
 from tests.children import ENV
 
 REQ = dict(model="wan2.1-t2v-1.3b", preset="tiny", prompt="a lighthouse in a storm", height=32, width=48,
@@ -763,19 +764,29 @@ def hunyuan15_ref(tmp_path_factory):
     return m, perturb(AutoencoderKLHunyuanVideo15(**VAE), seed=2), hdit.load_dit(f)
 
 
-def _fbcache_reference(tr, threshold):
+def _block_input(args, kwargs, name="hidden_states", pos=0):
+    """A block's input stream ``name`` (given by position ``pos`` or by keyword, as LTX-2 calls its blocks)."""
+    return args[pos] if len(args) > pos else kwargs[name]
+
+
+def _fbcache_reference(tr, threshold, branches=2, blocks="transformer_blocks", hidden=("hidden_states", 0)):
     """First Block Cache as published (ParaAttention, Cheng 2025), over the transformer's blocks with torch
-    hooks, per CFG branch (calls alternate cond, uncond): the first block's residual of the hidden
-    states against the one of the branch's last computed call, ``mean|r - r_prev| / mean|r_prev|``; at or
-    below the threshold the last block's outputs are the first block's plus the residuals (hidden and
-    text streams) the remaining blocks added at the branch's last computed call. Returns the hooks
-    and the per-call decisions."""
+    hooks, per CFG branch (calls alternate cond, uncond; ``branches=1``: one batched call per step, one
+    decision): the first block's residual of the hidden states against the one of the branch's last
+    computed call, ``mean|r - r_prev| / mean|r_prev|``; at or below the threshold the last block's
+    outputs are the first block's plus the residuals (hidden and text or audio streams) the remaining
+    blocks added at the branch's last computed call. ``hidden``: the hidden stream's argument name and its
+    position among the block's arguments and outputs (Cosmos3's MoT layer: ``gen_seq``, second). Returns the
+    hooks and the per-call decisions."""
+    import torch
+
     st = {"call": 0, "prev": {}, "res": {}, "head": None, "compute": True}
     computed = []
+    one = lambda out: isinstance(out, torch.Tensor)  # noqa: E731 - a block of one stream (Cosmos) returns a tensor
 
-    def on_first(m, args, out):
-        j = st["call"] % 2
-        r = out[0] - args[0]
+    def on_first(m, args, kwargs, out):
+        j = st["call"] % branches
+        r = (out if one(out) else out[hidden[1]]) - _block_input(args, kwargs, *hidden)
         prev = st["prev"].get(j)
         st["compute"] = prev is None or float((r - prev).abs().mean() / prev.abs().mean()) > threshold
         if st["compute"]:
@@ -784,30 +795,43 @@ def _fbcache_reference(tr, threshold):
         computed.append(st["compute"])
 
     def on_last(m, args, out):
-        j, h = st["call"] % 2, st["head"]
+        j, h = st["call"] % branches, st["head"]
         st["call"] += 1
+        if one(out):
+            if st["compute"]:
+                st["res"][j] = out - h
+                return out
+            return h + st["res"][j]
         if st["compute"]:
             st["res"][j] = (out[0] - h[0], out[1] - h[1])
             return out
         return h[0] + st["res"][j][0], h[1] + st["res"][j][1]
 
-    blocks = tr.transformer_blocks
-    return [blocks[0].register_forward_hook(on_first), blocks[-1].register_forward_hook(on_last)], computed
+    blocks = getattr(tr, blocks)
+    return [blocks[0].register_forward_hook(on_first, with_kwargs=True),
+            blocks[-1].register_forward_hook(on_last)], computed
 
 
-def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps):
-    """MagCache as published (Ma et al. 2025, the authors' HunyuanVideo script), per CFG branch: from the
-    step's magnitude ratio the accumulated ratio, error and skip count; while the error stays within the
-    threshold and the count within ``max_skips`` (after the first ``retention * steps`` steps) the block
-    stack's hidden output is its input plus the branch's last residual; the counters restart at the
-    last step."""
-    st = {"call": 0, "compute": True, "x": None}
-    br = {j: dict(cnt=0, ratio=1.0, err=0.0, k=0, res=None) for j in (0, 1)}
+def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps, branches=2, second=None,
+                        blocks="transformer_blocks", hidden=("hidden_states", 0)):
+    """MagCache as published (Ma et al. 2025, the authors' HunyuanVideo script), per CFG branch (``branches=1``:
+    one batched call per step): from the step's magnitude ratio the accumulated ratio, error and skip
+    count; while the error stays within the threshold and the count within ``max_skips`` (after the
+    first ``retention * steps`` steps) the block stack's hidden output is its input plus the branch's
+    last residual (and, where the blocks carry a ``second`` stream the head reads, LTX-2's audio, that
+    stream's too: its argument name and position); the counters restart at the last step. ``hidden``: as
+    :func:`_fbcache_reference`'s."""
+    import torch
+
+    st = {"call": 0, "compute": True, "x": None, "x2": None}
+    br = {j: dict(cnt=0, ratio=1.0, err=0.0, k=0, res=None, res2=None) for j in range(branches)}
     computed = []
 
-    def on_first(m, args):
-        b = br[st["call"] % 2]
-        st["x"], st["compute"] = args[0], True
+    def on_first(m, args, kwargs):
+        b = br[st["call"] % branches]
+        st["x"], st["compute"] = _block_input(args, kwargs, *hidden), True
+        if second:
+            st["x2"] = _block_input(args, kwargs, *second)
         if b["cnt"] >= int(retention * steps):
             b["ratio"] *= ratios[b["cnt"]]
             b["err"] += abs(1 - b["ratio"])
@@ -819,18 +843,28 @@ def _magcache_reference(tr, threshold, max_skips, retention, ratios, steps):
         computed.append(st["compute"])
 
     def on_last(m, args, out):
-        b = br[st["call"] % 2]
+        b = br[st["call"] % branches]
         st["call"] += 1
         b["cnt"] += 1
         if b["cnt"] >= steps:
             b.update(cnt=0, ratio=1.0, err=0.0, k=0)
+        one = isinstance(out, torch.Tensor)  # a block of one stream (Cosmos) returns a tensor
         if st["compute"]:
-            b["res"] = out[0] - st["x"]
+            b["res"] = (out if one else out[hidden[1]]) - st["x"]
+            if second:
+                b["res2"] = out[second[1]] - st["x2"]
             return out
-        return st["x"] + b["res"], out[1]
+        if one:
+            return st["x"] + b["res"]
+        new = list(out)  # the other stream as the blocks computed it, unless it is carried
+        new[hidden[1]] = st["x"] + b["res"]
+        if second:
+            new[second[1]] = st["x2"] + b["res2"]
+        return tuple(new)
 
-    blocks = tr.transformer_blocks
-    return [blocks[0].register_forward_pre_hook(on_first), blocks[-1].register_forward_hook(on_last)], computed
+    blocks = getattr(tr, blocks)
+    return [blocks[0].register_forward_pre_hook(on_first, with_kwargs=True),
+            blocks[-1].register_forward_hook(on_last)], computed
 
 
 def _hunyuan15_case(hunyuan15_ref, method, p):
@@ -888,6 +922,247 @@ def _hunyuan15_case(hunyuan15_ref, method, p):
     return z, ref, computed, vx.step_cache
 
 
+def _ltx_case(ltx_ref, method, p):
+    """LTX-Video: one [uncond; cond] call per step (diffusers' "cond_uncond" context): one decision."""
+    import torch
+    from diffusers import LTXPipeline
+
+    from tests.refutil import to_numpy
+    from tests.test_ltx_pipeline import _embeds
+    from vidax.core.stepcache import StepCache
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltxv import LTXVideo
+
+    root, dit, vae, sched = ltx_ref
+    h, w, frames, steps = 64, 96, 17, 8
+    cond, cm = _embeds(1, 0)
+    unc, um = _embeds(1, 1)
+    pipe = LTXVideo(str(root))
+    grid = pipe.latent_grid(h, w, frames)
+    x0 = np.random.default_rng(3).standard_normal((1, *grid, 8)).astype(np.float32)
+    pipe.step_cache = StepCache(_vidax_settings(method, p), steps)
+    ours = pipe.sample_latents(cond, cm, unc, um, seed=0, height=h, width=w, num_frames=frames, steps=steps,
+                               guidance=3.0, fps=24.0, guidance_rescale=0.0, latents=x0)
+    ref = LTXPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=dit)
+
+    def call():
+        with torch.no_grad():
+            return ref(prompt_embeds=torch.from_numpy(cond), prompt_attention_mask=torch.from_numpy(cm),
+                       negative_prompt_embeds=torch.from_numpy(unc), negative_prompt_attention_mask=torch.from_numpy(um),
+                       latents=torch.from_numpy(np.asarray(pack(x0))), height=h, width=w, num_frames=frames,
+                       num_inference_steps=steps, guidance_scale=3.0, guidance_rescale=0.0, frame_rate=24,
+                       output_type="latent", return_dict=False)[0]
+
+    out, computed = _hooked(dit, dit.transformer_blocks[0], dit.transformer_blocks[-1].ff,
+                            _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    return ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), computed, pipe.step_cache
+
+
+@pytest.fixture(scope="module")
+def cosmos25_ref(tmp_path_factory):
+    """test_cosmos_pipeline's tiny Cosmos2_5_PredictBasePipeline (two blocks), saved as a folder vidax loads;
+    its transformer given diffusers' ``CacheMixin`` (``enable_cache``), which ``CosmosTransformer3DModel``
+    does not take: diffusers' own hook code then runs on it."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    from tests.cosmos_fixtures import predict25_folder
+
+    folder = tmp_path_factory.mktemp("predict25_cache")
+    ref = predict25_folder(folder)
+    tr = ref.transformer
+    assert not hasattr(tr, "enable_cache")
+    tr.__class__ = type("CachedCosmosTransformer3DModel", (type(tr), CacheMixin), {})
+    return ref, folder
+
+
+def _cosmos25_case(cosmos25_ref, method, p):
+    """Cosmos-Predict2.5 (a cond then an uncond call per step): diffusers' TaylorSeerCacheConfig, the
+    calls given the "cond" / "uncond" cache contexts the other pipelines give theirs (this pipeline sets
+    none, and diffusers' stateful hooks refuse a call without one); its FirstBlockCache / MagCache hooks
+    refuse the transformer (``CosmosTransformerBlock`` is not in ``TransformerBlockRegistry``), so those
+    two run against the published algorithms written above."""
+    import torch
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    from tests.test_cosmos_pipeline import F, H, W, _noise
+    from vidax.core.stepcache import StepCache
+    from vidax.models.cosmos import text as ctext
+    from vidax.models.cosmos.pipeline import CosmosPredict
+
+    ref, folder = cosmos25_ref
+    tr, steps, g = ref.transformer, 8, 3.0
+    prompt, lat = ["a red panda paddles a canoe"], _noise(1, seed=2)
+
+    def call():
+        with torch.no_grad():
+            return ref(prompt=prompt, negative_prompt=None, height=H, width=W, num_frames=F, num_inference_steps=steps,
+                       guidance_scale=g, latents=torch.from_numpy(lat), output_type="latent").frames.numpy()
+
+    n = [0]
+
+    def context(m, args, kwargs):
+        _set_cache_context(m, CacheContext(("cond", "uncond")[n[0] % 2]))
+        n[0] += 1
+
+    hc = tr.register_forward_pre_hook(context, with_kwargs=True)
+    try:
+        if method == "taylorseer":
+            out, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                                    _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+        else:
+            with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
+                tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
+            tr.disable_cache()
+            nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+            hooks, computed = (_fbcache_reference(tr, p) if method == "fbcache" else
+                               _magcache_reference(tr, *p, nearest, steps))
+            try:
+                out = call()
+            finally:
+                for h in hooks:
+                    h.remove()
+    finally:
+        hc.remove()
+    vx = CosmosPredict(folder)
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    cond, uncond = vx.encode_prompts(prompt), vx.encode_prompts([ctext.DEFAULT_NEGATIVE_PROMPT])
+    z = vx.sample_latents(cond, uncond, latents=lat, height=H, width=W, num_frames=F, steps=steps, guidance=g)
+    return z, out, computed, vx.step_cache
+
+
+@pytest.fixture(scope="module")
+def ltx2_ref(tmp_path_factory):
+    """diffusers' tiny LTX-2 folder and modules (test_ltx2_pipeline's fixture)."""
+    return test_ltx2_pipeline.folder.__wrapped__(tmp_path_factory)
+
+
+def _ltx2_case(ltx2_ref, method, p):
+    """LTX-2 under CFG alone (no STG, no modality isolation: diffusers then makes one "cond_uncond" call
+    per step, as vidax's one batch of passes): one decision per step, video and audio latents compared.
+    Its FirstBlockCache / MagCache hooks refuse the transformer (``LTX2VideoTransformerBlock`` is not in
+    ``TransformerBlockRegistry``), so those two run against the published algorithms written above (the
+    audio stream's residual cached with the video's)."""
+    import jax.numpy as jnp
+    import torch
+    from diffusers import LTX2Pipeline
+
+    from tests.refutil import to_numpy
+    from tests.test_ltx2_pipeline import GUIDE, _hidden
+    from vidax.core.stepcache import StepCache
+    from vidax.models.ltx.common import pack
+    from vidax.models.ltx.ltx2 import LTX2
+
+    root, parts = ltx2_ref
+    h_, w_, frames, steps, fps = 64, 96, 9, 8, 12.0
+    pipe = LTX2(str(root))
+    ch, cm = _hidden(1, 0)
+    uh, um = _hidden(1, 1)
+    conn = pipe.load_connectors()
+    enc = lambda h, m: {k: np.asarray(v) for k, v in zip(("v", "a", "mask"), conn(jnp.asarray(h), jnp.asarray(m)))}  # noqa: E731
+    grid, la = pipe.latent_grid(h_, w_, frames), pipe.audio_frames(frames, fps)
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal((1, *grid, 8)).astype(np.float32)
+    a0 = rng.standard_normal((1, la, 16)).astype(np.float32)
+    guide = {**GUIDE, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
+    opts = {k: guide[k] for k in ("audio_guidance_scale", "stg_scale", "audio_stg_scale", "modality_scale",
+                                  "audio_modality_scale", "guidance_rescale", "audio_guidance_rescale")}
+    opts["audio_guidance"] = opts.pop("audio_guidance_scale")
+    pipe.step_cache = StepCache(_vidax_settings(method, p), steps)
+    v, a = pipe.sample_latents(enc(ch, cm), enc(uh, um), seed=0, height=h_, width=w_, num_frames=frames, steps=steps,
+                               guidance=guide["guidance_scale"], fps=fps, options={**opts, "use_cross_timestep": True},
+                               latents=x0, audio_latents=a0)
+    tr, av, vae = parts["transformer"], parts["audio_vae"], parts["vae"]
+    ref = LTX2Pipeline(scheduler=parts["scheduler"], vae=vae, audio_vae=av, text_encoder=None, tokenizer=None,
+                       connectors=parts["connectors"], transformer=tr, vocoder=parts["vocoder"])
+    t = torch.from_numpy
+
+    def call():
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            return ref(prompt_embeds=t(ch), prompt_attention_mask=t(cm), negative_prompt_embeds=t(uh),
+                       negative_prompt_attention_mask=t(um), latents=t(np.ascontiguousarray(np.asarray(pack(x0)))),
+                       audio_latents=t(a0 * av.latents_std.numpy() + av.latents_mean.numpy()), height=h_, width=w_,
+                       num_frames=frames, frame_rate=fps, num_inference_steps=steps, output_type="latent",
+                       return_dict=False, **guide)
+
+    if method == "taylorseer":
+        (rv, ra), computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                                     _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    else:
+        with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
+            tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
+        tr.disable_cache()
+        nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+        hooks, computed = (_fbcache_reference(tr, p, branches=1) if method == "fbcache" else
+                           _magcache_reference(tr, *p, nearest, steps, branches=1, second=("audio_hidden_states", 1)))
+        try:
+            rv, ra = call()
+        finally:
+            for hk in hooks:
+                hk.remove()
+    mean, std = vae.latents_mean.numpy().reshape(1, -1, 1, 1, 1), vae.latents_std.numpy().reshape(1, -1, 1, 1, 1)
+    ours_v = v * std / vae.config.scaling_factor + mean
+    ours_a = (a * av.latents_std.numpy() + av.latents_mean.numpy()).reshape(1, la, 4, 4).transpose(0, 2, 1, 3)
+    ours = np.concatenate([ours_v.ravel(), ours_a.ravel()])
+    return ours, np.concatenate([to_numpy(rv).ravel(), to_numpy(ra).ravel()]), computed, pipe.step_cache
+
+
+@pytest.fixture(scope="module")
+def cosmos3_ref(tmp_path_factory):
+    """test_cosmos3_pipeline's tiny Cosmos3OmniPipeline (two MoT layers), saved as a folder vidax loads."""
+    from tests.cosmos_fixtures import cosmos3_folder
+
+    folder = tmp_path_factory.mktemp("cosmos3_cache")
+    return cosmos3_folder(folder), folder
+
+
+def _cosmos3_case(cosmos3_ref, method, p):
+    """Cosmos3 (a "cond" then an "uncond" call per step): diffusers registers its MoT decoder layer (the
+    generation stream ``gen_seq``, second, the hidden states) and its TaylorSeerCacheConfig runs on its
+    ``layers``; its FirstBlockCache and MagCache hooks fail on that layer in diffusers 0.42 (they read the
+    argument ``hidden_states`` / ``encoder_hidden_states`` by that name, not the registered ``gen_seq`` /
+    ``und_seq``), so those two run against the published algorithms written above."""
+    import torch
+
+    from tests.test_cosmos3_pipeline import F, FPS, H, W, _noise
+    from vidax.core.stepcache import StepCache
+    from vidax.models.cosmos3.pipeline import Cosmos3Omni
+
+    ref, folder = cosmos3_ref
+    tr, steps, g = ref.transformer, 8, 4.0
+    prompt, neg, lat = "a red panda paddles a canoe.", "blurry", _noise(1)
+
+    def call():
+        with torch.no_grad():
+            return to_numpy(ref(prompt=prompt, negative_prompt=neg, num_frames=F, height=H, width=W, fps=FPS,
+                                num_inference_steps=steps, guidance_scale=g, latents=torch.from_numpy(lat),
+                                output_type="latent").video)
+
+    from tests.refutil import to_numpy
+
+    if method == "taylorseer":
+        out, computed = _hooked(tr, tr.layers[0], tr.layers[-1].mlp_moe_gen,
+                                _diffusers_config(method, p, steps, ["layers"]), call)
+    else:
+        # diffusers' hook fails at the first call (fbcache) or the first skip (magcache)
+        with pytest.raises((ValueError, KeyError), match="hidden_states"):
+            _hooked(tr, tr.layers[0], tr.layers[-1].mlp_moe_gen, _diffusers_config(method, p, steps, ["layers"]), call)
+        nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+        where = dict(blocks="layers", hidden=("gen_seq", 1))
+        hooks, computed = (_fbcache_reference(tr, p, **where) if method == "fbcache" else
+                           _magcache_reference(tr, *p, nearest, steps, **where))
+        try:
+            out = call()
+        finally:
+            for hk in hooks:
+                hk.remove()
+    vx = Cosmos3Omni(folder)
+    vx.step_cache = StepCache(_vidax_settings(method, p), steps)
+    cond, uncond = vx.tokenize([prompt], neg, num_frames=F, height=H, width=W, fps=FPS)
+    z = vx.sample_latents(cond, uncond, latents=lat, height=H, width=W, num_frames=F, steps=steps, guidance=g, fps=FPS)
+    return z, out, computed, vx.step_cache
+
+
 # per family, the method's parameters: fbcache threshold, magcache (threshold, max skips, retention),
 # taylorseer (interval, warmup, order), teacache threshold; one of the ten in make test (each 4-26 s at its XLA level, most
 # of it the cached units' compiles), all in make test-all
@@ -899,7 +1174,16 @@ _FAMILY_CASES = [("cogvideox", "fbcache", 0.35), ("cogvideox", "magcache", (0.1,
                  ("hunyuanvideo1.5", "taylorseer", (2, 2, 1))]
 
 
-@pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families"),
+# the families added after (LTX-Video's magcache / taylorseer, ...): one of them in make test, all in make test-all
+_MORE_CASES = [("ltx-video", "magcache", (0.1, 2, 0.2)), ("ltx-video", "taylorseer", (3, 2, 2)),
+               ("cosmos2.5", "fbcache", 0.3), ("cosmos2.5", "magcache", (0.1, 2, 0.25)),
+               ("cosmos2.5", "taylorseer", (2, 2, 1)), ("ltx2", "fbcache", 0.1), ("ltx2", "magcache", (0.1, 2, 0.25)),
+               ("ltx2", "taylorseer", (2, 2, 1)), ("cosmos3", "fbcache", 0.2), ("cosmos3", "magcache", (0.1, 2, 0.25)),
+               ("cosmos3", "taylorseer", (2, 2, 1))]
+
+
+@pytest.mark.parametrize("family,method,p", sweep.sample(_FAMILY_CASES, 1, "stepcache-families")
+                         + sweep.sample(_MORE_CASES, 1, "stepcache-more-families"),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_step_caches_match_diffusers_hooks_on_more_families(request, family, method, p):
     """CogVideoX, HunyuanVideo, HunyuanVideo 1.5: vidax's fbcache / magcache / taylorseer against diffusers'
@@ -908,9 +1192,11 @@ def test_step_caches_match_diffusers_hooks_on_more_families(request, family, met
     against the published algorithm written above): the same computed / skipped calls, the final
     latents within 1e-4."""
     case = {"cogvideox": (_cog_case, "cog_ref"), "hunyuanvideo": (_hunyuan_case, "hunyuan_ref"),
-            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref")}[family]
+            "hunyuanvideo1.5": (_hunyuan15_case, "hunyuan15_ref"), "ltx-video": (_ltx_case, "ltx_ref"),
+            "cosmos2.5": (_cosmos25_case, "cosmos25_ref"), "ltx2": (_ltx2_case, "ltx2_ref"),
+            "cosmos3": (_cosmos3_case, "cosmos3_ref")}[family]
     ours, ref, ref_computed, cache = case[0](request.getfixturevalue(case[1]), method, p)
     got = [bool(b) for d in cache.decisions for b in d]
     assert got == ref_computed, (got, ref_computed, [c.tolist() for c in cache.changes])
-    assert 1 < sum(got) < len(got), got  # the settings take decisions both ways
+    assert 1 < sum(got) < len(got), (got, [c.tolist() for c in cache.changes])  # the settings take decisions both ways
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
