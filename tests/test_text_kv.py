@@ -14,6 +14,10 @@ from vidax.core import sampling
 
 from tests import sweep
 
+#: the contract: within 1e-6 of the per-step computation (bitwise at XLA's defaults, make test-all).
+#: make test's programs (XLA:CPU fusion emitters off, tests/sweep.py) round the two paths' different
+#: programs differently (LTX-2 measured 4.3e-6 on values of 4): there, the suite's parity bound.
+EMITTERS_OFF = sweep.EMITTERS in ("0", "false")
 TOL = 1e-6
 
 
@@ -55,7 +59,9 @@ def count_kv(monkeypatch):
 
 def _equal(a, b):
     for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOL)
+        y = np.asarray(y)
+        tol = 1e-4 * max(1.0, float(np.abs(y).max())) if EMITTERS_OFF else TOL
+        np.testing.assert_allclose(np.asarray(x), y, rtol=0, atol=tol)
 
 
 # ----------------------------------------------------------------------------------- the families
