@@ -778,6 +778,26 @@ def _block_input(args, kwargs, name="hidden_states", pos=0):
     return args[pos] if len(args) > pos else kwargs[name]
 
 
+def _diffusers_or_published(tr, method, p, steps, call):
+    """``call()``'s output and computed decisions with ``method`` on a transformer whose blocks are
+    ``tr.transformer_blocks``: taylorseer through diffusers' hook; fbcache / magcache, which
+    diffusers' registry refuses for these blocks (asserted: why), through the published algorithms
+    (the MagCache ratios resampled to the steps by nearest neighbour, as the authors' scripts do)."""
+    if method == "taylorseer":
+        return _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
+                       _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
+    with pytest.raises(ValueError, match="not registered"):
+        tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
+    tr.disable_cache()
+    nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
+    hooks, computed = _fbcache_reference(tr, p) if method == "fbcache" else _magcache_reference(tr, *p, nearest, steps)
+    try:
+        return call(), computed
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _fbcache_reference(tr, threshold, branches=2, blocks="transformer_blocks", hidden=("hidden_states", 0)):
     """First Block Cache as published (ParaAttention, Cheng 2025), over the transformer's blocks with torch
     hooks, per CFG branch (calls alternate cond, uncond; ``branches=1``: one batched call per step, one
@@ -908,22 +928,7 @@ def _hunyuan15_case(hunyuan15_ref, method, p):
                         negative_prompt_embeds_mask_2=t(uncond["mask_2"]), height=16, width=16, num_frames=9,
                         num_inference_steps=steps, latents=t(noise), output_type="latent").frames.numpy()
 
-    if method == "taylorseer":
-        ref, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
-                                _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
-    else:
-        with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
-            tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
-        tr.disable_cache()
-        # the ratios resampled to the steps by nearest neighbour, as the authors' scripts do
-        nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
-        hooks, computed = (_fbcache_reference(tr, p) if method == "fbcache" else
-                           _magcache_reference(tr, *p, nearest, steps))
-        try:
-            ref = call()
-        finally:
-            for h in hooks:
-                h.remove()
+    ref, computed = _diffusers_or_published(tr, method, p, steps, call)
     vx = hpipe.HunyuanVideo15T2V("tiny")
     vx.step_cache = StepCache(_vidax_settings(method, p), steps)
     z = vx.sample_latents(cond, uncond, latents=noise, steps=steps, guidance=g, shift=shift,
@@ -1015,21 +1020,7 @@ def _cosmos25_case(cosmos25_ref, method, p):
 
     hc = tr.register_forward_pre_hook(context, with_kwargs=True)
     try:
-        if method == "taylorseer":
-            out, computed = _hooked(tr, tr.transformer_blocks[0], tr.transformer_blocks[-1].ff,
-                                    _diffusers_config(method, p, steps, ["transformer_blocks"]), call)
-        else:
-            with pytest.raises(ValueError, match="not registered"):  # why the published algorithm is the reference
-                tr.enable_cache(_diffusers_config(method, p, steps, ["transformer_blocks"]))
-            tr.disable_cache()
-            nearest = [MAG_RATIOS[round(i * (len(MAG_RATIOS) - 1) / (steps - 1))] for i in range(steps)]
-            hooks, computed = (_fbcache_reference(tr, p) if method == "fbcache" else
-                               _magcache_reference(tr, *p, nearest, steps))
-            try:
-                out = call()
-            finally:
-                for h in hooks:
-                    h.remove()
+        out, computed = _diffusers_or_published(tr, method, p, steps, call)
     finally:
         hc.remove()
     vx = CosmosPredict(folder)
