@@ -292,46 +292,11 @@ _PARITY = sweep.sample([("taylorseer", (3, 2, 1)), ("taylorseer", (2, 1, 2)), ("
 @pytest.mark.parametrize("threshold", [p for m, p in _PARITY if m == "fbcache-ltx"])
 def test_fbcache_matches_diffusers_on_ltx_video(ltx_ref, threshold):
     """Another family: LTX-Video's batched [cond; uncond] call (diffusers' "cond_uncond" context, one
-    decision for the batch) against ``LTXPipeline`` with ``FirstBlockCacheConfig``."""
-    import torch
-    from diffusers import FirstBlockCacheConfig, LTXPipeline
-
-    from tests.refutil import to_numpy
-    from tests.test_ltx_pipeline import _embeds
-    from vidax.core.stepcache import CacheSettings, StepCache
-    from vidax.models.ltx.common import pack
-    from vidax.models.ltx.ltxv import LTXVideo
-
-    root, dit, vae, sched = ltx_ref
-    h, w, frames, steps = 64, 96, 17, 8
-    cond, cm = _embeds(1, 0)
-    unc, um = _embeds(1, 1)
-    pipe = LTXVideo(str(root))
-    grid = pipe.latent_grid(h, w, frames)
-    x0 = np.random.default_rng(3).standard_normal((1, *grid, 8)).astype(np.float32)
-    pipe.step_cache = StepCache(CacheSettings("fbcache", threshold), steps)
-    ours = pipe.sample_latents(cond, cm, unc, um, seed=0, height=h, width=w, num_frames=frames, steps=steps,
-                               guidance=3.0, fps=24.0, guidance_rescale=0.0, latents=x0)
-    ref = LTXPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=dit)
-    calls, tail = [], []
-    h0 = dit.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k=None: calls.append(len(tail)))
-    h1 = dit.transformer_blocks[-1].ff.register_forward_pre_hook(lambda m, a: tail.append(1))
-    dit.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-    try:
-        with torch.no_grad():
-            out = ref(prompt_embeds=torch.from_numpy(cond), prompt_attention_mask=torch.from_numpy(cm),
-                      negative_prompt_embeds=torch.from_numpy(unc), negative_prompt_attention_mask=torch.from_numpy(um),
-                      latents=torch.from_numpy(np.asarray(pack(x0))), height=h, width=w, num_frames=frames,
-                      num_inference_steps=steps, guidance_scale=3.0, guidance_rescale=0.0, frame_rate=24,
-                      output_type="latent", return_dict=False)[0]
-    finally:
-        dit.disable_cache()
-        h0.remove()
-        h1.remove()
-    ref_computed = [calls[i + 1] > calls[i] if i + 1 < len(calls) else len(tail) > calls[i] for i in range(len(calls))]
-    assert [bool(d[0]) for d in pipe.step_cache.decisions] == ref_computed
-    assert 1 < sum(ref_computed) < steps, ref_computed  # the threshold takes decisions both ways
-    np.testing.assert_allclose(ours, to_numpy(out).reshape(1, *grid, 8).transpose(0, 4, 1, 2, 3), atol=1e-4, rtol=0)
+    decision for the batch) against ``LTXPipeline`` with ``FirstBlockCacheConfig`` (``_ltx_case``)."""
+    ours, ref, ref_computed, cache = _ltx_case(ltx_ref, "fbcache", threshold)
+    assert [bool(d[0]) for d in cache.decisions] == ref_computed
+    assert 1 < sum(ref_computed) < len(ref_computed), ref_computed  # the threshold takes decisions both ways
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
 MAG_RATIOS = [1.0, 1.02, 0.99, 0.985, 0.98, 0.97, 0.99, 0.95, 0.9, 0.85, 0.8]  # 11: resampled to the steps
