@@ -31,12 +31,13 @@ XLA_OPT = os.environ.get("VIDAX_TEST_XLA_OPT", "").strip() or ("" if ALL else "0
 #: backend compile time of a tiled VAE decode test. ``make test-all`` keeps XLA's default, as users'
 #: programs are built; ``VIDAX_TEST_XLA_EMITTERS=1`` keeps it in ``make test``.
 EMITTERS = os.environ.get("VIDAX_TEST_XLA_EMITTERS", "").strip() or ("1" if ALL else "0")
+EMITTERS_OFF = EMITTERS in ("0", "false")
 
 
 def xla_flags(devices: int) -> str:
     """``XLA_FLAGS`` for a test process with ``devices`` fake CPU devices, at the tier's level."""
     opt = f" --xla_backend_optimization_level={XLA_OPT}" if XLA_OPT else ""
-    if EMITTERS in ("0", "false"):
+    if EMITTERS_OFF:
         opt += " --xla_cpu_use_fusion_emitters=false"
     return f"--xla_force_host_platform_device_count={devices}{opt}"
 
@@ -69,6 +70,6 @@ def describe() -> str:
 
 
 def _level() -> str:
-    emit = "off" if EMITTERS in ("0", "false") else "on"
+    emit = "off" if EMITTERS_OFF else "on"
     return (f"XLA:CPU optimisation level {XLA_OPT or 'default'} (VIDAX_TEST_XLA_OPT), fusion emitters {emit} "
             "(VIDAX_TEST_XLA_EMITTERS)")

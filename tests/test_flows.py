@@ -3,16 +3,15 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import sweep
+from tests.prefect_env import REPO
 
 
 POOL = "vidax-test-pool"
-REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = ["generate", "generate-batch", "rerun-stage", "encode", "sample", "decode", "mux",
                "batch-encode", "batch-sample", "batch-decode", "batch-mux"]
 SMALL = {"prompt": "a windmill at dusk", "height": 32, "width": 32, "num_frames": 9, "steps": 2, "seed": 11}

@@ -115,7 +115,7 @@ def test_threshold_zero_is_bitwise_uncached_and_a_huge_one_skips(tmp_path, capsy
     plain, _, _ = _gen(url, "plain")
     zero, _, _ = _gen(url, "zero", cache="fbcache", cache_threshold=0.0)
     huge, _, logs = _gen(url, "huge", cache="fbcache", cache_threshold=1e9)
-    if sweep.EMITTERS in ("0", "false"):
+    if sweep.EMITTERS_OFF:
         # make test's programs (XLA:CPU fusion emitters off, tests/sweep.py) round the split units
         # and the whole step differently; at XLA's defaults, as users' programs are built
         # (make test-all), threshold 0 is bitwise the uncached run
@@ -528,7 +528,7 @@ def test_fbcache_on_every_family_tiny_preset(tmp_path, model):
     branches = ev0["computed"] // 4
     assert none is None and ev0 == {"computed": 4 * branches, "skipped": 0} and branches in (1, 2)
     assert ev1 == {"computed": branches, "skipped": 3 * branches}
-    if model.startswith(("cosmos", "ltx2")) or sweep.EMITTERS in ("0", "false"):
+    if model.startswith(("cosmos", "ltx2")) or sweep.EMITTERS_OFF:
         # other programs (LTX-2: every guidance pass in one batch; make test's fusion emitters off:
         # split units and whole step round differently): the suite's parity bound (Cosmos3
         # measured 1.93e-5 at XLA's default level)

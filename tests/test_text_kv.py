@@ -17,7 +17,6 @@ from tests import sweep
 #: the contract: within 1e-6 of the per-step computation (bitwise at XLA's defaults, make test-all).
 #: make test's programs (XLA:CPU fusion emitters off, tests/sweep.py) round the two paths' different
 #: programs differently (LTX-2 measured 4.3e-6 on values of 4): there, the suite's parity bound.
-EMITTERS_OFF = sweep.EMITTERS in ("0", "false")
 TOL = 1e-6
 
 
@@ -60,7 +59,7 @@ def count_kv(monkeypatch):
 def _equal(a, b):
     for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
         y = np.asarray(y)
-        tol = 1e-4 * max(1.0, float(np.abs(y).max())) if EMITTERS_OFF else TOL
+        tol = 1e-4 * max(1.0, float(np.abs(y).max())) if sweep.EMITTERS_OFF else TOL
         np.testing.assert_allclose(np.asarray(x), y, rtol=0, atol=tol)
 
 
