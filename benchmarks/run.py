@@ -101,6 +101,9 @@ def main(argv=None) -> list[dict]:
 
     roof = matmul_roof()
     rows = []
+    env = environment()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for case in cases(not a.no_families):
         name = f"{case.__module__.rsplit('.', 1)[-1]}.{case.__name__}"  # e.g. hunyuanvideo15.vae_decode_real_width
         if a.only and not any(s in name for s in a.only.split(",")):
@@ -108,11 +111,10 @@ def main(argv=None) -> list[dict]:
         row = run_case(case, roof, a.pairs, a.budget)
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
-    env = environment()
+        # after every row: a process that dies later (a long run, a native crash) keeps what it measured
+        out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2, default=str))
     print(f"\n{env['date']}: {env['machine']}, {env['backend']}, JAX {env['jax']}, torch {env['torch']}\n")
     print(table(rows))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=2, default=str))
     return rows
 
 

@@ -3,6 +3,7 @@ small but realistic width. Every case returns ``dict(component, config, vidax, r
 callables block until done (``jax.block_until_ready`` / ``torch.no_grad``)."""
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -107,14 +108,23 @@ def bench_ltx2_dit():
                        f"video {f}x{h}x{w}, audio {la}, text {lt}", vidax=run_vidax, reference=run_ref)
 
 
-def _vae_case(cls_name, kw, label, z_shape, temb=None):
+def _vae_case(cls_name, kw, label, z_shape, temb=None, release=None):
+    """A decode case: ``kw`` the diffusers config, or ``release`` (a shipped recipe, e.g.
+    ``ltx2-t2v``) for its VAE at the released widths (its ``vae/config.json``)."""
     def case():
         import diffusers
         import jax
 
         torch, perturb = _torch()
         torch.manual_seed(0)
-        ref = perturb(getattr(diffusers, cls_name)(**kw))
+        cls = getattr(diffusers, cls_name)
+        if release:
+            from importlib.resources import files
+
+            cfg = json.loads((files("vidax.models") / "ltx" / "configs" / release / "vae" / "config.json").read_text())
+            ref = perturb(cls.from_config(cfg))
+        else:
+            ref = perturb(cls(**kw))
         m = _loaded(ref, cls_name)
         z = np.random.default_rng(0).standard_normal(z_shape).astype(np.float32)
         from vidax.models.ltx import vae as lvae
@@ -131,10 +141,13 @@ def _vae_case(cls_name, kw, label, z_shape, temb=None):
 
         return dict(component=f"{label} decode (vs diffusers {cls_name})",
                     config=f"latents {z_shape[2]}x{z_shape[3]}x{z_shape[4]} -> "
-                           f"{(z_shape[2] - 1) * 8 + 1}x{z_shape[3] * 32}x{z_shape[4] * 32} px, narrow channels",
+                           f"{(z_shape[2] - 1) * 8 + 1}x{z_shape[3] * 32}x{z_shape[4] * 32} px, "
+                           + (f"released widths ({release})" if release else "narrow channels"),
                     vidax=run_vidax, reference=run_ref)
 
     case.__name__ = f"bench_{label.lower().replace(' ', '_').replace('-', '').replace('.', '')}"
+    if release:
+        case.__name__ = f"vae_decode_real_width_{release.replace('-', '_').replace('.', '')}"
     return case
 
 
@@ -211,4 +224,6 @@ def bench_diffusion_decoder():
 CASES = [bench_ltx_dit, bench_ltx2_dit,
          _vae_case("AutoencoderKLLTXVideo", _V091, "LTX-Video 0.9.1 VAE", (1, 32, 3, 4, 6), temb=0.05),
          _vae_case("AutoencoderKLLTX2Video", _V2, "LTX-2 VAE", (1, 32, 3, 4, 6)),
+         _vae_case("AutoencoderKLLTXVideo", None, "LTX-Video 0.9 VAE", (1, 128, 2, 2, 2), release="ltx-video-0.9"),
+         _vae_case("AutoencoderKLLTX2Video", None, "LTX-2 VAE", (1, 128, 2, 2, 2), release="ltx2-t2v"),
          bench_audio, bench_diffusion_decoder]
