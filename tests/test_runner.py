@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dataclasses import replace as dataclasses_replace
+
 from flax import nnx
 
 from vidax.core import nn
@@ -124,3 +126,45 @@ def test_indivisible_tokens_are_padded(toy, chunk):
     assert r.token_count(six) == 6 and r.token_count(inputs) is None  # 8 tokens divide sp=4: no padding
     out = np.asarray(r(six)["y"])
     assert out.shape == want.shape and np.max(np.abs(out - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+_TRACED: list = []
+
+
+def test_abstract_states_are_traced_once_per_builder_and_handed_out_fresh():
+    """``nn.abstract_state`` traces a builder once per (code, closed-over values) and gives each
+    caller its own state: filling one leaves the next caller's abstract; another config, or a
+    builder closing over an object that may change, is traced anew."""
+    from vidax.models.wan import dit as wdit
+
+    tiny = wdit.PRESETS["tiny"]
+    wider = dataclasses_replace(tiny, num_layers=tiny.num_layers + 1)
+    traced = _TRACED
+    traced.clear()
+
+    def build(cfg):
+        def make():
+            _TRACED.append(cfg)  # a global: the builder closes over the config alone
+            return wdit.KIT.build(cfg)
+        return make
+
+    a = nn.abstract_state(build(tiny))[1]
+    b = nn.abstract_state(build(tiny))[1]
+    assert traced == [tiny]  # one trace for two callers
+    nn.fill(a, jax.tree.map(lambda s: np.ones(s.shape, s.dtype), nnx.to_pure_dict(a)))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(b))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nn.abstract_state(build(tiny))[1]))
+    nn.abstract_state(build(wider))
+    assert traced == [tiny, wider]  # another config: traced
+
+    class Holder:  # a mutable object: what it builds may change, so it is never cached
+        cfg = tiny
+
+    h = Holder()
+    nn.abstract_state(lambda: (traced.append(h.cfg), wdit.KIT.build(h.cfg))[1])
+    nn.abstract_state(lambda: (traced.append(h.cfg), wdit.KIT.build(h.cfg))[1])
+    assert traced == [tiny, wider, tiny, tiny]
+    # the family kit's shapes, state and graph definitions share one trace per (config, dtype)
+    assert nn.shapes(lambda: wdit.KIT.build(tiny)) == wdit.KIT.param_shapes(tiny)
+    assert jax.tree.leaves(wdit.KIT.param_shapes(wider))[0].shape != () and \
+        len(jax.tree.leaves(wdit.KIT.param_shapes(wider))) == len(jax.tree.leaves(wdit.KIT.param_shapes(tiny)))

@@ -123,10 +123,68 @@ def perturb(module: nnx.Module, seed: int = 0, scale: float = 1.0) -> nnx.Module
     return module
 
 
+def _is_value(v) -> bool:
+    """Whether ``v`` fixes what a builder closing over it builds, by value: plain values, dtypes,
+    frozen dataclasses (the configs), functions / classes / modules (their code), and tuples of them."""
+    import dataclasses as dc
+    import types
+
+    if v is None or isinstance(v, (bool, int, float, str, np.dtype, type, types.FunctionType, types.BuiltinFunctionType,
+                                   types.ModuleType, ModelKit)):
+        return True
+    if isinstance(v, tuple):
+        return all(_is_value(x) for x in v)
+    return dc.is_dataclass(v) and not isinstance(v, type) and v.__dataclass_params__.frozen
+
+
+def _build_key(build):
+    """A hashable key for a builder whose result depends only on its code and the values it closes
+    over (a lambda / function whose defaults and closure cells are :func:`_is_value`, or a
+    ``functools.partial`` of such a function); None when that cannot be told."""
+    import functools as ft
+    import types
+
+    try:
+        if isinstance(build, types.MethodType):  # a bound method: its function and its object
+            inner = _build_key(build.__func__)
+            vals, key = (build.__self__,), (inner, build.__self__)
+        elif isinstance(build, ft.partial):
+            inner = _build_key(build.func)
+            vals = (*build.args, *build.keywords.values())
+            key = (inner, build.args, tuple(sorted(build.keywords.items())))
+        else:
+            vals = (*(build.__defaults__ or ()), *(build.__kwdefaults__ or {}).values(),
+                    *(c.cell_contents for c in build.__closure__ or ()))
+            inner, key = True, (build.__code__, build.__defaults__, tuple(vals))
+        if inner is None or not all(_is_value(v) for v in vals):
+            return None
+        hash(key)
+        return key
+    except (AttributeError, TypeError, ValueError):  # a callable object, an empty cell, an unhashable value
+        return None
+
+
+#: abstract modules by builder (:func:`_build_key`): tracing a module's construction costs 0.1-0.5 s
+#: (every parameter's initialiser and RNG split, traced), and a process builds the same module's
+#: abstract state several times (key-map shapes, the state to fill, graph definitions)
+_ABSTRACT: dict = {}
+
+
+def _abstract_module(build: Callable[[], nnx.Module]) -> nnx.Module:
+    key = _build_key(build)
+    if key is None:
+        return nnx.eval_shape(build)
+    if key not in _ABSTRACT:
+        _ABSTRACT[key] = nnx.eval_shape(build)
+    return _ABSTRACT[key]
+
+
 def abstract_state(build: Callable[[], nnx.Module]):
     """``(graphdef, state)`` of a module with ``jax.ShapeDtypeStruct`` leaves: what a checkpoint
-    must fill, without allocating a single weight."""
-    return nnx.split(nnx.eval_shape(build))
+    must fill, without allocating a single weight. The state is the caller's own (fresh variables:
+    filling it leaves the cached abstract module as it was)."""
+    graphdef, state = nnx.split(_abstract_module(build))
+    return graphdef, jax.tree.map(lambda x: x, state)
 
 
 def shapes(build: Callable[[], nnx.Module]) -> dict:
@@ -372,13 +430,13 @@ class ModelKit:
         return jax.tree.map(np.asarray, nnx.state(self.init_model(cfg, seed, dtype)))
 
     def abstract_state(self, cfg, dtype=np.float32) -> nnx.State:
-        return abstract_state(lambda: self.build(cfg, 0, dtype))[1]
+        return jax.tree.map(lambda x: x, nnx.state(self.abstract_model(cfg, dtype)))
 
     def param_shapes(self, cfg, dtype=np.float32) -> dict:
-        return shapes(lambda: self.build(cfg, 0, dtype))
+        return nnx.to_pure_dict(nnx.state(self.abstract_model(cfg, dtype)))
 
     def _graphdefs(self, cfg, dtype: str = "float32") -> dict:
-        m = nnx.eval_shape(lambda: self.build(cfg, 0, dtype))
+        m = self.abstract_model(cfg, dtype)
         out = {"model": nnx.graphdef(m)}
         for name, path in self.units.items():
             unit = m
@@ -401,9 +459,8 @@ class ModelKit:
         hooks and graph definitions from."""
         return self._abstract(cfg, np.dtype(dtype).name)
 
-    @functools.cached_property
-    def _abstract(self):
-        return functools.lru_cache(maxsize=None)(lambda cfg, dtype: nnx.eval_shape(lambda: self.build(cfg, 0, dtype)))
+    def _abstract(self, cfg, dtype: str):
+        return _abstract_module(functools.partial(self.build, cfg, 0, dtype))
 
     def load(self, path, cfg, dtype, *, from_config, keymap, what, is_original=None, config_from_original=None,
              prefix: str | None = None, keep_others: bool = False, view=None):
