@@ -317,7 +317,7 @@ def _attn_keys(ref, dst, cfg):
 
 
 def audio_vae_keymap(cfg: AudioVAEConfig, encoder: bool = True) -> KeyMap:
-    m = nnx.eval_shape(lambda: AudioVAE(cfg, rngs=nnx.Rngs(0), encoder=encoder))
+    m = nn.abstract_module(lambda: AudioVAE(cfg, rngs=nnx.Rngs(0), encoder=encoder))
     c = cfg.causality_axis is not None
     d = m.decoder
     k = _conv_keys("decoder.conv_in", "decoder.conv_in", c) + _conv_keys("decoder.conv_out", "decoder.conv_out", c)
@@ -713,7 +713,7 @@ def load_vocoder(folder) -> nn.Split:
     folder = Path(folder)
     raw = compat.read_config(folder)
     cfg = vocoder_config(raw)
-    model = nnx.eval_shape(lambda: _build_vocoder(cfg))
+    model = nn.abstract_module(lambda: _build_vocoder(cfg))
     ck = open_checkpoint(folder)
     ckpt = {}
     for k in ck:  # buffers stored [1, 1, K] / [2F, 1, K]: read flat (small)

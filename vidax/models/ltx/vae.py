@@ -499,7 +499,7 @@ def init_state(cfg: LTXVAEConfig, seed: int = 0, dtype=np.float32, encoder: bool
 
 @functools.lru_cache(maxsize=None)
 def graphdef(cfg: LTXVAEConfig, dtype: str = "float32", encoder: bool = True):
-    return nnx.graphdef(nnx.eval_shape(lambda: _build(cfg, 0, dtype, encoder)))
+    return nnx.graphdef(nn.abstract_module(lambda: _build(cfg, 0, dtype, encoder)))
 
 
 def _dtype(state) -> str:
@@ -674,7 +674,7 @@ def _time_keys(ref, dst):
 
 
 def diffusers_keymap(cfg: LTXVAEConfig, encoder: bool = True) -> KeyMap:
-    m = nnx.eval_shape(lambda: _build(cfg, 0, "float32", encoder))
+    m = nn.abstract_module(lambda: _build(cfg, 0, "float32", encoder))
     k = []
     if encoder:
         e = m.encoder
