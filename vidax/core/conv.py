@@ -247,6 +247,9 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
         f = jnp.pad(f, ((0, 0), (0, 0), *padding, (0, 0)), mode="edge") if edge else f
         return f.reshape(-1, *f.shape[2:])
 
+    def conv(f4, wk):
+        return conv2d(f4, wk, padding=pads)
+
     x4 = x.reshape(b * t, *x.shape[2:])  # one sample: a tap's first frames are a prefix of the frames
     y = None
     for k, wk in enumerate(ws):
@@ -254,13 +257,13 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
         n = max(t - lead, 1)  # the frames of x it meets
         if prev is None:
             xk = x4[:n] if b == 1 and not edge else frames(x[:, :n])
-            c = conv2d(xk, wk, padding=pads)
+            c = conv(xk, wk)
             c = c.reshape(b, n, *c.shape[1:])
             if n < t:  # output frames 0 .. t - n all see frame 0
                 c = jnp.concatenate([jnp.broadcast_to(c[:, :1], (b, t - n, *c.shape[2:])), c], axis=1)
         else:
             xk = x if lead == 0 else jnp.concatenate([prev[:, k:].astype(x.dtype), x[:, :max(t - lead, 0)]], axis=1)[:, :t]
-            c = conv2d(frames(xk), wk, padding=pads)
+            c = conv(frames(xk), wk)
             c = c.reshape(b, t, *c.shape[1:])
         y = c if y is None else y + c
     return y if bias is None else y + bias.astype(y.dtype)
@@ -275,3 +278,18 @@ def causal_tail(x, prev, kt: int):
         return x[:, t - (kt - 1):]
     head = jnp.repeat(x[:, :1], kt - 1, axis=1) if prev is None else prev.astype(x.dtype)
     return jnp.concatenate([head, x], axis=1)[:, -(kt - 1):]
+
+
+def silu(x):
+    """SiLU as ``x / (1 + exp(-x))``, for the activation feeding a conv: its last op is a division,
+    which XLA:CPU does not duplicate into the activation's consumers. With ``x * sigmoid(x)`` it
+    materialises the sigmoid and re-fuses the cheap rest (the norm, scale / shift, the multiply) into
+    every consumer (each tap's input copy, the cache, the conv), each re-reading the norm's inputs."""
+    return x / (1 + jnp.exp(-x))
+
+
+def activation(name: str):
+    """:func:`silu` for ``"silu"``, else ``vidax.core.nn.activation(name)``."""
+    from vidax.core import nn
+
+    return silu if name == "silu" else nn.activation(name)

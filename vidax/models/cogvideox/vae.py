@@ -268,17 +268,6 @@ class SpatialNorm(nnx.Module):
         return (self.norm(f).astype(F32) * y.astype(F32) + b.astype(F32)).astype(f.dtype)
 
 
-def _silu(x):
-    """SiLU as ``x / (1 + exp(-x))``: its last op a division, which XLA does not duplicate into the
-    consumers of the activation (``x * sigmoid(x)`` ends in a cheap multiply that XLA:CPU re-fuses
-    into every consumer: the conv taps' input copies and the cache each re-read the norm's inputs)."""
-    return x / (1 + jnp.exp(-x))
-
-
-def _act(name: str):
-    return _silu if name == "silu" else nn.activation(name)
-
-
 class ResBlock(nnx.Module):
     """``CogVideoXResnetBlock3D`` (no timestep embedding): norm, act, causal conv, norm, act, causal
     conv, plus a 1x1x1 conv shortcut when the width changes; spatial norms in the decoder."""
@@ -298,7 +287,7 @@ class ResBlock(nnx.Module):
         self.act = cfg.act_fn
 
     def __call__(self, ctx: _Ctx, name: str, x, zq=None):
-        act = _act(self.act)
+        act = vconv.activation(self.act)  # SiLU ending in a division: vconv.silu
         h = act(self.norm1(x, zq) if self.spatial else self.norm1(x))
         h = self.conv1(ctx, f"{name}.conv1", h)
         h = act(self.norm2(h, zq) if self.spatial else self.norm2(h))
@@ -377,7 +366,7 @@ class Encoder(nnx.Module):
                 x = getattr(self, f"down{i}_sample")(x)
         x = self.mid_res0(ctx, "enc.mid0", x)
         x = self.mid_res1(ctx, "enc.mid1", x)
-        x = _silu(self.norm_out(x))
+        x = vconv.silu(self.norm_out(x))
         return self.conv_out(ctx, "enc.conv_out", x)
 
 
@@ -409,7 +398,7 @@ class Decoder(nnx.Module):
                 x = getattr(self, f"up{i}_res{j}")(ctx, f"dec.up{i}.res{j}", x, z)
             if i < self.n_blocks - 1:
                 x = getattr(self, f"up{i}_sample")(x)
-        x = _silu(self.norm_out(x, z))
+        x = vconv.silu(self.norm_out(x, z))
         return self.conv_out(ctx, "dec.conv_out", x)
 
 
