@@ -212,3 +212,84 @@ def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)),
             y = yk if y is None else y + yk
         y = y.reshape(b, tout, *y.shape[1:])
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode: str = "zeros",
+                  impl: str | None = None):
+    """A causal 3-D conv (stride 1) of ``x`` [B, T, H, W, in] with ``w`` [kt, kh, kw, in, out] (or its
+    time taps): output frame t sees padded frames t .. t + kt - 1 of ``prev`` + ``x``, where ``prev``
+    [B, kt - 1, H, W, in] are the frames before ``x`` (a causal cache) or, None, ``x``'s first frame
+    repeated (replicate padding in time). ``padding`` in space, zeros or (``mode="edge"``) replicated.
+    Returns [B, T, H', W', out]; the new cache (the last kt - 1 padded frames) is
+    :func:`causal_tail`.
+
+    Per time tap (``"taps"``) the padded input is never built: tap k convolves only the frames it
+    meets — with ``prev``, its kt - 1 - k cache frames and the first T - (kt - 1 - k) of ``x`` (one
+    copy); without, the first T - (kt - 1 - k) frames of ``x`` once each (not the repeats of frame
+    0: T + (kt - 1) * kt / 2 fewer frame convs than the padded form, 3 of 27 at T = 9), its outputs
+    then repeated in time inside the taps' sum."""
+    taps = isinstance(w, (tuple, list))
+    kt = len(w) if taps else w.shape[0]
+    b, t = x.shape[:2]
+    impl = conv_impl(impl)
+    edge = mode == "edge"
+    if impl != "taps" or kt == 1:
+        head = jnp.repeat(x[:, :1], kt - 1, axis=1) if prev is None else prev.astype(x.dtype)
+        xp = jnp.concatenate([head, x], axis=1) if kt > 1 else x
+        if edge:
+            xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode="edge")
+        return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), (0, 0) if edge else padding[0], (0, 0) if edge else padding[1]),
+                      impl=impl)
+    ws = [wk.astype(x.dtype) for wk in (w if taps else list(w))]
+    pads = ((0, 0), (0, 0)) if edge else padding
+
+    def frames(f):
+        f = jnp.pad(f, ((0, 0), (0, 0), *padding, (0, 0)), mode="edge") if edge else f
+        return f.reshape(-1, *f.shape[2:])
+
+    def conv(f4, wk):
+        return conv2d(f4, wk, padding=pads)
+
+    x4 = x.reshape(b * t, *x.shape[2:])  # one sample: a tap's first frames are a prefix of the frames
+    y = None
+    for k, wk in enumerate(ws):
+        lead = kt - 1 - k  # padded frames before x that this tap meets at output frame 0
+        n = max(t - lead, 1)  # the frames of x it meets
+        if prev is None:
+            xk = x4[:n] if b == 1 and not edge else frames(x[:, :n])
+            c = conv(xk, wk)
+            c = c.reshape(b, n, *c.shape[1:])
+            if n < t:  # output frames 0 .. t - n all see frame 0
+                c = jnp.concatenate([jnp.broadcast_to(c[:, :1], (b, t - n, *c.shape[2:])), c], axis=1)
+        else:
+            xk = x if lead == 0 else jnp.concatenate([prev[:, k:].astype(x.dtype), x[:, :max(t - lead, 0)]], axis=1)[:, :t]
+            c = conv(frames(xk), wk)
+            c = c.reshape(b, t, *c.shape[1:])
+        y = c if y is None else y + c
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def causal_tail(x, prev, kt: int):
+    """The last ``kt - 1`` frames of :func:`causal_conv3d`'s padded input (the next call's ``prev``)."""
+    if kt <= 1:
+        return x[:, :0]
+    t = x.shape[1]
+    if t >= kt - 1:
+        return x[:, t - (kt - 1):]
+    head = jnp.repeat(x[:, :1], kt - 1, axis=1) if prev is None else prev.astype(x.dtype)
+    return jnp.concatenate([head, x], axis=1)[:, -(kt - 1):]
+
+
+def silu(x):
+    """SiLU as ``x / (1 + exp(-x))``, for the activation feeding a conv: its last op is a division,
+    which XLA:CPU does not duplicate into the activation's consumers. With ``x * sigmoid(x)`` it
+    materialises the sigmoid and re-fuses the cheap rest (the norm, scale / shift, the multiply) into
+    every consumer (each tap's input copy, the cache, the conv), each re-reading the norm's inputs."""
+    return x / (1 + jnp.exp(-x))
+
+
+def activation(name: str):
+    """:func:`silu` for ``"silu"``, else ``vidax.core.nn.activation(name)``."""
+    from vidax.core import nn
+
+    return silu if name == "silu" else nn.activation(name)

@@ -204,12 +204,13 @@ class CausalConv3d(Conv):
     def __call__(self, ctx: _Ctx, name: str, x):
         k = vconv.kernel_value(self.kernel)  # whole, or split by time tap (vconv.split_taps)
         kt, (kh, kw) = (len(k), k[0].shape[:2]) if isinstance(k, (tuple, list)) else (k.shape[0], k.shape[1:3])
-        if kt > 1:
-            prev = jnp.repeat(x[:, :1], kt - 1, axis=1) if ctx.first else ctx.old[name].astype(x.dtype)
-            x = jnp.concatenate([prev, x], axis=1)
-            ctx.new[name] = x[:, -(kt - 1):]
         ph, pw = (kh - 1) // 2, (kw - 1) // 2
-        return vconv.conv3d(x, k, self.bias[...], padding=((0, 0), (ph, ph), (pw, pw)), impl=ctx.conv_impl)
+        if kt == 1:
+            return vconv.conv3d(x, k, self.bias[...], padding=((0, 0), (ph, ph), (pw, pw)), impl=ctx.conv_impl)
+        # time padded by the cache or the first frame repeated, without building the padded input
+        prev = None if ctx.first else ctx.old[name]
+        ctx.new[name] = vconv.causal_tail(x, prev, kt)
+        return vconv.causal_conv3d(x, k, self.bias[...], prev, ((ph, ph), (pw, pw)), impl=ctx.conv_impl)
 
 
 class GroupNorm(nnx.Module):
@@ -286,7 +287,7 @@ class ResBlock(nnx.Module):
         self.act = cfg.act_fn
 
     def __call__(self, ctx: _Ctx, name: str, x, zq=None):
-        act = nn.activation(self.act)
+        act = vconv.activation(self.act)  # SiLU ending in a division: vconv.silu
         h = act(self.norm1(x, zq) if self.spatial else self.norm1(x))
         h = self.conv1(ctx, f"{name}.conv1", h)
         h = act(self.norm2(h, zq) if self.spatial else self.norm2(h))
@@ -365,7 +366,7 @@ class Encoder(nnx.Module):
                 x = getattr(self, f"down{i}_sample")(x)
         x = self.mid_res0(ctx, "enc.mid0", x)
         x = self.mid_res1(ctx, "enc.mid1", x)
-        x = jax.nn.silu(self.norm_out(x))
+        x = vconv.silu(self.norm_out(x))
         return self.conv_out(ctx, "enc.conv_out", x)
 
 
@@ -397,7 +398,7 @@ class Decoder(nnx.Module):
                 x = getattr(self, f"up{i}_res{j}")(ctx, f"dec.up{i}.res{j}", x, z)
             if i < self.n_blocks - 1:
                 x = getattr(self, f"up{i}_sample")(x)
-        x = jax.nn.silu(self.norm_out(x, z))
+        x = vconv.silu(self.norm_out(x, z))
         return self.conv_out(ctx, "dec.conv_out", x)
 
 

@@ -146,6 +146,12 @@ class Chunk(Whole):
 
     def conv(self, m: CausalConv3d, x):
         kt, kh, kw = m.conv.k
+        if m.conv.stride == (1, 1, 1) and kt > 1:
+            # the padded input is never built (vconv.causal_conv3d; the same cache)
+            prev = None if self.first else self._take()
+            self.new.append(vconv.causal_tail(x, prev, kt))
+            return vconv.causal_conv3d(x, vconv.kernel_value(m.conv.kernel), m.conv.bias[...], prev,
+                                       ((kh // 2, kh // 2), (kw // 2, kw // 2)), mode="edge")
         if self.first:
             xt = jnp.pad(x, ((0, 0), (kt - 1, 0), (0, 0), (0, 0), (0, 0)), mode="edge")
         else:
@@ -198,8 +204,8 @@ class Resnet(nnx.Module):
         self.conv_shortcut = Conv3d(cin, cout, 1, **kw) if cin != cout else None
 
     def __call__(self, x, io: Whole = WHOLE):
-        h = io.conv(self.conv1, jax.nn.silu(self.norm1(x)))
-        h = io.conv(self.conv2, jax.nn.silu(self.norm2(h)))
+        h = io.conv(self.conv1, vconv.silu(self.norm1(x)))
+        h = io.conv(self.conv2, vconv.silu(self.norm2(h)))
         return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
 
 
@@ -328,7 +334,7 @@ class Encoder(nnx.Module):
         for b in self.down_blocks:
             x = b(x)
         x = self.mid_block(x)
-        return self.conv_out(jax.nn.silu(self.norm_out(x))) + _group_mean(x, self.group)
+        return self.conv_out(vconv.silu(self.norm_out(x))) + _group_mean(x, self.group)
 
 
 class Decoder(nnx.Module):
@@ -352,7 +358,7 @@ class Decoder(nnx.Module):
             return self.mid_block(io.conv(self.conv_in, x) + jnp.repeat(x, self.repeat, axis=-1), io)
         if level <= len(self.up_blocks):
             return self.up_blocks[level - 1](x, io)
-        return io.conv(self.conv_out, jax.nn.silu(self.norm_out(x)))
+        return io.conv(self.conv_out, vconv.silu(self.norm_out(x)))
 
     @property
     def levels(self) -> int:
