@@ -112,3 +112,31 @@ def test_conv2d_patch_matmul_equals_the_conv(monkeypatch, strides, padding):
         monkeypatch.setattr(vconv, "IM2COL_MAX_PIXELS", limit)
         got = np.asarray(vconv.conv2d(x, w, strides, padding))
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 5])
+@pytest.mark.parametrize("mode", ["zeros", "edge"])
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("impl,split", [("taps", False), ("taps", True), ("native", False)])
+def test_causal_conv3d_equals_torch_on_the_padded_input(frames, mode, cached, impl, split):
+    """``causal_conv3d`` (the padded input never built) equals PyTorch's conv3d of the explicitly
+    padded input: the cache frames (or the first frame repeated) before ``x`` in time, zeros or
+    replicated edges in space; batch 2, so each sample's first frame is its own; and
+    ``causal_tail`` is the padded input's last frames (the next chunk's cache)."""
+    import torch
+
+    rng = np.random.default_rng(frames)
+    b, kt = 2, 3
+    x = rng.standard_normal((b, frames, 6, 7, 4)).astype(np.float32)
+    w = rng.standard_normal((kt, 3, 3, 4, 5)).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    prev = rng.standard_normal((b, kt - 1, 6, 7, 4)).astype(np.float32) if cached else None
+    wk = tuple(w) if split else w  # a kernel stored split by time tap (vconv.split_taps)
+    got = np.asarray(vconv.causal_conv3d(x, wk, bias, prev, ((1, 1), (1, 1)), mode=mode, impl=impl))
+    head = prev if cached else np.repeat(x[:, :1], kt - 1, axis=1)
+    xp = np.concatenate([head, x], axis=1)
+    xt = torch.from_numpy(xp).permute(0, 4, 1, 2, 3)
+    xt = torch.nn.functional.pad(xt, [1, 1, 1, 1, 0, 0], mode="replicate" if mode == "edge" else "constant")
+    want = torch.nn.functional.conv3d(xt, torch.from_numpy(w).permute(4, 3, 0, 1, 2), torch.from_numpy(bias))
+    np.testing.assert_allclose(got, want.permute(0, 2, 3, 4, 1).numpy(), rtol=1e-5, atol=3e-5)
+    np.testing.assert_array_equal(np.asarray(vconv.causal_tail(x, prev, kt)), xp[:, -(kt - 1):])
