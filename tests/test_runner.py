@@ -168,3 +168,24 @@ def test_abstract_states_are_traced_once_per_builder_and_handed_out_fresh():
     assert nn.shapes(lambda: wdit.KIT.build(tiny)) == wdit.KIT.param_shapes(tiny)
     assert jax.tree.leaves(wdit.KIT.param_shapes(wider))[0].shape != () and \
         len(jax.tree.leaves(wdit.KIT.param_shapes(wider))) == len(jax.tree.leaves(wdit.KIT.param_shapes(tiny)))
+
+
+def test_abstract_builds_in_threads_leave_jax_tracer_messages_as_they_were():
+    """The origin walk skipped while modules' constructions are traced (``nn._NoTracerOrigins``)
+    comes back when the last of several concurrent builds ends (a batch builds in threads)."""
+    import threading
+
+    from jax._src.interpreters import partial_eval as pe
+
+    from vidax.models.wan import dit as wdit
+
+    before = pe.DynamicJaxprTracer._origin_msg
+    cfgs = [dataclasses_replace(wdit.PRESETS["tiny"], num_layers=n) for n in (3, 4, 5)]
+    threads = [threading.Thread(target=lambda c=c: nn.abstract_state(lambda: wdit.KIT.build(c))) for c in cfgs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pe.DynamicJaxprTracer._origin_msg is before
+    with pytest.raises(Exception, match="occurred while tracing"):  # JAX's message names the origin again
+        jax.jit(lambda x: int(x))(1.0)

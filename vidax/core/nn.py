@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,20 +178,34 @@ class _NoTracerOrigins:
     tracer that attribute raises, and JAX builds the error's message by walking the whole jaxpr
     traced so far for the value's origin (``_origin_msg``): quadratic in the module's size, and the
     message is thrown away (``getattr(..., None)``). This context skips that walk (halves the trace
-    of a tiny Wan VAE: 0.62 s -> 0.32 s); if JAX no longer has the method, it does nothing."""
+    of a tiny Wan VAE: 0.62 s -> 0.32 s); if JAX no longer has the method, it does nothing. Nested
+    and concurrent uses (a batch's threads) count themselves: the last one out restores JAX's."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _orig = None
 
     def __enter__(self):
         from jax._src.interpreters import partial_eval as pe
 
-        self.cls = getattr(pe, "DynamicJaxprTracer", None)
-        self.orig = getattr(self.cls, "_origin_msg", None)
-        if self.orig is not None:
-            self.cls._origin_msg = lambda tracer: ""
+        cls = getattr(pe, "DynamicJaxprTracer", None)
+        with self._lock:
+            if type(self)._depth == 0 and hasattr(cls, "_origin_msg"):
+                type(self)._orig = (cls, cls.__dict__.get("_origin_msg"))
+                cls._origin_msg = lambda tracer: ""
+            type(self)._depth += 1
         return self
 
     def __exit__(self, *exc):
-        if self.orig is not None:
-            self.cls._origin_msg = self.orig
+        with self._lock:
+            type(self)._depth -= 1
+            if type(self)._depth == 0 and type(self)._orig is not None:
+                cls, orig = type(self)._orig
+                if orig is None:
+                    del cls._origin_msg  # it was inherited: JAX's own again
+                else:
+                    cls._origin_msg = orig
+                type(self)._orig = None
         return False
 
 
@@ -198,7 +214,9 @@ def _eval_shape(build):
         return nnx.eval_shape(build)
 
 
-def _abstract_module(build: Callable[[], nnx.Module]) -> nnx.Module:
+def abstract_module(build: Callable[[], nnx.Module]) -> nnx.Module:
+    """The module ``build()`` makes, with ``jax.ShapeDtypeStruct`` leaves, traced once per builder
+    (:func:`_build_key`) and shared: read it (its structure, shapes, graph definition), never change it."""
     key = _build_key(build)
     if key is None:
         return _eval_shape(build)
@@ -207,17 +225,11 @@ def _abstract_module(build: Callable[[], nnx.Module]) -> nnx.Module:
     return _ABSTRACT[key]
 
 
-def abstract_module(build: Callable[[], nnx.Module]) -> nnx.Module:
-    """The module ``build()`` makes, with ``jax.ShapeDtypeStruct`` leaves, traced once per builder
-    (:func:`_build_key`) and shared: read it (its structure, shapes, graph definition), never change it."""
-    return _abstract_module(build)
-
-
 def abstract_state(build: Callable[[], nnx.Module]):
     """``(graphdef, state)`` of a module with ``jax.ShapeDtypeStruct`` leaves: what a checkpoint
     must fill, without allocating a single weight. The state is the caller's own (fresh variables:
     filling it leaves the cached abstract module as it was)."""
-    graphdef, state = nnx.split(_abstract_module(build))
+    graphdef, state = nnx.split(abstract_module(build))
     return graphdef, jax.tree.map(lambda x: x, state)
 
 
@@ -494,7 +506,7 @@ class ModelKit:
         return self._abstract(cfg, np.dtype(dtype).name)
 
     def _abstract(self, cfg, dtype: str):
-        return _abstract_module(functools.partial(self.build, cfg, 0, dtype))
+        return abstract_module(functools.partial(self.build, cfg, 0, dtype))
 
     def load(self, path, cfg, dtype, *, from_config, keymap, what, is_original=None, config_from_original=None,
              prefix: str | None = None, keep_others: bool = False, view=None):
