@@ -827,12 +827,12 @@ def original_keymap(cfg: WanVAEConfig) -> KeyMap:
 # ----------------------------------------------------------------------------------- state
 @lru_cache(maxsize=16)
 def _abstract(cfg: WanVAEConfig):
-    """``(graphdef, abstract state)`` of :class:`WanVAE` for ``cfg``: traced once per config."""
+    """``(graphdef, abstract state)`` of :class:`WanVAE` for ``cfg`` (traced once per config: ``nn.abstract_state``)."""
     return nn.abstract_state(lambda: WanVAE(cfg, rngs=nnx.Rngs(0)))
 
 
 def _abstract_state(cfg: WanVAEConfig):
-    return jax.tree.map(lambda s: s, _abstract(cfg)[1])  # a fresh copy: nn.fill fills in place
+    return _abstract(cfg)[1]  # nn.abstract_state hands each caller a fresh state (nn.fill fills in place)
 
 
 def graphdef(cfg: WanVAEConfig) -> nnx.GraphDef:
