@@ -30,7 +30,6 @@ What the reference pipelines do, and this one does the same way:
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import time
@@ -42,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runtime import collect_own_garbage
 from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo, make_step, make_update
 from vidax.models.cogvideox import dit as cdit
@@ -381,6 +381,7 @@ class CogVideoX(Pipeline):
             aux["img"] = jnp.asarray(image_cond)
         return aux
 
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
     def sample_latents(self, cond, uncond=None, *, latents=None, seed: int = 0, height: int = 480, width: int = 720,
                        num_frames: int = 49, steps: int = 50, guidance: float = 6.0, scheduler=None,
                        dynamic_cfg: bool = False, image_latents=None, dit=None, start: int = 0, state=None,
@@ -411,7 +412,6 @@ class CogVideoX(Pipeline):
         x, state = self._denoise(loaded, x, cond, uncond if use_cfg else None, sched, gs, seed, start, state,
                                  on_step, image_cond)
         del loaded
-        gc.collect()
         out = np.asarray(x)
         if not return_padded:
             out = out[:, shape[1] - self.latent_frames(num_frames)[0]:]

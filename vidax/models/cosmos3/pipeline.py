@@ -21,7 +21,6 @@ Sources: ``"tiny"`` / ``"tiny-edge"`` (seeded random weights, byte tokenizer) or
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runtime import collect_own_garbage
 from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.cosmos import chat
@@ -411,6 +411,7 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
         return (np.broadcast_to(cu, (r, *cu.shape)).copy(), np.broadcast_to(su, (r, *su.shape)).copy(),
                 np.stack(cg), np.stack(sg))
 
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
     def sample_latents(self, cond_ids, uncond_ids=None, *, cond_latents=None, latents=None, seed: int = 0,
                        height: int = 720, width: int = 1280, num_frames: int = 189, steps: int = 35,
                        guidance: float = 6.0, fps: float = 24.0, shift: float | None = None, scheduler=None,
@@ -485,7 +486,6 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
                 x.block_until_ready()
                 on_step(StepInfo(i, n_steps, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
         model = cache = None  # (the step closures read cache: released, not deleted)
-        gc.collect()
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     def decode_video(self, latents: np.ndarray, vae=None) -> np.ndarray:

@@ -17,7 +17,6 @@ before every call and after every step. Both start from ``0.999 * noise + 0.001 
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import warnings
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core.runtime import collect_own_garbage
 from vidax.core.runner import DiTRunner
 from vidax.core.sampling import StepInfo
 from vidax.models.hunyuanvideo import dit as hdit
@@ -417,6 +417,7 @@ class HunyuanVideoT2V(Pipeline):
             prep = None
         return prep
 
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
     def sample_latents(self, cond: dict, uncond: dict | None = None, *, latents=None, seed: int = 0, height: int = 720,
                        width: int = 1280, num_frames: int = 129, steps: int = 50, guidance: float = 6.0,
                        true_cfg: float = 1.0, shift: float = 7.0, image_latents=None, dit=None, start: int = 0,
@@ -471,7 +472,6 @@ class HunyuanVideoT2V(Pipeline):
                 x.block_until_ready()
                 on_step(StepInfo(i, n, float(sched.timesteps[i]), time.perf_counter() - t0), x, state)
         del params
-        gc.collect()
         return np.asarray(x).transpose(0, 4, 1, 2, 3)
 
     # ------------------------------------------------------------------ decode
