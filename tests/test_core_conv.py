@@ -140,3 +140,38 @@ def test_causal_conv3d_equals_torch_on_the_padded_input(frames, mode, cached, im
     want = torch.nn.functional.conv3d(xt, torch.from_numpy(w).permute(4, 3, 0, 1, 2), torch.from_numpy(bias))
     np.testing.assert_allclose(got, want.permute(0, 2, 3, 4, 1).numpy(), rtol=1e-5, atol=3e-5)
     np.testing.assert_array_equal(np.asarray(vconv.causal_tail(x, prev, kt)), xp[:, -(kt - 1):])
+
+
+@pytest.mark.parametrize("frames", [1, 5])
+@pytest.mark.parametrize("time_pad,kt", [((2, 0), 3), ((1, 1), 3), ((2, 2), 5), ((0, 0), 3), ((3, 1), 3)])
+@pytest.mark.parametrize("mode", ["zeros", "edge", "reflect"])
+@pytest.mark.parametrize("impl,split", [("taps", True), ("native", False)])
+def test_edge_time_conv3d_equals_torch_on_the_padded_input(frames, time_pad, kt, mode, impl, split):
+    """``edge_time_conv3d`` (the padded input never built) equals PyTorch's conv3d of the explicitly
+    padded input: the first frame repeated ``time_pad[0]`` times and the last ``time_pad[1]`` times,
+    zeros, replicated or reflected edges in space; batch 2 (each sample's frames its own)."""
+    import torch
+
+    if frames + sum(time_pad) < kt:
+        with pytest.raises(ValueError, match="fewer than the kernel"):
+            vconv.edge_time_conv3d(np.zeros((1, frames, 6, 7, 4), np.float32), np.zeros((kt, 3, 3, 4, 5), np.float32),
+                                   None, time_pad, impl=impl)
+        return
+    rng = np.random.default_rng(frames * 7 + kt)
+    b = 2
+    x = rng.standard_normal((b, frames, 6, 7, 4)).astype(np.float32)
+    w = rng.standard_normal((kt, 3, 3, 4, 5)).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    wk = tuple(w) if split else w
+    got = np.asarray(vconv.edge_time_conv3d(x, wk, bias, time_pad, ((1, 1), (1, 1)), mode=mode, impl=impl))
+    xp = np.concatenate([np.repeat(x[:, :1], time_pad[0], axis=1), x, np.repeat(x[:, -1:], time_pad[1], axis=1)], axis=1)
+    xt = torch.from_numpy(xp).permute(0, 4, 1, 2, 3)
+    tmode = {"zeros": "constant", "edge": "replicate", "reflect": "reflect"}[mode]
+    xt = torch.nn.functional.pad(xt, [1, 1, 1, 1, 0, 0], mode=tmode)
+    want = torch.nn.functional.conv3d(xt, torch.from_numpy(w).permute(4, 3, 0, 1, 2), torch.from_numpy(bias))
+    np.testing.assert_allclose(got, want.permute(0, 2, 3, 4, 1).numpy(), rtol=1e-5, atol=3e-5)
+
+
+def test_space_padding_modes_are_checked():
+    with pytest.raises(ValueError, match="'zeros', 'edge' or 'reflect', got 'wrap'"):
+        vconv.edge_time_conv3d(np.zeros((1, 3, 6, 7, 4), np.float32), np.zeros((3, 3, 3, 4, 5), np.float32), mode="wrap")

@@ -219,52 +219,92 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
     """A causal 3-D conv (stride 1) of ``x`` [B, T, H, W, in] with ``w`` [kt, kh, kw, in, out] (or its
     time taps): output frame t sees padded frames t .. t + kt - 1 of ``prev`` + ``x``, where ``prev``
     [B, kt - 1, H, W, in] are the frames before ``x`` (a causal cache) or, None, ``x``'s first frame
-    repeated (replicate padding in time). ``padding`` in space, zeros or (``mode="edge"``) replicated.
-    Returns [B, T, H', W', out]; the new cache (the last kt - 1 padded frames) is
-    :func:`causal_tail`.
+    repeated (replicate padding in time: :func:`edge_time_conv3d`). ``padding`` in space, zeros or
+    (``mode="edge"`` / ``"reflect"``) by ``jnp.pad`` of that mode. Returns [B, T, H', W', out]; the new
+    cache (the last kt - 1 padded frames) is :func:`causal_tail`.
 
-    Per time tap (``"taps"``) the padded input is never built: tap k convolves only the frames it
-    meets — with ``prev``, its kt - 1 - k cache frames and the first T - (kt - 1 - k) of ``x`` (one
-    copy); without, the first T - (kt - 1 - k) frames of ``x`` once each (not the repeats of frame
-    0: T + (kt - 1) * kt / 2 fewer frame convs than the padded form, 3 of 27 at T = 9), its outputs
-    then repeated in time inside the taps' sum."""
+    Per time tap (``"taps"``) the padded input is never built: with ``prev``, tap k convolves its
+    kt - 1 - k cache frames and the first T - (kt - 1 - k) of ``x`` (one copy)."""
     taps = isinstance(w, (tuple, list))
     kt = len(w) if taps else w.shape[0]
+    if prev is None:
+        return edge_time_conv3d(x, w, bias, (kt - 1, 0), padding, mode=mode, impl=impl)
     b, t = x.shape[:2]
     impl = conv_impl(impl)
-    edge = mode == "edge"
     if impl != "taps" or kt == 1:
-        head = jnp.repeat(x[:, :1], kt - 1, axis=1) if prev is None else prev.astype(x.dtype)
-        xp = jnp.concatenate([head, x], axis=1) if kt > 1 else x
-        if edge:
-            xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode="edge")
-        return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), (0, 0) if edge else padding[0], (0, 0) if edge else padding[1]),
-                      impl=impl)
-    ws = [wk.astype(x.dtype) for wk in (w if taps else list(w))]
-    pads = ((0, 0), (0, 0)) if edge else padding
+        xp = jnp.concatenate([prev.astype(x.dtype), x], axis=1) if kt > 1 else x
+        return edge_time_conv3d(xp, w, bias, (0, 0), padding, mode=mode, impl=impl)
+    frames, conv = _space_padded(padding, mode)
+    y = None
+    for k, wk in enumerate(w if taps else list(w)):
+        lead = kt - 1 - k  # padded frames before x that this tap meets at output frame 0
+        xk = x if lead == 0 else jnp.concatenate([prev[:, k:].astype(x.dtype), x[:, :max(t - lead, 0)]], axis=1)[:, :t]
+        c = conv(frames(xk), wk.astype(x.dtype))
+        c = c.reshape(b, t, *c.shape[1:])
+        y = c if y is None else y + c
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def _space_padded(padding, mode: str):
+    """``(frames, conv)`` for the per-tap convs of :func:`edge_time_conv3d` / :func:`causal_conv3d`:
+    ``frames`` [B, n, H, W, in] -> [B * n, H', W', in], padded in space here unless ``mode`` is
+    ``"zeros"`` (then the conv pads); ``conv(frames, tap)``."""
+    if mode not in ("zeros", "edge", "reflect"):
+        raise ValueError(f"space padding mode must be 'zeros', 'edge' or 'reflect', got {mode!r}")
+    explicit = mode != "zeros"
+    pads = ((0, 0), (0, 0)) if explicit else padding
 
     def frames(f):
-        f = jnp.pad(f, ((0, 0), (0, 0), *padding, (0, 0)), mode="edge") if edge else f
+        f = jnp.pad(f, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode) if explicit else f
         return f.reshape(-1, *f.shape[2:])
 
-    def conv(f4, wk):
-        return conv2d(f4, wk, padding=pads)
+    return frames, lambda f4, wk: conv2d(f4, wk, padding=pads)
 
-    x4 = x.reshape(b * t, *x.shape[2:])  # one sample: a tap's first frames are a prefix of the frames
+
+def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)), *, mode: str = "zeros",
+                     impl: str | None = None):
+    """A stride-1 3-D conv of ``x`` [B, T, H, W, in] with ``w`` [kt, kh, kw, in, out] (or its time
+    taps) whose time axis is padded by repeating the first frame ``time_pad[0]`` times and the last
+    ``time_pad[1]`` times (``(kt - 1, 0)``: causal; ``((kt - 1) // 2,) * 2``: centred). ``padding`` in
+    space, zeros or (``mode="edge"`` / ``"reflect"``) by ``jnp.pad`` of that mode. Returns
+    [B, T + sum(time_pad) - kt + 1, H', W', out].
+
+    Per time tap (``"taps"``) the padded input is never built: tap k convolves each frame of ``x`` it
+    meets once, and the output frames that meet a repeat of the first or last frame take that
+    frame's output (broadcast inside the taps' sum): T + (kt - 1) * kt / 2 fewer frame convs than the
+    padded form for a causal conv (3 of 27 at T = 9)."""
+    taps = isinstance(w, (tuple, list))
+    kt = len(w) if taps else w.shape[0]
+    (p0, p1), (b, t) = time_pad, x.shape[:2]
+    tout = t + p0 + p1 - kt + 1
+    if tout < 1:
+        raise ValueError(f"edge_time_conv3d: {t} frames padded by {time_pad} are fewer than the kernel's {kt} taps")
+    impl = conv_impl(impl)
+    explicit = mode != "zeros"
+    if impl != "taps" or kt == 1:
+        parts = [jnp.repeat(x[:, :1], p0, axis=1)] * bool(p0) + [x] + [jnp.repeat(x[:, -1:], p1, axis=1)] * bool(p1)
+        xp = jnp.concatenate(parts, axis=1) if len(parts) > 1 else x
+        if explicit:
+            _space_padded(padding, mode)  # (checks the mode)
+            xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
+        return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), *(((0, 0), (0, 0)) if explicit else padding)), impl=impl)
+    frames, conv = _space_padded(padding, mode)
+    x4 = x.reshape(b * t, *x.shape[2:])  # one sample: the frames a tap meets are a slice of these
     y = None
-    for k, wk in enumerate(ws):
-        lead = kt - 1 - k  # padded frames before x that this tap meets at output frame 0
-        n = max(t - lead, 1)  # the frames of x it meets
-        if prev is None:
-            xk = x4[:n] if b == 1 and not edge else frames(x[:, :n])
-            c = conv(xk, wk)
-            c = c.reshape(b, n, *c.shape[1:])
-            if n < t:  # output frames 0 .. t - n all see frame 0
-                c = jnp.concatenate([jnp.broadcast_to(c[:, :1], (b, t - n, *c.shape[2:])), c], axis=1)
+    for k, wk in enumerate(w if taps else list(w)):
+        # output frame o reads frame clip(o + k - p0, 0, T - 1) of x: frames a .. z, each once
+        a, z = min(max(k - p0, 0), t - 1), min(max(tout - 1 + k - p0, 0), t - 1)
+        n = z - a + 1
+        xk = x4[a:z + 1] if b == 1 and not explicit else frames(x[:, a:z + 1])
+        c = conv(xk, wk.astype(x.dtype))
+        c = c.reshape(b, n, *c.shape[1:])
+        if n == 1:
+            c = jnp.broadcast_to(c, (b, tout, *c.shape[2:]))
         else:
-            xk = x if lead == 0 else jnp.concatenate([prev[:, k:].astype(x.dtype), x[:, :max(t - lead, 0)]], axis=1)[:, :t]
-            c = conv(frames(xk), wk)
-            c = c.reshape(b, t, *c.shape[1:])
+            front, back = min(tout, a - k + p0 + 1) - 1, tout - max(0, z - k + p0) - 1  # repeats of a, z
+            parts = ([jnp.broadcast_to(c[:, :1], (b, front, *c.shape[2:]))] * bool(front) + [c]
+                     + [jnp.broadcast_to(c[:, -1:], (b, back, *c.shape[2:]))] * bool(back))
+            c = jnp.concatenate(parts, axis=1) if len(parts) > 1 else c
         y = c if y is None else y + c
     return y if bias is None else y + bias.astype(y.dtype)
 
