@@ -139,11 +139,16 @@ def _vae_case(cls_name, kw, label, z_shape, temb=None, release=None):
             with torch.no_grad():
                 ref.decode(zt, None if t is None else torch.from_numpy(t))
 
+        def lowered():  # the decode program (benchmarks.profile_wan_vae)
+            x = jax.numpy.asarray(z.transpose(0, 2, 3, 4, 1))
+            tt = None if t is None else jax.numpy.asarray(t)
+            return [lvae._decode.lower(m.params, m.model_config, lvae._has_encoder(m.params), x, tt, None)]
+
         return dict(component=f"{label} decode (vs diffusers {cls_name})",
                     config=f"latents {z_shape[2]}x{z_shape[3]}x{z_shape[4]} -> "
                            f"{(z_shape[2] - 1) * 8 + 1}x{z_shape[3] * 32}x{z_shape[4] * 32} px, "
                            + (f"released widths ({release})" if release else "narrow channels"),
-                    vidax=run_vidax, reference=run_ref)
+                    vidax=run_vidax, reference=run_ref, vidax_lowered=lowered, hlo_module="_decode")
 
     case.__name__ = f"bench_{label.lower().replace(' ', '_').replace('-', '').replace('.', '')}"
     if release:

@@ -136,8 +136,12 @@ class CausalConv3d(nnx.Module):
     def __call__(self, x, causal=None):
         causal = self.causal if causal is None else causal
         kt, kh, kw = self.k
-        x = _pad_time(x, kt, causal)
         ph, pw = kh // 2, kw // 2
+        if self.stride == (1, 1, 1):  # the time-padded input never built (vconv.edge_time_conv3d)
+            tpad = (kt - 1, 0) if causal else ((kt - 1) // 2,) * 2
+            return vconv.edge_time_conv3d(x, self.kernel[...], self.bias[...], tpad, ((ph, ph), (pw, pw)),
+                                          mode="reflect" if self.pad_mode == "reflect" else "zeros")
+        x = _pad_time(x, kt, causal)
         if ph or pw:
             mode = "reflect" if self.pad_mode == "reflect" else "constant"
             x = jnp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw), (0, 0)), mode=mode)
@@ -205,14 +209,14 @@ class ResBlock(nnx.Module):
             t = temb.reshape(temb.shape[0], 4, -1).astype(F32) + self.sst[...].astype(F32)  # [B, 4, C]
             sh1, sc1, sh2, sc2 = (t[:, j][:, None, None, None] for j in range(4))
             h = (h.astype(F32) * (1 + sc1) + sh1).astype(dt)
-        h = self.conv1(jax.nn.silu(h), causal)
+        h = self.conv1(vconv.silu(h), causal)
         if self.noise1 is not None:
             n = noise(h.shape[2:4])
             h = h + (n[None, None, :, :, None] * self.noise1[...].astype(F32)).astype(dt)
         h = _pixel_rms(h, self.version)
         if self.sst is not None:
             h = (h.astype(F32) * (1 + sc2) + sh2).astype(dt)
-        h = self.conv2(jax.nn.silu(h), causal)
+        h = self.conv2(vconv.silu(h), causal)
         if self.noise2 is not None:
             n = noise(h.shape[2:4])
             h = h + (n[None, None, :, :, None] * self.noise2[...].astype(F32)).astype(dt)
@@ -413,7 +417,7 @@ class Encoder(nnx.Module):
         for d in self.down:
             h = d(h, causal)
         h = self.mid(h, causal=causal)
-        h = self.conv_out(jax.nn.silu(_pixel_rms(h, cfg.version)), causal)
+        h = self.conv_out(vconv.silu(_pixel_rms(h, cfg.version)), causal)
         logvar = jnp.clip(h[..., -1:], -30.0, 20.0)
         return h[..., : cfg.latent_channels], jnp.broadcast_to(logvar, h[..., : cfg.latent_channels].shape)
 
@@ -466,7 +470,7 @@ class Decoder(nnx.Module):
             t = self.time(temb.reshape(-1), h.dtype).reshape(h.shape[0], 2, -1).astype(F32) + self.sst[...].astype(F32)
             shift, scale = t[:, 0][:, None, None, None], t[:, 1][:, None, None, None]
             h = (h.astype(F32) * (1 + scale) + shift).astype(h.dtype)
-        h = self.conv_out(jax.nn.silu(h), causal)
+        h = self.conv_out(vconv.silu(h), causal)
         return unpatchify(h, cfg.patch_size, cfg.patch_size_t)
 
 
