@@ -23,7 +23,7 @@ of each device's own shard), and runs them through ONE compiled chunk function::
 """
 from __future__ import annotations
 
-import gc
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from vidax.core.mesh import ShardingConfigError
+from vidax.core.runtime import collect_own_garbage
 
 
 class OffloadConfigError(ShardingConfigError):
@@ -215,11 +216,13 @@ class OffloadRunner:
         n = pool.num_chunks
         carry = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False) if isinstance(a, jax.Array) else a, carry)
         self.stats = OffloadStats()  # per run
-        if self.track_memory:
-            gc.collect()  # unreachable arrays of earlier work must not blur the baseline
-            jax.block_until_ready(carry)
-            self.stats.baseline_device_bytes = self.stats.peak_device_bytes = device_bytes_in_use()
-        with warnings.catch_warnings():
+        # measuring: earlier work's unreachable arrays are frozen with the rest of the heap (not freed
+        # mid-run, which would blur peak - baseline), without a full collection per run
+        scope = collect_own_garbage() if self.track_memory else contextlib.nullcontext()
+        with scope, warnings.catch_warnings():
+            if self.track_memory:
+                jax.block_until_ready(carry)
+                self.stats.baseline_device_bytes = self.stats.peak_device_bytes = device_bytes_in_use()
             # chunk parameters cannot alias the carry output; donating them still releases them early
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             if self.prefetch and n > 1:
