@@ -1,11 +1,16 @@
 """The tests' child processes (CLI runs killed on purpose, racing writers, Prefect servers, workers
 and their flow runs, the GCS emulator): their environment and their lifetime.
 
-- One persistent compilation cache per test session (``VIDAX_TEST_COMPILE_CACHE``, made once by
-  the controlling process before pytest-xdist starts its workers, removed at the end) is the
-  default ``VIDAX_COMPILE_CACHE`` of the workers and of every child: a program is compiled only the
-  first time any process of the session sees it. ``VIDAX_COMPILE_CACHE=off make test`` turns it off.
-  Likewise one ``VIDAX_CACHE`` per session (``VIDAX_TEST_CACHE``): the tests never write the user's.
+- JAX's persistent compilation cache is off for the workers and every child by default. Shared
+  by the whole session it saved no time (the same tests with it and without: 261 against 263 s of
+  CPU, 2026-12-03: at the tests' optimisation level compiling costs about as much as the cache's
+  writes and reads), and every native crash of a test worker with a recorded stack was inside its
+  write (XLA:CPU's ``executable.serialize()``, jaxlib 0.10.2; twice in one ``make test-all``).
+  ``VIDAX_TEST_SHARED_COMPILE_CACHE=1`` turns it on: one cache per session
+  (``VIDAX_TEST_COMPILE_CACHE``, made by the controlling process before pytest-xdist starts its
+  workers, removed at the end) as every process's ``VIDAX_COMPILE_CACHE``. Tests of the cache itself
+  (``tests/test_compile_once.py``) give their processes a cache of their own.
+  One ``VIDAX_CACHE`` per session (``VIDAX_TEST_CACHE``): the tests never write the user's.
 - :data:`ENV`: this environment, unbuffered, for the children.
 - :func:`dies_with_parent`: a pytest-xdist worker killed by a native crash runs no fixture
   teardown, so the servers it started would outlive it. The wrapped command gets SIGKILL when its
@@ -24,7 +29,8 @@ if MADE_CACHE:
     # and vidax's own cache (``$VIDAX_CACHE``: fetched checkpoints, code digests), not the user's
     os.environ["VIDAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="vidax-test-cache-")
 COMPILE_CACHE = os.environ["VIDAX_TEST_COMPILE_CACHE"]
-os.environ.setdefault("VIDAX_COMPILE_CACHE", COMPILE_CACHE)
+SHARED_COMPILE_CACHE = os.environ.get("VIDAX_TEST_SHARED_COMPILE_CACHE", "").strip() not in ("", "0", "false", "off")
+os.environ.setdefault("VIDAX_COMPILE_CACHE", COMPILE_CACHE if SHARED_COMPILE_CACHE else "off")
 VIDAX_CACHE = os.environ.get("VIDAX_TEST_CACHE", "")
 if VIDAX_CACHE:
     os.environ.setdefault("VIDAX_CACHE", VIDAX_CACHE)

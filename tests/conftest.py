@@ -10,10 +10,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test-only audio+video family (tests/toyfamily) goes through every registry-wide test
 os.environ.setdefault("VIDAX_FAMILIES", "tests.toyfamily.recipes")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One persistent compilation cache per test session, for the test workers and every child process
-# (tests/children.py). JAX 0.10's CPU executable serialization (the cache write) segfaulted once in
-# a full run (tests/test_ltx_vae.py, in `executable.serialize()`); a worker killed that way is
-# replaced and its test run again (below). `VIDAX_COMPILE_CACHE=off make test` turns it off.
+# JAX's persistent compilation cache is off in the tests unless VIDAX_TEST_SHARED_COMPILE_CACHE=1
+# (then one per session, for the workers and every child: tests/children.py). Its write, XLA:CPU's
+# `executable.serialize()` (jaxlib 0.10.2), is where every recorded native crash of a test worker
+# happened; a worker killed by a crash is replaced and its test run again (below).
 os.environ.setdefault("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.1")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
