@@ -6,7 +6,8 @@ change), as interleaved pairs in one process: both sides are XLA programs, so th
 
 The old side's family VAE module and ``vidax/core/conv.py`` are loaded from ``--old`` under other
 names (the rest of vidax is this tree's). Families: hunyuanvideo (released widths 128-256-512-512,
-latents 2x8x8), cogvideox (released widths 128-256-256-512, latents 3x8x8).
+latents 2x8x8), cogvideox (released widths 128-256-256-512, latents 3x8x8), ltx-video and ltx2 (the
+shipped ``vae/config.json`` of ``ltx-video-0.9`` and ``ltx2-t2v``, latents 2x2x2).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _load(name: str, path: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True, help="root of the other vidax checkout")
-    ap.add_argument("--family", default="hunyuanvideo", choices=["hunyuanvideo", "cogvideox"])
+    ap.add_argument("--family", default="hunyuanvideo", choices=["hunyuanvideo", "cogvideox", "ltx-video", "ltx2"])
     ap.add_argument("--pairs", type=int, default=5)
     a = ap.parse_args(argv)
     root = Path(a.old)
@@ -47,7 +48,8 @@ def main(argv=None):
 
     adapters = dict(compat._ADAPTERS)
     conv_old = _load("_vidax_conv_old", root / "vidax/core/conv.py")
-    old = _load(f"_vidax_{a.family}_vae_old", root / f"vidax/models/{a.family}/vae.py")
+    module = "ltx" if a.family.startswith("ltx") else a.family
+    old = _load(f"_vidax_{module}_vae_old", root / f"vidax/models/{module}/vae.py")
     old.vconv = conv_old
     compat._ADAPTERS.clear()
     compat._ADAPTERS.update(adapters)  # the old module registered its compat loader: this tree's again
@@ -59,6 +61,18 @@ def main(argv=None):
 
         ref = perturb(AutoencoderKLHunyuanVideo(latent_channels=16))
         shape, cfg_of = (1, 16, 2, 8, 8), lambda m, c: m.HunyuanVAEConfig.from_diffusers(c)
+    elif module == "ltx":
+        import json
+        from importlib.resources import files
+
+        import diffusers
+
+        from vidax.models.ltx import vae as new
+
+        release = {"ltx-video": "ltx-video-0.9", "ltx2": "ltx2-t2v"}[a.family]
+        conf = json.loads((files("vidax.models") / "ltx" / "configs" / release / "vae" / "config.json").read_text())
+        ref = perturb(getattr(diffusers, conf["_class_name"]).from_config(conf))
+        shape, cfg_of = (1, conf["latent_channels"], 2, 2, 2), lambda m, c: m.LTXVAEConfig.from_diffusers(c)
     else:
         from diffusers import AutoencoderKLCogVideoX
 
@@ -72,10 +86,21 @@ def main(argv=None):
     folder = tempfile.mkdtemp(prefix="vidax-bench-before-after-")
     ref.save_pretrained(folder)
     conf = compat.read_config(folder)
-    vn, vo = new.load_vae(folder, cfg_of(new, conf)), old.load_vae(folder, cfg_of(old, conf))
     z = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    diff = float(np.abs(new.decode(vn, z) - old.decode(vo, z)).max())
-    res = paired(lambda: new.decode(vn, z), lambda: old.decode(vo, z), pairs=a.pairs, roof=matmul_roof())
+
+    def decoder(m):  # the module's decode of z, loaded from the folder
+        if module != "ltx":
+            vae = m.load_vae(folder, cfg_of(m, conf))
+            return lambda: np.asarray(m.decode(vae, z))
+        import jax
+
+        state, cfg, _ = m.load_vae(folder, cfg_of(m, conf), encoder=False)
+        state = jax.device_put(state)
+        return lambda: np.asarray(m.decode(state, cfg, z))
+
+    run_new, run_old = decoder(new), decoder(old)
+    diff = float(np.abs(run_new() - run_old()).max())
+    res = paired(run_new, run_old, pairs=a.pairs, roof=matmul_roof())
     s = res.summary()
     print(f"{a.family} VAE decode, released widths, latents {shape[2:]}: this tree {s['a_s']:.3f} s, {root} "
           f"{s['b_s']:.3f} s, new / old {s['ratio']:.2f}x [{s['ratio_q1']:.2f}-{s['ratio_q3']:.2f}], "
