@@ -288,14 +288,16 @@ def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)),
             _space_padded(padding, mode)  # (checks the mode)
             xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
         return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), *(((0, 0), (0, 0)) if explicit else padding)), impl=impl)
-    frames, conv = _space_padded(padding, mode)
+    _, conv = _space_padded(padding, mode)
+    if explicit:  # padded in space once, for every tap
+        x = jnp.pad(x, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
     x4 = x.reshape(b * t, *x.shape[2:])  # one sample: the frames a tap meets are a slice of these
     y = None
     for k, wk in enumerate(w if taps else list(w)):
         # output frame o reads frame clip(o + k - p0, 0, T - 1) of x: frames a .. z, each once
         a, z = min(max(k - p0, 0), t - 1), min(max(tout - 1 + k - p0, 0), t - 1)
         n = z - a + 1
-        xk = x4[a:z + 1] if b == 1 and not explicit else frames(x[:, a:z + 1])
+        xk = x4[a:z + 1] if b == 1 else x[:, a:z + 1].reshape(-1, *x.shape[2:])
         c = conv(xk, wk.astype(x.dtype))
         c = c.reshape(b, n, *c.shape[1:])
         if n == 1:
