@@ -226,9 +226,12 @@ def bench_diffusion_decoder():
                 vidax=run_vidax, reference=run_ref)
 
 
+# at the released widths (also by name, for ``benchmarks.profile_wan_vae --case ltx:NAME``)
+vae_decode_real_width_ltx_video_09 = _vae_case("AutoencoderKLLTXVideo", None, "LTX-Video 0.9 VAE", (1, 128, 2, 2, 2),
+                                               release="ltx-video-0.9")
+vae_decode_real_width_ltx2_t2v = _vae_case("AutoencoderKLLTX2Video", None, "LTX-2 VAE", (1, 128, 2, 2, 2),
+                                           release="ltx2-t2v")
 CASES = [bench_ltx_dit, bench_ltx2_dit,
          _vae_case("AutoencoderKLLTXVideo", _V091, "LTX-Video 0.9.1 VAE", (1, 32, 3, 4, 6), temb=0.05),
          _vae_case("AutoencoderKLLTX2Video", _V2, "LTX-2 VAE", (1, 32, 3, 4, 6)),
-         _vae_case("AutoencoderKLLTXVideo", None, "LTX-Video 0.9 VAE", (1, 128, 2, 2, 2), release="ltx-video-0.9"),
-         _vae_case("AutoencoderKLLTX2Video", None, "LTX-2 VAE", (1, 128, 2, 2, 2), release="ltx2-t2v"),
-         bench_audio, bench_diffusion_decoder]
+         vae_decode_real_width_ltx_video_09, vae_decode_real_width_ltx2_t2v, bench_audio, bench_diffusion_decoder]

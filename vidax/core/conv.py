@@ -142,8 +142,9 @@ def up2_conv2d(x, w):
 
 
 def split_taps(split, min_taps: int = 2):
-    """``split`` (an :class:`vidax.core.nn.Split`) with every 5-D ``kernel`` parameter of at least
-    ``min_taps`` time taps stored as a tuple of its taps (``[kh, kw, in, out]`` each), in place.
+    """``split`` (an :class:`vidax.core.nn.Split`, or an ``nnx.State``) with every 5-D ``kernel``
+    parameter of at least ``min_taps`` time taps stored as a tuple of its taps (``[kh, kw, in, out]``
+    each), in place.
 
     A per-tap conv of a stored ``[kt, kh, kw, in, out]`` kernel makes XLA copy each slice ``w[k]``
     into its own buffer on every call (a slice of a program input is never aliased): at 512
@@ -151,7 +152,7 @@ def split_taps(split, min_taps: int = 2):
     read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is."""
     from flax import nnx
 
-    for path, var in nnx.to_flat_state(split.state):
+    for path, var in nnx.to_flat_state(getattr(split, "state", split)):
         v = var.get_value() if hasattr(var, "get_value") else var.value
         if path[-1] == "kernel" and getattr(v, "ndim", 0) == 5 and v.shape[0] >= min_taps:
             taps = tuple(v[k] for k in range(v.shape[0]))
