@@ -99,6 +99,9 @@ def main(argv=None):
         return lambda: np.asarray(m.decode(state, cfg, z))
 
     run_new, run_old = decoder(new), decoder(old)
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)  # both sides loaded (a released-width LTX-2 VAE is 5 GB)
     diff = float(np.abs(run_new() - run_old()).max())
     res = paired(run_new, run_old, pairs=a.pairs, roof=matmul_roof())
     s = res.summary()

@@ -23,9 +23,9 @@ def _loaded(ref, tmp_name):
 
     from vidax import compat
 
-    d = tempfile.mkdtemp(prefix=f"vidax-bench-{tmp_name}-")
-    ref.save_pretrained(d)
-    return compat.load_pretrained(d)
+    with tempfile.TemporaryDirectory(prefix=f"vidax-bench-{tmp_name}-") as d:  # (read whole: removed after)
+        ref.save_pretrained(d)
+        return compat.load_pretrained(d)
 
 
 def bench_ltx_dit():
