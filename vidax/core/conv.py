@@ -246,13 +246,18 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
     return y if bias is None else y + bias.astype(y.dtype)
 
 
+def _explicit(mode: str) -> bool:
+    """Whether space padding ``mode`` is applied by ``jnp.pad`` (edge, reflect) rather than the conv (zeros)."""
+    if mode not in ("zeros", "edge", "reflect"):
+        raise ValueError(f"space padding mode must be 'zeros', 'edge' or 'reflect', got {mode!r}")
+    return mode != "zeros"
+
+
 def _space_padded(padding, mode: str):
     """``(frames, conv)`` for the per-tap convs of :func:`edge_time_conv3d` / :func:`causal_conv3d`:
     ``frames`` [B, n, H, W, in] -> [B * n, H', W', in], padded in space here unless ``mode`` is
     ``"zeros"`` (then the conv pads); ``conv(frames, tap)``."""
-    if mode not in ("zeros", "edge", "reflect"):
-        raise ValueError(f"space padding mode must be 'zeros', 'edge' or 'reflect', got {mode!r}")
-    explicit = mode != "zeros"
+    explicit = _explicit(mode)
     pads = ((0, 0), (0, 0)) if explicit else padding
 
     def frames(f):
@@ -281,15 +286,14 @@ def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)),
     if tout < 1:
         raise ValueError(f"edge_time_conv3d: {t} frames padded by {time_pad} are fewer than the kernel's {kt} taps")
     impl = conv_impl(impl)
-    explicit = mode != "zeros"
+    explicit = _explicit(mode)
     if impl != "taps" or kt == 1:
         parts = [jnp.repeat(x[:, :1], p0, axis=1)] * bool(p0) + [x] + [jnp.repeat(x[:, -1:], p1, axis=1)] * bool(p1)
         xp = jnp.concatenate(parts, axis=1) if len(parts) > 1 else x
         if explicit:
-            _space_padded(padding, mode)  # (checks the mode)
             xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
         return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), *(((0, 0), (0, 0)) if explicit else padding)), impl=impl)
-    _, conv = _space_padded(padding, mode)
+    pads = ((0, 0), (0, 0)) if explicit else padding
     if explicit:  # padded in space once, for every tap
         x = jnp.pad(x, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
     x4 = x.reshape(b * t, *x.shape[2:])  # one sample: the frames a tap meets are a slice of these
@@ -299,7 +303,7 @@ def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)),
         a, z = min(max(k - p0, 0), t - 1), min(max(tout - 1 + k - p0, 0), t - 1)
         n = z - a + 1
         xk = x4[a:z + 1] if b == 1 else x[:, a:z + 1].reshape(-1, *x.shape[2:])
-        c = conv(xk, wk.astype(x.dtype))
+        c = conv2d(xk, wk.astype(x.dtype), padding=pads)
         c = c.reshape(b, n, *c.shape[1:])
         if n == 1:
             c = jnp.broadcast_to(c, (b, tout, *c.shape[2:]))

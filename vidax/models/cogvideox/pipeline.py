@@ -381,7 +381,7 @@ class CogVideoX(Pipeline):
             aux["img"] = jnp.asarray(image_cond)
         return aux
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond, uncond=None, *, latents=None, seed: int = 0, height: int = 480, width: int = 720,
                        num_frames: int = 49, steps: int = 50, guidance: float = 6.0, scheduler=None,
                        dynamic_cfg: bool = False, image_latents=None, dit=None, start: int = 0, state=None,

@@ -406,7 +406,7 @@ class CosmosPredict(CosmosVAEStages, TileStages, Pipeline):
         sf, tf = cvae.factors(self.vae_config())
         return (batch, (num_frames - 1) // tf + 1, height // sf, width // sf, self.dit_config().out_channels)
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, cond_latents=None, latents=None,
                        seed: int = 0, height: int = 704, width: int = 1280, num_frames: int = 93, steps: int = 36,
                        guidance: float = 7.0, cond_timestep: float = 1e-4, scheduler=None, dit=None, start: int = 0,

@@ -411,7 +411,7 @@ class Cosmos3Omni(CosmosVAEStages, TileStages, Pipeline):
         return (np.broadcast_to(cu, (r, *cu.shape)).copy(), np.broadcast_to(su, (r, *su.shape)).copy(),
                 np.stack(cg), np.stack(sg))
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond_ids, uncond_ids=None, *, cond_latents=None, latents=None, seed: int = 0,
                        height: int = 720, width: int = 1280, num_frames: int = 189, steps: int = 35,
                        guidance: float = 6.0, fps: float = 24.0, shift: float | None = None, scheduler=None,

@@ -417,7 +417,7 @@ class HunyuanVideoT2V(Pipeline):
             prep = None
         return prep
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond: dict, uncond: dict | None = None, *, latents=None, seed: int = 0, height: int = 720,
                        width: int = 1280, num_frames: int = 129, steps: int = 50, guidance: float = 6.0,
                        true_cfg: float = 1.0, shift: float = 7.0, image_latents=None, dit=None, start: int = 0,

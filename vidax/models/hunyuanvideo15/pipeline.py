@@ -385,7 +385,7 @@ class HunyuanVideo15T2V(Pipeline):
     def initial_noise(self, shape, seed: int):
         return jax.random.normal(jax.random.fold_in(jax.random.key(seed), 0x7FFFFFFF), shape, jnp.float32)
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond: dict, uncond: dict | None = None, *, latents=None, seed: int = 0, height: int = 480,
                        width: int = 848, num_frames: int = 121, steps: int = 50, guidance: float = 6.0,
                        shift: float = 5.0, image_embeds=None, image_latents=None, dit=None, start: int = 0,

@@ -408,7 +408,7 @@ class WanT2V(wtiles.TileStages, Pipeline):
         """``[(expert, first step, stop step)]``: see :func:`vidax.core.sampling.expert_segments`."""
         return expert_segments(sched, self.boundary_ratio, start)
 
-    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller\'s heap
+    @collect_own_garbage()  # frees what it loaded when it returns, without walking the caller's heap
     def sample_latents(self, cond: np.ndarray, uncond: np.ndarray | None = None, *, latents=None, seed: int = 0,
                height: int = 480, width: int = 832, num_frames: int = 81, steps: int = 50, guidance: float = 5.0,
                scheduler=None, dit=None, start: int = 0, state=None,
