@@ -245,6 +245,10 @@ class DiTRunner:
         """The mesh layout of activation ``name``: the model's logical names through the table."""
         return vsh.logical_spec(self.model.act_spec(name, tuple(shape)), self.mapping, self.mesh)
 
+    def act_sharding(self, name: str, shape) -> NamedSharding:
+        """Where activation ``name`` lives on this runner's mesh (its :meth:`act_spec`)."""
+        return NamedSharding(self.mesh, self.act_spec(name, shape))
+
     def _specs(self, tree):
         return {k: (self._specs(v) if isinstance(v, dict) else P() if k == _VALID else self.act_spec(k, v.shape))
                 for k, v in tree.items()}
@@ -701,7 +705,7 @@ class DiTRunner:
 
     def _place_like(self, tree: dict) -> dict:
         """Carry-like arrays placed with their activation layout (a no-op when they already are)."""
-        return {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, np.shape(v)))) for k, v in tree.items()}
+        return {k: jax.device_put(v, self.act_sharding(k, np.shape(v))) for k, v in tree.items()}
 
     def _cached_call(self, inputs, tables, context=None):
         """One cached forward (``self.cache`` decides per CFG branch; see vidax.core.stepcache);
@@ -715,7 +719,7 @@ class DiTRunner:
                                             f"--cache none")
         n_first = 1 if cache.method == "fbcache" else 0
         # the inputs laid out as the programs take them (whichever program made them): one compile each
-        inputs = {k: jax.device_put(v, NamedSharding(self.mesh, self.act_spec(k, v.shape))) for k, v in inputs.items()}
+        inputs = {k: jax.device_put(v, self.act_sharding(k, v.shape)) for k, v in inputs.items()}
         ctx = context or {}
         signal = cache.method == "teacache" and hasattr(self.model, "teacache_input")
         c1, consts, r = u("embed_first")(self.rest, self._fwd_stacks(self.stacks), inputs, tables, n_first, ctx,

@@ -494,8 +494,6 @@ class CogVideoX(Pipeline):
         on the CFG batch on this pipeline's mesh, inputs as the sampling step passes them (float32
         latents with the I2V image channels, rotary / sin-cos / learned tables, 1.5-I2V's ofs);
         the VAE's first frame batch and a following one with its causal-conv cache."""
-        from jax.sharding import NamedSharding
-
         from vidax.core import nn
         from vidax.core import plan as vplan
 
@@ -509,7 +507,7 @@ class CogVideoX(Pipeline):
         shape = self.latent_shape(nb, request.height, request.width, request.num_frames)
         grid = cdit.token_grid(cfg, shape)
         n = grid[0] * grid[1] * grid[2]
-        tok = NamedSharding(runner.mesh, runner.act_spec("pos", (n, cfg.dim)))
+        tok = runner.act_sharding("pos", (n, cfg.dim))
         tables = {}
         if cfg.use_rotary_positional_embeddings:
             cos, _ = cdit.rope_tables(cfg, grid)
