@@ -10,8 +10,14 @@ conv of a kt times wider input with a transposed kernel (``"fold"``). Elsewhere 
 (``benchmarks/``); ``"taps"`` is the CPU default. All compute the same
 conv (up to float rounding). The Wan VAE's causal conv (``vidax/models/wan/vae.py``) does the same
 per tap and also reads the taps that reach into its causal cache without concatenating it.
+
+The VAEs' programs compile through :func:`jit`, which on CPU runs the 2-D convs on XLA's own
+kernels instead of YNNPACK's (:func:`compiler_options`).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +164,12 @@ def split_taps(split, min_taps: int = 2):
             taps = tuple(v[k] for k in range(v.shape[0]))
             var.set_value(taps) if hasattr(var, "set_value") else setattr(var, "value", taps)
     return split
+
+
+def conv_model(split):
+    """A VAE's :class:`vidax.core.nn.Split` made ready for its convolutions: kernels split by time
+    tap (:func:`split_taps`), programs compiled through :func:`jit`."""
+    return split_taps(split).replace(conv=True)
 
 
 def kernel_value(var):
@@ -325,6 +337,62 @@ def causal_tail(x, prev, kt: int):
         return x[:, t - (kt - 1):]
     head = jnp.repeat(x[:, :1], kt - 1, axis=1) if prev is None else prev.astype(x.dtype)
     return jnp.concatenate([head, x], axis=1)[:, -(kt - 1):]
+
+
+#: XLA:CPU (jaxlib 0.10) hands convolutions and dots to YNNPACK; with the dots alone, the convs run
+#: on XLA's own (Eigen) kernels: a VAE's 3x3 taps at 96 / 192 / 384 channels 268 / 322 / 368
+#: GFLOP/s against 179 / 234 / 327 through YNNPACK, the released-width decodes of Wan, CogVideoX,
+#: HunyuanVideo 1.0 / 1.5 9-13% faster, LTX's (small frames: im2col matmuls) unchanged
+#: (2-core Xeon, README "VAE decodes at the released widths"). ``VIDAX_CPU_CONV=ynnpack`` keeps XLA's default.
+_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+@functools.cache
+def compiler_options() -> dict:
+    """The XLA options convolution programs compile with: on CPU (unless ``VIDAX_CPU_CONV=ynnpack``)
+    convs on XLA's own kernels, dots on YNNPACK; none elsewhere, nor where this jaxlib does not know
+    the option (checked once by compiling a tiny program)."""
+    if jax.default_backend() != "cpu" or os.environ.get("VIDAX_CPU_CONV", "xla") == "ynnpack":
+        return {}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=_CPU_OPTIONS).lower(jnp.zeros(1)).compile()
+    except Exception:  # an older or newer jaxlib without this option: XLA's default
+        return {}
+    return dict(_CPU_OPTIONS)
+
+
+class _ConvJit:
+    """``jax.jit(fun, **kw)`` compiled with :func:`compiler_options`, made at first use (the backend
+    is known then, and importing a module does not start one)."""
+
+    def __init__(self, fun, kw):
+        self._fun, self._kw = fun, kw
+        functools.update_wrapper(self, fun)
+
+    @functools.cached_property
+    def _jitted(self):
+        return jax.jit(self._fun, compiler_options=compiler_options() or None, **self._kw)
+
+    @functools.cached_property
+    def _nested(self):  # inside another trace (jit, eval_shape, shard_map): the outer program's options
+        return jax.jit(self._fun, **self._kw)
+
+    def __call__(self, *args, **kwargs):
+        traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs)))
+        return (self._nested if traced else self._jitted)(*args, **kwargs)
+
+    def __getattr__(self, name):  # lower, eval_shape, trace, clear_cache, ...
+        if name.startswith("__") or name in ("_fun", "_kw"):
+            raise AttributeError(name)
+        return getattr(self._jitted, name)
+
+
+def jit(fun=None, **kw):
+    """``jax.jit`` for programs made of convolutions (a VAE's decode / encode units), with
+    :func:`compiler_options`; also a decorator factory: ``@vconv.jit(static_argnames=...)``."""
+    if fun is None:
+        return lambda f: _ConvJit(f, kw)
+    return _ConvJit(fun, kw)
 
 
 def silu(x):

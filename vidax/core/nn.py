@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vidax.core import conv as vconv
 from vidax.core import geometry
 
 
@@ -292,9 +293,13 @@ class _Graph:
         return isinstance(other, _Graph) and (self is other or self.graphdef == other.graphdef)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _apply(graph: _Graph, method: str, static: tuple, state, *args):
+def _apply_pure(graph: _Graph, method: str, static: tuple, state, *args):
     return getattr(nnx.merge(graph.graphdef, state), method)(*args, **dict(static))
+
+
+_apply = jax.jit(_apply_pure, static_argnums=(0, 1, 2))
+#: the same for a model of convolutions (a VAE): compiled with the conv programs' options
+_apply_conv = vconv.jit(_apply_pure, static_argnums=(0, 1, 2))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -305,11 +310,13 @@ class Split:
     Calls run one jitted pure function of the state that merges the module inside the trace:
     one compile per (graph, method, keyword options, input shapes and dtypes), shared by every
     ``Split`` with an equal graph. Positional arguments are arrays (or ``None``); keyword
-    arguments are static Python values."""
+    arguments are static Python values. ``conv``: its programs are convolutions (a VAE's), compiled
+    through :func:`vidax.core.conv.jit` (:func:`vidax.core.conv.conv_model` sets it)."""
 
     graphdef: Any
     state: Any
     cfg: Any = None
+    conv: bool = False
     _graph: _Graph = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
@@ -338,12 +345,16 @@ class Split:
 
     def apply(self, method: str, *args, **static):
         """``module.<method>(*args, **static)`` through the jitted pure function."""
-        return _apply(self._graph, method, tuple(sorted(static.items())), self.state, *args)
+        return self._program(self._graph, method, tuple(sorted(static.items())), self.state, *args)
+
+    @property
+    def _program(self):
+        return _apply_conv if self.conv else _apply
 
     def method_fn(self, method: str, **static):
         """``module.<method>(**static)`` as the jitted pure function of ``(state, *args)`` that
         :meth:`apply` calls (for ``jax.eval_shape``, ``vidax plan``)."""
-        return functools.partial(_apply, self._graph, method, tuple(sorted(static.items())))
+        return functools.partial(self._program, self._graph, method, tuple(sorted(static.items())))
 
     def __call__(self, *args, **static):
         return self.apply("__call__", *args, **static)

@@ -612,7 +612,7 @@ def _build(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32):
 
 def init(cfg: CogVideoXVAEConfig, seed: int = 0, dtype=np.float32) -> CogVAE:
     """Seeded random weights (presets, tests): every parameter perturbed."""
-    return vconv.split_taps(CogVAE(*nnx.split(nn.perturb(_build(cfg, seed, dtype)(), seed)), cfg))
+    return vconv.conv_model(CogVAE(*nnx.split(nn.perturb(_build(cfg, seed, dtype)(), seed)), cfg))
 
 
 def param_shapes(cfg: CogVideoXVAEConfig, dtype=np.float32) -> dict:
@@ -724,7 +724,7 @@ def load_vae(path, cfg: CogVideoXVAEConfig | None = None, dtype=np.float32) -> C
         ckpt = Checkpoint(ren, getattr(ckpt, "source", str(path)))
     pure = load_params(ckpt, diffusers_keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLCogVideoX (block_out_channels {cfg.block_out_channels})")
-    return vconv.split_taps(CogVAE.from_pure(_build(cfg, dtype=dtype), pure).replace(cfg=cfg))
+    return vconv.conv_model(CogVAE.from_pure(_build(cfg, dtype=dtype), pure).replace(cfg=cfg))
 
 
 # ----------------------------------------------------------------------------------- compat

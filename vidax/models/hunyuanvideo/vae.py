@@ -404,7 +404,7 @@ def init(cfg: HunyuanVAEConfig, seed: int = 0, dtype=np.float32) -> nn.Split:
     from vidax.models.hunyuanvideo.dit import seeded_state
 
     graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
-    return vconv.split_taps(nn.Split(graphdef, jax.device_put(state), cfg))
+    return vconv.conv_model(nn.Split(graphdef, jax.device_put(state), cfg))
 
 
 def _build(cfg, dtype=np.float32):
@@ -566,7 +566,7 @@ def load_vae(path, cfg: HunyuanVAEConfig | None = None, dtype=np.float32) -> nn.
     shapes = nn.shapes(lambda: _build(cfg, dtype))
     flat = load_params(ckpt, keymap(cfg), str_keys(shapes), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo (channels {cfg.block_out_channels})")
-    return vconv.split_taps(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
+    return vconv.conv_model(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
 
 
 # ----------------------------------------------------------------------------------- compat

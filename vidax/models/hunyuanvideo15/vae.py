@@ -408,7 +408,7 @@ def init(cfg: HunyuanVideo15VAEConfig, seed: int = 0, dtype=np.float32) -> nn.Sp
     from vidax.models.hunyuanvideo.dit import seeded_state
 
     graphdef, state = seeded_state(lambda: _build(cfg, dtype), seed)
-    return vconv.split_taps(nn.Split(graphdef, jax.device_put(state), cfg))
+    return vconv.conv_model(nn.Split(graphdef, jax.device_put(state), cfg))
 
 
 # ----------------------------------------------------------------------------------- decode / encode
@@ -594,7 +594,7 @@ def load_vae(path, cfg: HunyuanVideo15VAEConfig | None = None, dtype=np.float32)
         ckpt = view_of({original_name(n): ckpt[n] for n in names}, ckpt)
     flat = load_params(ckpt, keymap(cfg), param_shapes(cfg, dtype), dtype=dtype,
                        what=f"AutoencoderKLHunyuanVideo15 (channels {cfg.block_out_channels})")
-    return vconv.split_taps(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
+    return vconv.conv_model(nn.Split.from_pure(lambda: _build(cfg, dtype), int_keys(flat)))
 
 
 # ----------------------------------------------------------------------------------- compat

@@ -511,12 +511,12 @@ def _dtype(state) -> str:
     return np.dtype(jax.tree.leaves(state)[0].dtype).name
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@vconv.jit(static_argnums=(1,))
 def _encode(state, cfg, x):
     return nnx.merge(graphdef(cfg, _dtype(state), True), state).encode(x)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@vconv.jit(static_argnums=(1, 2))
 def _decode(state, cfg, has_enc, z, temb, key):
     return nnx.merge(graphdef(cfg, _dtype(state), has_enc), state).decode(z, temb, key)
 
@@ -525,7 +525,7 @@ def _has_encoder(state) -> bool:
     return "encoder" in state and len(jax.tree.leaves(state["encoder"])) > 0
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@vconv.jit(static_argnums=(1,))
 def _moments(state, cfg, x):
     return nnx.merge(graphdef(cfg, _dtype(state), True), state).moments(x)
 

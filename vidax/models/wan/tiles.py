@@ -54,8 +54,8 @@ def _tiles_program(mesh, cfg: WanVAEConfig, first: bool, attn_impl, conv_impl: s
 
     t, rep = TILE_SPEC, WHOLE_SPEC
     if first:
-        return jax.jit(smap(lambda state, z: one(state, z, None), mesh, (rep, t), (t, t)))
-    return jax.jit(smap(one, mesh, (rep, t, t), (t, t)), donate_argnums=(2,))
+        return vconv.jit(smap(lambda state, z: one(state, z, None), mesh, (rep, t), (t, t)))
+    return vconv.jit(smap(one, mesh, (rep, t, t), (t, t)), donate_argnums=(2,))
 
 
 def decode_tiles(state, cfg: WanVAEConfig, z, tiles=None, *, start: int = 0, stop: int | None = None, cache=None,

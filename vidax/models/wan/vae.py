@@ -884,14 +884,14 @@ def _state_dtype(state):
 # graphdef inside the trace: one program per (config, first, impls) and input shape.
 # The causal cache is donated: each chunk's new cache takes the old one's buffers (at 720p the
 # cache is ~8 GiB, held once instead of twice).
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl", "raw"), donate_argnames=("cache",))
+@vconv.jit(static_argnames=("cfg", "first", "attn_impl", "conv_impl", "raw"), donate_argnames=("cache",))
 def decode_chunk_jit(state, z, cache, *, cfg, first, attn_impl, conv_impl, raw=False):
     ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
     x = nnx.merge(graphdef(cfg), state).decode(z.transpose(0, 2, 3, 4, 1), ctx, raw)
     return x.transpose(0, 4, 1, 2, 3), ctx.new
 
 
-@partial(jax.jit, static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
+@vconv.jit(static_argnames=("cfg", "first", "attn_impl", "conv_impl"))
 def encode_chunk_jit(state, x, cache, *, cfg, first, attn_impl, conv_impl):
     ctx = _Ctx(None if first else cache, attn_impl, conv_impl)
     h = nnx.merge(graphdef(cfg), state).encode(x.transpose(0, 2, 3, 4, 1), ctx)
