@@ -142,6 +142,23 @@ def test_decode_compiles_at_most_twice():
     assert cc.count == 0
 
 
+def test_two_loaded_states_of_one_config_are_their_own():
+    """Loading a second VAE of the same config leaves the first one's weights as they were (the
+    abstract state each load fills is its own), and the 3-tap kernels are held split by time tap."""
+    from vidax.core import conv as vconv
+    from vidax.models.wan import vae
+
+    cfg = vae.WanVAEConfig(**{**RELEASE, "base_dim": 8})
+    fill = lambda v: jax.tree.map(lambda s: np.full(s.shape, v, s.dtype), vae.param_shapes(cfg))  # noqa: E731
+    a = vae.state_from_pure(cfg, fill(1.0))
+    b = vae.state_from_pure(cfg, fill(2.0))
+    assert a is not b
+    assert {float(np.max(x)) for x in jax.tree.leaves(a)} == {1.0}
+    assert {float(np.max(x)) for x in jax.tree.leaves(b)} == {2.0}
+    kernel = vconv.kernel_value(a["decoder"]["conv_in"]["kernel"])
+    assert isinstance(kernel, tuple) and len(kernel) == 3 and kernel[0].ndim == 4
+
+
 def test_decode_resumes_from_a_persisted_cache():
     from vidax.models.wan import vae
 

@@ -87,7 +87,7 @@ def _pairs(p, n: int):
 #: frames of at most this many output pixels convolve as one matmul of their patches (im2col):
 #: measured on the 2-core CPU (3x3 kernels), im2col / conv = 0.1-0.2 at 4x4 px (1024 channels),
 #: 0.2-0.8 at 8x8 (512-1024), about 1 at 16x16 (512), 1.5-2.5 at 32x32 (256) and above
-IM2COL_MAX_PIXELS = 144
+IM2COL_MAX_PIXELS = 16
 
 
 def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
@@ -155,13 +155,18 @@ def split_taps(split, min_taps: int = 2):
     A per-tap conv of a stored ``[kt, kh, kw, in, out]`` kernel makes XLA copy each slice ``w[k]``
     into its own buffer on every call (a slice of a program input is never aliased): at 512
     channels 9.4 MB per tap. Split once at load, the taps are program inputs themselves. Modules
-    read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is."""
+    read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is. Abstract
+    leaves (``jax.ShapeDtypeStruct``) split into abstract taps."""
     from flax import nnx
 
     for path, var in nnx.to_flat_state(getattr(split, "state", split)):
         v = var.get_value() if hasattr(var, "get_value") else var.value
-        if path[-1] == "kernel" and getattr(v, "ndim", 0) == 5 and v.shape[0] >= min_taps:
-            taps = tuple(v[k] for k in range(v.shape[0]))
+        shape = tuple(getattr(v, "shape", ()))
+        if path[-1] == "kernel" and len(shape) == 5 and shape[0] >= min_taps:
+            if isinstance(v, jax.ShapeDtypeStruct):  # an abstract state (plans, cache specs)
+                taps = tuple(jax.ShapeDtypeStruct(shape[1:], v.dtype) for _ in range(shape[0]))
+            else:
+                taps = tuple(v[k] for k in range(shape[0]))
             var.set_value(taps) if hasattr(var, "set_value") else setattr(var, "value", taps)
     return split
 

@@ -377,6 +377,9 @@ class Conv(nnx.Conv):
     def __call__(self, x):
         if self.pointwise:
             return _matmul(x, self.kernel[...].reshape(self.in_features, self.out_features), self.bias[...])
+        w = vconv.kernel_value(self.kernel)
+        if isinstance(w, tuple):  # stored split by time tap (vconv.split_taps): one 3-D conv of them
+            return vconv.conv3d(x, w, self.bias[...], self.strides, self.padding, impl="native")
         return super().__call__(x)
 
 
@@ -417,12 +420,12 @@ class CausalConv3d(Conv):
         n_old = kt - 1 if old is None else old.shape[1]
         if ctx.conv_impl == "native":
             old = jnp.zeros((x.shape[0], n_old, *x.shape[2:]), x.dtype) if old is None else old.astype(x.dtype)
-            return nnx.Conv.__call__(self, jnp.concatenate([old, x], axis=1))
+            return Conv.__call__(self, jnp.concatenate([old, x], axis=1))
         tout = (n_old + x.shape[1] - kt) // stride + 1
         span = stride * (tout - 1) + 1
         k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
+        w = vconv.kernel_value(self.kernel)  # whole, or split by time tap (state_from_pure)
         if ctx.conv_impl == "taps":
-            w = self.kernel[...]
             y = None
             for k in range(k0, kt):
                 xk = _tap(old, x, k, n_old, span, stride)  # [B, tout, H, W, cin]
@@ -431,8 +434,7 @@ class CausalConv3d(Conv):
             return y + self.bias[...].astype(y.dtype)
         xs = [_tap(old, x, k, n_old, span, stride) for k in range(k0, kt)]
         xc = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # [B, tout, H, W, (kt - k0) cin]
-        w = self.kernel[...][k0:].transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * self.in_features,
-                                                                   self.out_features)
+        w = jnp.stack(w[k0:]).transpose(1, 2, 0, 3, 4).reshape(kh, kw, (kt - k0) * self.in_features, self.out_features)
         return _per_frame(lambda f: _conv2d(f, w, self.bias[...], padding=self.padding[1:]), xc)
 
 
@@ -677,7 +679,7 @@ class WanVAE(nnx.Module):
     @property
     def dtype(self):
         """The compute dtype: the parameters'."""
-        return self.decoder.conv_in.kernel[...].dtype
+        return vconv.kernel_dtype(self.decoder.conv_in.kernel)
 
     def encode(self, x, ctx: _Ctx):
         """Video frames [B, t, H, W, C] -> moments [B, f, h, w, 2 z_dim] (mean, then logvar)."""
@@ -832,7 +834,8 @@ def _abstract(cfg: WanVAEConfig):
 
 
 def _abstract_state(cfg: WanVAEConfig):
-    return _abstract(cfg)[1]  # nn.abstract_state hands each caller a fresh state (nn.fill fills in place)
+    """A fresh abstract state, the caller's own (``nn.fill`` fills it in place; ``_abstract`` is shared)."""
+    return jax.tree.map(lambda x: x, _abstract(cfg)[1])
 
 
 def graphdef(cfg: WanVAEConfig) -> nnx.GraphDef:
@@ -860,7 +863,7 @@ def init_params(cfg: WanVAEConfig, seed: int = 0, dtype=np.float32) -> nnx.State
         return a.astype(dtype)
 
     pure = jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
-    return nnx.state(nn.perturb(nnx.merge(graphdef(cfg), nn.fill(state, pure)), seed))
+    return vconv.split_taps(nnx.state(nn.perturb(nnx.merge(graphdef(cfg), nn.fill(state, pure)), seed)))
 
 
 def param_shapes(cfg: WanVAEConfig, dtype=np.float32) -> dict:
@@ -871,12 +874,13 @@ def param_shapes(cfg: WanVAEConfig, dtype=np.float32) -> dict:
 
 def state_from_pure(cfg: WanVAEConfig, pure: dict) -> nnx.State:
     """A :class:`WanVAE` state holding the arrays of the pure nested dict ``pure`` (what the key maps
-    produce: host numpy stays host numpy until the caller places it); no random initialisation."""
-    return nn.fill(_abstract_state(cfg), pure)
+    produce: host numpy stays host numpy until the caller places it); no random initialisation.
+    Causal conv kernels are held split by time tap (:func:`vidax.core.conv.split_taps`)."""
+    return vconv.split_taps(nn.fill(_abstract_state(cfg), pure))
 
 
 def _state_dtype(state):
-    return np.dtype(state["decoder"]["conv_in"]["kernel"].get_value().dtype)
+    return np.dtype(vconv.kernel_dtype(state["decoder"]["conv_in"]["kernel"]))
 
 
 # ----------------------------------------------------------------------------------- chunks
