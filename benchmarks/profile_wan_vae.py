@@ -273,6 +273,11 @@ def category_table(prof: dict, title: str) -> str:
     lines = [f"### {title}: {total:.0f} ms of op time per decode"
              + (f" (program wall {prof['wall_ms']:.0f} ms)" if "wall_ms" in prof else ""),
              "| category | ms | % | GFLOP | GFLOP/s |", "|---|---:|---:|---:|---:|"]
+    if prof.get("wall_ms", 0) > 1.2 * total:
+        # convs on XLA's own (Eigen) kernels (vidax.core.conv.compiler_options) record no thunk
+        # events: the wall time no event covers is theirs (VIDAX_CPU_CONV=ynnpack profiles them)
+        lines.insert(1, f"(the {prof['wall_ms'] - total:.0f} ms of program wall that no thunk event covers are the"
+                        " convolutions on XLA's own kernels; VIDAX_CPU_CONV=ynnpack profiles them through YNNPACK)")
     for k, v in sorted(cats.items(), key=lambda kv: -kv[1]["ms"]):
         if v["ms"] < 0.05 * total / 100:
             continue
