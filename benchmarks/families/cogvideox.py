@@ -88,7 +88,7 @@ def _vae_case(cfg: dict, latents: tuple, config: str, **kw):
         return out
 
     return dict(component="VAE decode (vs diffusers `AutoencoderKLCogVideoX`)", config=config,
-                vidax=lambda: ours.decode(z, **kw), reference=run_ref, vidax_lowered=lowered, hlo_module="_apply")
+                vidax=lambda: ours.decode(z, **kw), reference=run_ref, vidax_lowered=lowered, hlo_module="_apply_pure")
 
 
 def vae_decode():

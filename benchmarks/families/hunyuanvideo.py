@@ -113,7 +113,7 @@ def vae_decode_real_width(latents: tuple = (2, 8, 8)):
     return dict(component="VAE decode (vs diffusers `AutoencoderKLHunyuanVideo`)",
                 config=f"released widths: channels 128-256-512-512, z 16, latents {f}x{h}x{w} -> "
                        f"{(f - 1) * 4 + 1}x{8 * h}x{8 * w} px",
-                vidax=vidax, reference=reference, vidax_lowered=lowered, hlo_module="_apply")
+                vidax=vidax, reference=reference, vidax_lowered=lowered, hlo_module="_apply_pure")
 
 
 def _save(model):

@@ -115,7 +115,7 @@ def vae_decode_real_width(latents: tuple = (2, 4, 4)):
     """The decode at the released widths (channels 128-256-512-1024-1024, z 32, 16x spatial): 2
     latent frames at 4x4 -> 5 x 64 x 64 px (seconds per decode on the 2-core CPU)."""
     f, h, w = latents
-    case = dict(hlo_module="_apply")
+    case = dict(hlo_module="_apply_pure")
     vidax, reference = _vae_case((1, 32, f, h, w), (128, 256, 512, 1024, 1024), case)
     return dict(case, component="VAE decode, staged (vs diffusers `AutoencoderKLHunyuanVideo15`)",
                 config=f"released widths: channels 128-256-512-1024-1024, z 32, latents {f}x{h}x{w} -> "
