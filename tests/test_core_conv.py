@@ -175,3 +175,58 @@ def test_edge_time_conv3d_equals_torch_on_the_padded_input(frames, time_pad, kt,
 def test_space_padding_modes_are_checked():
     with pytest.raises(ValueError, match="'zeros', 'edge' or 'reflect', got 'wrap'"):
         vconv.edge_time_conv3d(np.zeros((1, 3, 6, 7, 4), np.float32), np.zeros((3, 3, 3, 4, 5), np.float32), mode="wrap")
+
+
+def test_conv_programs_compile_with_their_options(monkeypatch):
+    """VAE programs (``vconv.jit``) compile with :func:`vconv.compiler_options` (on CPU: convs on
+    XLA's own kernels), at top level only: nested in another trace (``jax.jit``, ``eval_shape``) they
+    are part of the outer program. ``VIDAX_CPU_CONV=ynnpack`` keeps XLA's default; an option the
+    jaxlib rejects reaches XLA (so the option is really passed)."""
+    import jax
+
+    x = np.random.default_rng(0).standard_normal((2, 20, 20, 4)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((3, 3, 4, 5)).astype(np.float32)
+    fn = lambda x, w: vconv.conv2d(x, w, padding=((1, 1), (1, 1)))  # noqa: E731
+    want = np.asarray(jax.jit(fn)(x, w))
+    if jax.default_backend() == "cpu":
+        assert vconv.compiler_options() == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    f = vconv.jit(fn)
+    np.testing.assert_allclose(np.asarray(f(x, w)), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: f(x, w) * 2)(x, w)), 2 * want, rtol=1e-5, atol=1e-4)
+    assert jax.eval_shape(f, x, w).shape == (2, 20, 20, 5)
+    assert f.lower(x, w).compile() is not None
+
+    monkeypatch.setattr(vconv, "compiler_options", lambda: {"xla_cpu_experimental_ynn_fusion_type": "NOT_A_TYPE"})
+    with pytest.raises(Exception, match="NOT_A_TYPE"):
+        vconv.jit(fn)(x, w)
+    monkeypatch.undo()
+
+    monkeypatch.setenv("VIDAX_CPU_CONV", "ynnpack")
+    vconv.compiler_options.cache_clear()
+    try:
+        assert vconv.compiler_options() == {}
+    finally:
+        monkeypatch.delenv("VIDAX_CPU_CONV")
+        vconv.compiler_options.cache_clear()
+
+
+def test_a_conv_model_runs_its_own_programs():
+    """``conv_model``: a VAE's Split with its kernels split by time tap and its calls through the
+    conv programs; the same results as the plain Split."""
+    from flax import nnx
+
+    from vidax.core import nn
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(np.random.default_rng(2).standard_normal((3, 3, 3, 4, 5)).astype(np.float32) / 10)
+
+        def __call__(self, x):
+            return vconv.conv3d(x, vconv.kernel_value(self.kernel), padding=((0, 0), (1, 1), (1, 1)))
+
+    x = np.random.default_rng(0).standard_normal((1, 5, 20, 20, 4)).astype(np.float32)
+    plain = nn.Split.of(M())
+    model = vconv.conv_model(nn.Split.of(M()))
+    assert model.conv and not plain.conv and model._program is nn._apply_conv
+    assert isinstance(vconv.kernel_value(model.merge().kernel), tuple)
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-4)
