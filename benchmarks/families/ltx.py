@@ -165,7 +165,9 @@ _V2 = dict(latent_channels=32, block_out_channels=(32, 64, 64, 64), decoder_bloc
            spatial_compression_ratio=32, temporal_compression_ratio=8)
 
 
-def bench_audio():
+def bench_audio(release: str | None = None):
+    """The LTX-2 audio VAE decode + vocoder: narrow widths (base 64, vocoder 256), or ``release``'s
+    (a shipped recipe's ``audio_vae`` / ``vocoder`` configs: base 128, vocoder 1024)."""
     import jax
 
     from diffusers import AutoencoderKLLTX2Audio
@@ -175,9 +177,18 @@ def bench_audio():
 
     torch, perturb = _torch()
     torch.manual_seed(0)
-    vae = perturb(AutoencoderKLLTX2Audio(base_channels=64, ch_mult=(1, 2, 4), num_res_blocks=2, latent_channels=8,
-                                         mel_bins=64))
-    voc = perturb(LTX2Vocoder(in_channels=128, hidden_channels=256))
+    if release:
+        from importlib.resources import files
+
+        shipped = files("vidax.models") / "ltx" / "configs" / release
+        vae = perturb(AutoencoderKLLTX2Audio.from_config(json.loads((shipped / "audio_vae" / "config.json").read_text())))
+        voc = perturb(LTX2Vocoder.from_config(json.loads((shipped / "vocoder" / "config.json").read_text())))
+        widths = f"released widths ({release}: base {vae.config.base_channels}, vocoder {voc.config.hidden_channels})"
+    else:
+        vae = perturb(AutoencoderKLLTX2Audio(base_channels=64, ch_mult=(1, 2, 4), num_res_blocks=2, latent_channels=8,
+                                             mel_bins=64))
+        voc = perturb(LTX2Vocoder(in_channels=128, hidden_channels=256))
+        widths = "vocoder width 256"
     mv, mc = _loaded(vae, "avae"), _loaded(voc, "voc")
     z = np.random.default_rng(0).standard_normal((1, 8, 50, 16)).astype(np.float32)
     zt = torch.from_numpy(z)
@@ -190,8 +201,13 @@ def bench_audio():
             voc(vae.decode(zt).sample)
 
     return dict(component="LTX-2 audio VAE decode + vocoder (vs diffusers AutoencoderKLLTX2Audio + LTX2Vocoder)",
-                config="latents 50x16 (2 s) -> mel 197x64 -> 2 x 47280 samples at 24 kHz; vocoder width 256",
+                config=f"latents 50x16 (2 s) -> mel 197x64 -> 2 x 47280 samples at 24 kHz; {widths}",
                 vidax=run_vidax, reference=run_ref)
+
+
+def bench_audio_real_width():
+    """:func:`bench_audio` at the released widths (``ltx2-t2v``'s audio VAE and vocoder)."""
+    return bench_audio("ltx2-t2v")
 
 
 def bench_diffusion_decoder():
@@ -234,4 +250,5 @@ vae_decode_real_width_ltx2_t2v = _vae_case("AutoencoderKLLTX2Video", None, "LTX-
 CASES = [bench_ltx_dit, bench_ltx2_dit,
          _vae_case("AutoencoderKLLTXVideo", _V091, "LTX-Video 0.9.1 VAE", (1, 32, 3, 4, 6), temb=0.05),
          _vae_case("AutoencoderKLLTX2Video", _V2, "LTX-2 VAE", (1, 32, 3, 4, 6)),
-         vae_decode_real_width_ltx_video_09, vae_decode_real_width_ltx2_t2v, bench_audio, bench_diffusion_decoder]
+         vae_decode_real_width_ltx_video_09, vae_decode_real_width_ltx2_t2v, bench_audio, bench_audio_real_width,
+         bench_diffusion_decoder]
