@@ -50,7 +50,7 @@ def test_default_impl_is_part_of_the_jit_key():
     import jax
 
     f = jax.jit(lambda x, w: vconv.conv3d(x, w))
-    x, w = np.ones((1, 3, 16, 16, 4), np.float32), np.ones((3, 3, 3, 4, 4), np.float32)  # frames above im2col
+    x, w = np.ones((1, 3, 16, 16, 4), np.float32), np.ones((3, 3, 3, 4, 12), np.float32)  # above im2col, wide
     convs = lambda: f.lower(x, w).as_text().count("stablehlo.convolution")  # noqa: E731
     assert convs() == 3  # one per time tap (this CPU's default)
     with vconv.default_impl("native"):
@@ -73,9 +73,9 @@ def test_kernels_split_by_time_tap(impl):
     class M(nnx.Module):
         def __init__(self):
             self.a = nnx.Module()
-            self.a.kernel = nnx.Param(np.arange(3 * 3 * 3 * 4 * 5, dtype=np.float32).reshape(3, 3, 3, 4, 5) / 100)
+            self.a.kernel = nnx.Param(np.arange(3 * 3 * 3 * 4 * 9, dtype=np.float32).reshape(3, 3, 3, 4, 9) / 100)
             self.b = nnx.Module()
-            self.b.kernel = nnx.Param(np.ones((1, 3, 3, 5, 5), np.float32))
+            self.b.kernel = nnx.Param(np.ones((1, 3, 3, 9, 9), np.float32))  # (out > NARROW_MAX_OUT: convs)
 
         def __call__(self, x):
             return vconv.conv3d(vconv.conv3d(x, vconv.kernel_value(self.a.kernel), impl=impl),
@@ -86,32 +86,36 @@ def test_kernels_split_by_time_tap(impl):
     want = np.asarray(whole(x))
     split = vconv.split_taps(nn.Split.of(M()))
     taps = vconv.kernel_value(split.merge().a.kernel)
-    assert isinstance(taps, tuple) and [t.shape for t in taps] == [(3, 3, 4, 5)] * 3
-    assert vconv.kernel_value(split.merge().b.kernel).shape == (1, 3, 3, 5, 5)
+    assert isinstance(taps, tuple) and [t.shape for t in taps] == [(3, 3, 4, 9)] * 3
+    assert vconv.kernel_value(split.merge().b.kernel).shape == (1, 3, 3, 9, 9)
     assert vconv.kernel_dtype(split.merge().a.kernel) == np.float32
     np.testing.assert_allclose(np.asarray(split(x)), want, rtol=1e-6, atol=1e-5)
     if impl == "taps":
         hlo = jax.jit(lambda s, x: nnx.merge(split.graphdef, s)(x)).lower(split.state, x).as_text()
-        assert "tensor<3x3x3x4x5xf32>" not in hlo  # the whole kernel is not in the program
+        assert "tensor<3x3x3x4x9xf32>" not in hlo  # the whole kernel is not in the program
         assert hlo.count("stablehlo.convolution") == 4
 
 
 @pytest.mark.parametrize("strides,padding", [((1, 1), ((1, 1), (1, 1))), ((2, 2), ((0, 1), (1, 0))),
                                              ((1, 1), ((0, 0), (0, 0)))])
-def test_conv2d_patch_matmul_equals_the_conv(monkeypatch, strides, padding):
-    """Small frames convolve as one matmul of their patches (im2col); larger ones through XLA's conv:
-    both give torch's conv2d, whichever side of ``IM2COL_MAX_PIXELS`` a frame falls."""
+@pytest.mark.parametrize("out", [7, 3])
+def test_conv2d_patch_matmul_equals_the_conv(monkeypatch, strides, padding, out):
+    """Small frames convolve as one matmul of their patches (im2col); larger ones through XLA's conv,
+    or with few output channels (``NARROW_MAX_OUT``, stride 1) as one matmul to every tap's outputs
+    and a shifted sum: all give torch's conv2d, whichever side of the thresholds a conv falls."""
     import torch
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 9, 11, 6)).astype(np.float32)
-    w = rng.standard_normal((3, 3, 6, 7)).astype(np.float32)
+    w = rng.standard_normal((3, 3, 6, out)).astype(np.float32)
     xt = torch.nn.functional.pad(torch.from_numpy(x).permute(0, 3, 1, 2), [*padding[1], *padding[0]])
     want = torch.nn.functional.conv2d(xt, torch.from_numpy(w).permute(3, 2, 0, 1), stride=strides).permute(0, 2, 3, 1)
     for limit in (0, 10_000):  # never / always the patch matmul
         monkeypatch.setattr(vconv, "IM2COL_MAX_PIXELS", limit)
-        got = np.asarray(vconv.conv2d(x, w, strides, padding))
-        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=3e-5)
+        for narrow in (0, 8):  # never / for out <= 8 the matmul to the taps' outputs
+            monkeypatch.setattr(vconv, "NARROW_MAX_OUT", narrow)
+            got = np.asarray(vconv.conv2d(x, w, strides, padding))
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=3e-5)
 
 
 @pytest.mark.parametrize("frames", [1, 2, 5])

@@ -268,8 +268,11 @@ def _conv2d(x, w, b=None, *, padding):
     [kh, kw, in, out] (folded time taps, upsampling phases) at full precision; 1x1: a matmul."""
     if w.shape[:2] == (1, 1):
         return _matmul(x, w[0, 0], b)
-    y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), (1, 1), padding,
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HIGHEST)
+    if w.shape[-1] <= vconv.NARROW_MAX_OUT:  # the conv to RGB: a matmul and a shifted sum
+        y = vconv.conv2d(x, w, padding=padding)
+    else:
+        y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), (1, 1), padding,
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HIGHEST)
     return y if b is None else y + b.astype(y.dtype)
 
 
