@@ -1,7 +1,7 @@
 """3-D convolutions of channels-last video (``[B, T, H, W, C]``, kernels ``[kt, kh, kw, in, out]``)
 at full precision, formulated for the backend they run on.
 
-XLA:CPU's generic 3-D convolution is several times slower than its 2-D one (YNNPACK), so on CPU a
+XLA:CPU's generic 3-D convolution is several times slower than its 2-D one, so on CPU a
 3-D conv runs as one 2-D conv per time tap (kernel ``w[k]``, a contiguous slice of the stored
 kernel; input frames ``k, k + st, ...``), summed: XLA fuses the taps' sum with the bias and the
 following elementwise work (``"taps"``), or with the time taps folded into the channel axis: one 2-D
