@@ -468,16 +468,16 @@ def main(argv=None, extend: Callable[[argparse.ArgumentParser], dict] | None = N
     from stages.run import StageError
     from vidax.core import runtime
 
-    # (`vidax stage --flow-run`, the multi-host stage pods' command, joins the job itself, or execs process 0)
-    if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate") and not getattr(a, "flow_run", None):
-        runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
     from vidax.core.mesh import RemoteError, process_count
 
     import traceback
 
     try:
+        # (`vidax stage --flow-run`, the multi-host stage pods' command, joins the job itself, or execs process 0)
+        if a.cmd in ("generate", "batch", "stage", "rerun", "calibrate") and not getattr(a, "flow_run", None):
+            runtime.setup()  # join a multi-host job (before any device is touched); persistent compilation cache
         rc = commands[a.cmd](a)
-    except RequestError as e:
+    except (RequestError, runtime.SettingError) as e:
         if debug:
             traceback.print_exc()
         _console(stderr=True).print(f"vidax: error: {e}")

@@ -182,6 +182,21 @@ def test_cli_refuses_bad_store_urls(tmp_path, capsys, monkeypatch, url, text):
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
 
 
+@pytest.mark.parametrize("name,value,text", [("VIDAX_CPU_CONV", "oneDNN", "expected 'xla'"),
+                                             ("VIDAX_COMPILE_CACHE_MAX_GB", "lots", "a number"),
+                                             ("VIDAX_COMPILE_CACHE_MIN_SECONDS", "-1", "at least 0")])
+def test_cli_refuses_bad_settings(store, capsys, monkeypatch, name, value, text):
+    """A vidax environment setting it cannot use: one line naming the variable, exit 2, nothing written."""
+    from vidax.core import runtime
+
+    monkeypatch.setattr(runtime, "_done", False)  # the process's settings are read again
+    monkeypatch.setenv(name, value)
+    before = tree_digest(store)
+    rc, out, err = _run_cli(list(BASE), store, capsys)
+    assert rc == 2 and err.count("\n") == 0 and err.startswith(f"vidax: error: {name}='{value}':") and text in err, err
+    assert tree_digest(store) == before
+
+
 def test_cli_refuses_a_store_under_a_file(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

@@ -375,6 +375,9 @@ def compiler_options() -> dict:
     """The XLA options convolution programs compile with: on CPU (unless ``VIDAX_CPU_CONV=ynnpack``)
     convs on XLA's own kernels, dots on YNNPACK; none elsewhere, nor where this jaxlib does not know
     the option (checked once by compiling a tiny program)."""
+    from vidax.core.runtime import check_settings
+
+    check_settings()  # VIDAX_CPU_CONV is xla or ynnpack (a library caller may never run runtime.setup)
     if jax.default_backend() != "cpu" or os.environ.get("VIDAX_CPU_CONV", "xla") == "ynnpack":
         return {}
     try:

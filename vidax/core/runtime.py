@@ -10,8 +10,12 @@ the environment says so, and turn on JAX's persistent compilation cache.
   first time any process of the pool sees its shape. ``VIDAX_COMPILE_CACHE_MIN_SECONDS`` (default
   0.5): only programs that took at least this long to compile are kept. ``VIDAX_COMPILE_CACHE_MAX_GB``
   (default 32): a local directory's size bound (least recently used entries go first).
+- ``VIDAX_CPU_CONV``: ``xla`` (default) or ``ynnpack``, the kernels a VAE's convs run on over CPU
+  (:func:`vidax.core.conv.compiler_options`).
 - :func:`collect_own_garbage`: a stage frees what it dropped when it returns, without walking the
   whole heap of a long-lived process.
+
+:func:`setup` checks these settings first: a bad value is a :class:`SettingError` naming the variable.
 """
 from __future__ import annotations
 
@@ -22,6 +26,30 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _done = False
+
+
+class SettingError(ValueError):
+    """An environment variable vidax reads holds a value it cannot use (the message names it)."""
+
+
+def _number(name: str, default: str) -> float:
+    v = os.environ.get(name, default)
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not x >= 0:
+        raise SettingError(f"{name}={v!r}: expected a number of at least 0 (default {default})")
+    return x
+
+
+def check_settings() -> None:
+    """Every vidax environment setting readable, or a :class:`SettingError` naming the first bad one."""
+    _number("VIDAX_COMPILE_CACHE_MAX_GB", "32")
+    _number("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.5")
+    v = os.environ.get("VIDAX_CPU_CONV", "xla")
+    if v not in ("xla", "ynnpack"):
+        raise SettingError(f"VIDAX_CPU_CONV={v!r}: expected 'xla' (the default: XLA's own conv kernels) or 'ynnpack'")
 
 
 def compile_cache_dir() -> str | None:
@@ -38,6 +66,7 @@ def setup() -> tuple[int, int]:
     from vidax.core.mesh import init_distributed
 
     if not _done:
+        check_settings()
         _done = True
         compile_cache()
     return init_distributed()
@@ -57,11 +86,11 @@ def compile_cache() -> str | None:
             # write of the directory: processes sharing it (a worker's flow runs, a test session's
             # workers) never read an entry another one is still writing. VIDAX_COMPILE_CACHE_MAX_GB
             # (default 32).
-            gb = float(os.environ.get("VIDAX_COMPILE_CACHE_MAX_GB", "32"))
+            gb = _number("VIDAX_COMPILE_CACHE_MAX_GB", "32")
             jax.config.update("jax_compilation_cache_max_size", int(gb * 2**30))
         jax.config.update("jax_compilation_cache_dir", d)
         jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(os.environ.get("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.5")))
+                          _number("VIDAX_COMPILE_CACHE_MIN_SECONDS", "0.5"))
     return d
 
 
