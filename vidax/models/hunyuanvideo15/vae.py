@@ -418,7 +418,8 @@ def decode_tile(vae: nn.Split, z, chunk: int | None = None, total: int | None = 
     each level carrying its causal state (every causal conv's last input frames, the mid-block
     attention's keys and values) to the next chunk, so a call holds ``chunk`` frames' activations
     whatever the clip's length. The first chunk pads as the whole decode does, the last is padded
-    with copies of the last latent frame (the decoder is causal: they change no kept frame). One
+    with copies of the last latent frame (the decoder is causal: they change no kept frame beyond
+    float rounding). One
     program per level for the first chunk and one for all others; ``None`` or a clip of at most
     ``chunk`` frames: one call per level over every frame (the reference's decode). ``total``:
     ``z`` is the prefix of a sequence this long (decoded with that sequence's programs: its first
@@ -497,11 +498,16 @@ def decode_frames(vae: nn.Split, z, a: int, b: int, tiling: Tiling = Tiling(), p
     they are the same decoded from any prefix that holds them: by default the whole latent
     sequence is decoded (every range runs the same compiled programs, and the ranges concatenate
     bitwise to :func:`decode`); ``prefix_only`` decodes just ``[0, b)`` -- with ``chunk``, the
-    whole sequence's first chunks (the same programs: the ranges still concatenate bitwise to the
-    chunked :func:`decode`), without, one compile per range length."""
+    whole sequence's first chunks, through the one holding frame ``b - 1`` (the same programs and
+    inputs: the ranges still concatenate bitwise to the chunked :func:`decode`), without, one
+    compile per range length."""
     z = np.asarray(z, np.float32)
     if prefix_only:
-        px = decode(vae, z[:, :, :b], tiling, chunk, total=z.shape[2] if chunk else None)
+        # with chunks, through the end of the chunk holding frame b - 1: the whole decode's chunks as
+        # they are (padded copies of frame b - 1 would change the kept frames' rounding: the convs
+        # over time combine the frames of a block, vidax.core.conv.winograd_time_conv)
+        end = min(z.shape[2], -(-b // chunk) * chunk) if chunk else b
+        px = decode(vae, z[:, :, :end], tiling, chunk, total=z.shape[2] if chunk else None)
     else:
         px = decode(vae, z, tiling, chunk)
     start, stop = frame_range(a, b, vae.cfg.temporal_compression_ratio)
