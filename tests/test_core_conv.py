@@ -93,7 +93,7 @@ def test_kernels_split_by_time_tap(impl):
     if impl == "taps":
         hlo = jax.jit(lambda s, x: nnx.merge(split.graphdef, s)(x)).lower(split.state, x).as_text()
         assert "tensor<3x3x3x4x9xf32>" not in hlo  # the whole kernel is not in the program
-        m = vconv.winograd_blocks(3, 3, 9)  # 3 output frames of 3 taps: F(3, 3), 5 frame convs
+        m = vconv.winograd_blocks(3, 3, 9, 20 * 20, 9)  # 3 output frames of 3 taps: F(3, 3), 5 frame convs
         assert hlo.count("stablehlo.convolution") == (m + 2 if m else 3) + 1
 
 
@@ -123,13 +123,17 @@ def test_conv2d_patch_matmul_equals_the_conv(monkeypatch, strides, padding, out)
 @pytest.mark.parametrize("mode", ["zeros", "edge"])
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("impl,split", [("taps", False), ("taps", True), ("native", False)])
-def test_causal_conv3d_equals_torch_on_the_padded_input(frames, mode, cached, impl, split):
+@pytest.mark.parametrize("max_m", [0, vconv.WINOGRAD_MAX_M])
+def test_causal_conv3d_equals_torch_on_the_padded_input(monkeypatch, frames, mode, cached, impl, split, max_m):
     """``causal_conv3d`` (the padded input never built) equals PyTorch's conv3d of the explicitly
     padded input: the cache frames (or the first frame repeated) before ``x`` in time, zeros or
     replicated edges in space; batch 2, so each sample's first frame is its own; and
-    ``causal_tail`` is the padded input's last frames (the next chunk's cache)."""
+    ``causal_tail`` is the padded input's last frames (the next chunk's cache). With and without
+    Winograd over time (``max_m``)."""
     import torch
 
+    monkeypatch.setattr(vconv, "WINOGRAD_MAX_M", max_m)
+    monkeypatch.setattr(vconv, "WINOGRAD_KERNEL_PIXELS", 0)  # these small frames too
     rng = np.random.default_rng(frames)
     b, kt = 2, 3
     x = rng.standard_normal((b, frames, 6, 7, 4)).astype(np.float32)
@@ -147,16 +151,21 @@ def test_causal_conv3d_equals_torch_on_the_padded_input(frames, mode, cached, im
     np.testing.assert_array_equal(np.asarray(vconv.causal_tail(x, prev, kt)), xp[:, -(kt - 1):])
 
 
-@pytest.mark.parametrize("frames", [1, 5])
+@pytest.mark.parametrize("frames", [1, 5, 9])
 @pytest.mark.parametrize("time_pad,kt", [((2, 0), 3), ((1, 1), 3), ((2, 2), 5), ((0, 0), 3), ((3, 1), 3)])
 @pytest.mark.parametrize("mode", ["zeros", "edge", "reflect"])
 @pytest.mark.parametrize("impl,split", [("taps", True), ("native", False)])
-def test_edge_time_conv3d_equals_torch_on_the_padded_input(frames, time_pad, kt, mode, impl, split):
+@pytest.mark.parametrize("max_m", [0, vconv.WINOGRAD_MAX_M])
+def test_edge_time_conv3d_equals_torch_on_the_padded_input(monkeypatch, frames, time_pad, kt, mode, impl, split,
+                                                            max_m):
     """``edge_time_conv3d`` (the padded input never built) equals PyTorch's conv3d of the explicitly
     padded input: the first frame repeated ``time_pad[0]`` times and the last ``time_pad[1]`` times,
-    zeros, replicated or reflected edges in space; batch 2 (each sample's frames its own)."""
+    zeros, replicated or reflected edges in space; batch 2 (each sample's frames its own). With and
+    without Winograd over time (``max_m``)."""
     import torch
 
+    monkeypatch.setattr(vconv, "WINOGRAD_MAX_M", max_m)
+    monkeypatch.setattr(vconv, "WINOGRAD_KERNEL_PIXELS", 0)  # these small frames too
     if frames + sum(time_pad) < kt:
         with pytest.raises(ValueError, match="fewer than the kernel"):
             vconv.edge_time_conv3d(np.zeros((1, frames, 6, 7, 4), np.float32), np.zeros((kt, 3, 3, 4, 5), np.float32),
@@ -175,6 +184,58 @@ def test_edge_time_conv3d_equals_torch_on_the_padded_input(frames, time_pad, kt,
     xt = torch.nn.functional.pad(xt, [1, 1, 1, 1, 0, 0], mode=tmode)
     want = torch.nn.functional.conv3d(xt, torch.from_numpy(w).permute(4, 3, 0, 1, 2), torch.from_numpy(bias))
     np.testing.assert_allclose(got, want.permute(0, 2, 3, 4, 1).numpy(), rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("r", [2, 3, 4])
+def test_winograd_matrices_compute_the_correlation(r):
+    """F(m, r) from the matrices (float64): ``AT ((G g) * (BT d))`` is the correlation
+    ``y_i = sum_k g_k d_{i+k}`` of random taps and inputs, for every block size the points allow;
+    one point too many is refused by name."""
+    rng = np.random.default_rng(r)
+    for m in range(1, len(vconv._POINTS) + 3 - r):
+        bt, g, at = (np.array(a) for a in vconv.winograd_matrices(m, r))
+        taps, d = rng.standard_normal(r), rng.standard_normal(m + r - 1)
+        want = [sum(taps[k] * d[i + k] for k in range(r)) for i in range(m)]
+        np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="finite points"):
+        vconv.winograd_matrices(len(vconv._POINTS) + 3 - r, r)
+
+
+def test_winograd_blocks_takes_the_cheapest(monkeypatch):
+    """The block size costs the least, ``ceil(T / m) (m + kt - 1)`` frame convs plus the kernels'
+    combinations (``WINOGRAD_KERNEL_PIXELS`` each), and only when below the direct sum: at 64x64 px 9
+    frames of 3 taps take F(3, 3) (15 frame convs, not 27) and 4 frames F(4, 3) (6, not 12); at 4x4 px,
+    1 frame, 1 tap or 3 output channels never; off with ``WINOGRAD_MAX_M = 0``."""
+    px = 64 * 64
+    assert vconv.winograd_blocks(9, 3, 27, px, 128) == 3
+    assert vconv.winograd_blocks(4, 3, 12, px, 128) == 4
+    assert vconv.winograd_blocks(2, 3, 6, px, 128) == 2
+    assert vconv.winograd_blocks(2, 3, 3, px, 128) == 0  # a causal conv's 2 first frames: 3 direct (repeats)
+    assert vconv.winograd_blocks(1, 3, 3, px, 128) == 0
+    assert vconv.winograd_blocks(9, 1, 9, px, 128) == 0
+    assert vconv.winograd_blocks(9, 3, 27, px, 3) == 0
+    assert vconv.winograd_blocks(4, 3, 12, 4 * 4, 512) == 0
+    monkeypatch.setattr(vconv, "WINOGRAD_MAX_M", 0)
+    assert vconv.winograd_blocks(9, 3, 27, px, 128) == 0
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_winograd_time_conv_equals_the_direct_sum(frames, m):
+    """Every block size over every frame count (the last block padded) gives the direct sum of the
+    taps' 2-D convs (float32 rounding); batch 2, a wider output than input."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(frames * 10 + m)
+    kt = 3
+    xp = rng.standard_normal((2, frames + kt - 1, 9, 10, 4)).astype(np.float32)
+    taps = [rng.standard_normal((3, 3, 4, 6)).astype(np.float32) for _ in range(kt)]
+    conv = lambda f, w: vconv.conv2d(f, jnp.asarray(w), padding=((1, 1), (1, 1)))  # noqa: E731
+    want = sum(np.asarray(conv(xp[:, k:k + frames].reshape(-1, 9, 10, 4), taps[k])).reshape(2, frames, 9, 10, 6)
+               for k in range(kt))
+    got = np.asarray(vconv.winograd_time_conv(jnp.asarray(xp), taps, m, conv))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_space_padding_modes_are_checked():
