@@ -221,13 +221,14 @@ def test_winograd_blocks_takes_the_cheapest(monkeypatch):
 
 @pytest.mark.parametrize("frames", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("m", [2, 3, 4])
-def test_winograd_time_conv_equals_the_direct_sum(frames, m):
+@pytest.mark.parametrize("kt", [3, 7])
+def test_winograd_time_conv_equals_the_direct_sum(frames, m, kt):
     """Every block size over every frame count (the last block padded) gives the direct sum of the
-    taps' 2-D convs (float32 rounding); batch 2, a wider output than input."""
+    taps' 2-D convs (float32 rounding); batch 2, a wider output than input; 7 taps run as pieces of
+    4 + 3."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(frames * 10 + m)
-    kt = 3
     xp = rng.standard_normal((2, frames + kt - 1, 9, 10, 4)).astype(np.float32)
     taps = [rng.standard_normal((3, 3, 4, 6)).astype(np.float32) for _ in range(kt)]
     conv = lambda f, w: vconv.conv2d(f, jnp.asarray(w), padding=((1, 1), (1, 1)))  # noqa: E731
@@ -236,6 +237,52 @@ def test_winograd_time_conv_equals_the_direct_sum(frames, m):
     got = np.asarray(vconv.winograd_time_conv(jnp.asarray(xp), taps, m, conv))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_winograd_pieces_cover_the_taps():
+    """Kernels of more than ``WINOGRAD_MAX_TAPS`` taps split into consecutive, even pieces."""
+    for kt in range(1, 14):
+        pieces = vconv._pieces(kt)
+        assert pieces[0][0] == 0 and pieces[-1][1] == kt and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all(1 <= z - a <= vconv.WINOGRAD_MAX_TAPS for a, z in pieces) and len(pieces) == -(-kt // 4)
+        assert kt == 1 or min(z - a for a, z in pieces) >= 2
+
+
+@pytest.mark.parametrize("k,dilation,padding", [(3, 1, (1, 1)), (3, 5, (5, 5)), (7, 3, (9, 9)), (11, 1, (5, 5)),
+                                                (11, 5, (25, 25)), (7, 1, (3, 3)), (3, 1, (0, 0)), (2, 2, (0, 3))])
+@pytest.mark.parametrize("max_m", [0, 4])
+def test_conv1d_equals_torch(monkeypatch, k, dilation, padding, max_m):
+    """``conv1d`` (dilated, zero-padded; by Winograd along the sequence in frames of ``dilation``
+    samples, or XLA's conv) equals torch's conv1d, batch 2, 37 samples (no multiple of anything)."""
+    import torch
+
+    monkeypatch.setattr(vconv, "WINOGRAD_MAX_M", max_m)
+    monkeypatch.setattr(vconv, "WINOGRAD_KERNEL_PIXELS", 0)
+    rng = np.random.default_rng(k * 10 + dilation)
+    x = rng.standard_normal((2, 37, 12)).astype(np.float32)
+    w = (rng.standard_normal((k, 12, 16)) / np.sqrt(12 * k)).astype(np.float32)
+    got = np.asarray(vconv.conv1d(x, w, dilation, padding))
+    xt = torch.nn.functional.pad(torch.from_numpy(x).permute(0, 2, 1), list(padding))
+    want = torch.nn.functional.conv1d(xt, torch.from_numpy(w).permute(2, 1, 0), dilation=dilation).permute(0, 2, 1)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("padding", [((2, 0), (1, 1)), ((1, 1), (2, 0)), ((1, 1), (1, 1)), ((0, 0), (0, 0))])
+@pytest.mark.parametrize("max_m", [0, 4])
+def test_rows_conv2d_equals_torch(monkeypatch, padding, max_m):
+    """``rows_conv2d`` (by Winograd along the rows, or ``conv2d``) equals torch's conv2d for causal
+    (along either axis), centred and no padding."""
+    import torch
+
+    monkeypatch.setattr(vconv, "WINOGRAD_MAX_M", max_m)
+    monkeypatch.setattr(vconv, "WINOGRAD_KERNEL_PIXELS", 0)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 13, 9, 6)).astype(np.float32)
+    w = (rng.standard_normal((3, 3, 6, 10)) / 7).astype(np.float32)
+    got = np.asarray(vconv.rows_conv2d(x, w, padding))
+    xt = torch.nn.functional.pad(torch.from_numpy(x).permute(0, 3, 1, 2), [*padding[1], *padding[0]])
+    want = torch.nn.functional.conv2d(xt, torch.from_numpy(w).permute(3, 2, 0, 1)).permute(0, 2, 3, 1)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=2e-5)
 
 
 def test_space_padding_modes_are_checked():

@@ -364,8 +364,9 @@ def test_tiled_decode_matches_the_reference_tiled_decode(which, tmp_path, monkey
     kw = dict(tile=tile, stride=stride, return_cache=False)
     par, _ = wtiles.decode_tiles(cm.params, cm.model_config, z, full, **kw)
     seq, _ = wtiles.decode_tiles(cm.params, cm.model_config, z, full, devices=1, **kw)
-    for n in full:
-        np.testing.assert_allclose(par[n], seq[n], rtol=0, atol=1e-6)
+    for n in full:  # (the convs' own rounding differs with the threads a device gets; Winograd over
+        # time combines the products with constants up to ~8: vidax.core.conv.winograd_time_conv)
+        np.testing.assert_allclose(par[n], seq[n], rtol=0, atol=2e-5)
 
     # persisted stages: 2 tile groups (tile rows {0, 3} and {6}) x 3 frame ranges
     monkeypatch.setattr(wtiles, "TILE", tile)

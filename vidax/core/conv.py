@@ -144,6 +144,42 @@ def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
     return y
 
 
+def rows_conv2d(x, w, padding=((0, 0), (0, 0))):
+    """:func:`conv2d` (stride 1) of frames ``x`` [N, H, W, in] with ``w`` [kh, kw, in, out], by
+    Winograd along the rows when that costs less (:func:`winograd_blocks`, the rows as frames of
+    one row: per block of m output rows, m + kh - 1 convs of 1 x kw kernels over row combinations;
+    16 row convs instead of 36 for 12 rows of a 3x3 kernel, m = 4); else :func:`conv2d`."""
+    (kh, kw), ((p0, p1), (q0, q1)) = w.shape[:2], padding
+    n, h, wd = x.shape[:3]
+    ho, wo = h + p0 + p1 - kh + 1, wd + q0 + q1 - kw + 1
+    m = winograd_blocks(ho, kh, kh * ho, wo, w.shape[-1]) if min(p0, p1, q0, q1) >= 0 else 0
+    if not m:
+        return conv2d(x, w, padding=padding)
+    xp = jnp.pad(x, ((0, 0), (p0, p1), (0, 0), (0, 0)))[:, :, None]  # [N, rows, 1, W, in]: rows as frames
+    y = winograd_time_conv(xp, [w[i][None].astype(x.dtype) for i in range(kh)], m,
+                           lambda f, wk: conv2d(f, wk, padding=((0, 0), (q0, q1))))
+    return y.reshape(n, ho, wo, w.shape[-1])
+
+
+def conv1d(x, w, dilation: int = 1, padding=(0, 0)):
+    """A stride-1 1-D conv of ``x`` [B, N, in] with ``w`` [k, in, out] (dilation ``dilation``, zero
+    ``padding`` (left, right)), by Winograd along the sequence when that costs less
+    (:func:`winograd_blocks`): the padded sequence read as frames of ``dilation`` samples (frame t holds
+    samples t * dilation .. + dilation - 1, so the dilated taps are consecutive frames), each product
+    a matmul; else XLA's conv."""
+    k, (pl, pr) = w.shape[0], padding
+    b, n = x.shape[:2]
+    nout = n + pl + pr - dilation * (k - 1)
+    frames = -(-(n + pl + pr) // dilation)  # the padded sequence in frames of `dilation` samples
+    m = winograd_blocks(frames - k + 1, k, k * (frames - k + 1), dilation, w.shape[-1]) if min(pl, pr) >= 0 else 0
+    if not m:
+        return jax.lax.conv_general_dilated(x, w.astype(x.dtype), (1,), [(pl, pr)], rhs_dilation=(dilation,),
+                                            dimension_numbers=("NWC", "WIO", "NWC"), precision=_HI)
+    xp = jnp.pad(x, ((0, 0), (pl, frames * dilation - n - pl), (0, 0))).reshape(b, frames, 1, dilation, x.shape[-1])
+    y = winograd_time_conv(xp, [w[i][None, None].astype(x.dtype) for i in range(k)], m, conv2d)
+    return y.reshape(b, -1, w.shape[-1])[:, :nout]
+
+
 def up2_taps(w, axis: int):
     """Nearest 2x upsampling then a 3-tap conv along ``axis`` of ``w`` = per output phase a 2-tap
     conv of the original: phase 0 sees offsets (-1, 0) with (w0, w1 + w2), phase 1 offsets (0, +1)
@@ -210,19 +246,37 @@ def winograd_matrices(m: int, r: int):
 WINOGRAD_KERNEL_PIXELS = 256
 
 
+#: kernels of more time taps than this run as pieces of at most this many consecutive taps, each by
+#: its own F(m, r) on the correspondingly shifted frames, summed (11 taps: 4 + 3 + 4, 5 products per
+#: output instead of 11, with F(m, 11)'s ill-conditioned points avoided)
+WINOGRAD_MAX_TAPS = 4
+
+
+def _pieces(kt: int) -> list[tuple[int, int]]:
+    """The tap ranges ``[a, z)`` a kernel of ``kt`` taps runs as: as few as :data:`WINOGRAD_MAX_TAPS`
+    allows, as even as possible (7: 4 + 3; 9: 3 + 3 + 3; never a piece of one tap unless kt is 1)."""
+    n = -(-kt // WINOGRAD_MAX_TAPS)
+    cuts = [round(i * kt / n) for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int) -> int:
     """The block size m of F(m, kt) (:func:`winograd_time_conv`) for ``tout`` output frames of
-    ``pixels`` output pixels each (the batch's) and ``out`` channels whose cost, ``ceil(tout / m) *
-    (m + kt - 1)`` frame convs plus :data:`WINOGRAD_KERNEL_PIXELS` per transformed kernel, is the
-    least, if below the ``direct`` sum's ``direct`` frame convs; else 0 (small frames: the kernels'
-    combinations outweigh the convs they save; few output channels: the frames' combinations)."""
+    ``pixels`` output pixels each (one sample's: the choice, and so the rounding, never depends on
+    the batch) and ``out`` channels whose cost, ``ceil(tout / m) *
+    (m + r - 1)`` frame convs per piece of r taps (:data:`WINOGRAD_MAX_TAPS`) plus
+    :data:`WINOGRAD_KERNEL_PIXELS` per transformed kernel, is the least, if below the ``direct``
+    sum's ``direct`` frame convs; else 0 (small frames: the kernels' combinations outweigh the convs
+    they save; few output channels: the frames' combinations)."""
     if kt < 2 or out <= NARROW_MAX_OUT:
         return 0
     best, cost = 0, direct * pixels
     for m in range(2, WINOGRAD_MAX_M + 1):
-        g = winograd_matrices(m, kt)[1]
-        made = sum(1 for row in g if sorted(row) != [0.0] * (kt - 1) + [1.0])  # not a tap as it is
-        c = -(-tout // m) * (m + kt - 1) * pixels + WINOGRAD_KERNEL_PIXELS * made
+        c = 0
+        for a, z in _pieces(kt):
+            g = winograd_matrices(m, z - a)[1]
+            made = sum(1 for row in g if sorted(row) != [0.0] * (z - a - 1) + [1.0])  # not a tap as it is
+            c += -(-tout // m) * (m + z - a - 1) * pixels + WINOGRAD_KERNEL_PIXELS * made
         if c < cost:
             best, cost = m, c
     return best
@@ -248,6 +302,10 @@ def winograd_time_conv(xp, taps, m: int, conv):
     frames, m = 3). ``conv(frames [N, H, W, in], kernel)`` -> [N, H', W', out] is one 2-D conv (any
     padding); the combinations are elementwise and fuse. The last block is padded with zero frames."""
     kt = len(taps)
+    if kt > WINOGRAD_MAX_TAPS:  # pieces of consecutive taps over the correspondingly shifted frames
+        tout = xp.shape[1] - kt + 1
+        parts = [winograd_time_conv(xp[:, a:a + tout + z - a - 1], taps[a:z], m, conv) for a, z in _pieces(kt)]
+        return functools.reduce(jnp.add, parts)
     n = m + kt - 1
     bt, g, at = winograd_matrices(m, kt)
     b, tp = xp.shape[:2]
@@ -338,7 +396,7 @@ def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)),
         tout = (t - kt) // st + 1
         if tout < 1:
             raise ValueError(f"conv3d: {t} (padded) frames are fewer than the kernel's {kt} time taps")
-        m = (winograd_blocks(tout, kt, kt * tout, b * x.shape[2] * x.shape[3] // (strides[1] * strides[2]), wshape[-1])
+        m = (winograd_blocks(tout, kt, kt * tout, x.shape[2] * x.shape[3] // (strides[1] * strides[2]), wshape[-1])
              if impl == "taps" and st == 1 else 0)
         if m:
             y = winograd_time_conv(x, w, m, lambda f, wk: conv2d(f, wk, strides[1:], padding[1:]))
@@ -377,7 +435,7 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
     if impl != "taps" or kt == 1:
         xp = jnp.concatenate([prev.astype(x.dtype), x], axis=1) if kt > 1 else x
         return edge_time_conv3d(xp, w, bias, (0, 0), padding, mode=mode, impl=impl)
-    if m := winograd_blocks(t, kt, kt * t, b * x.shape[2] * x.shape[3], (w[0] if taps else w).shape[-1]):
+    if m := winograd_blocks(t, kt, kt * t, x.shape[2] * x.shape[3], (w[0] if taps else w).shape[-1]):
         xp = jnp.concatenate([prev.astype(x.dtype), x], axis=1)
         return _winograd_space(xp, w, bias, m, padding, mode)
     frames, conv = _space_padded(padding, mode)
@@ -449,7 +507,7 @@ def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)),
             xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
         return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), *(((0, 0), (0, 0)) if explicit else padding)), impl=impl)
     spans = [(min(max(k - p0, 0), t - 1), min(max(tout - 1 + k - p0, 0), t - 1)) for k in range(kt)]
-    if m := winograd_blocks(tout, kt, sum(z - a + 1 for a, z in spans), b * x.shape[2] * x.shape[3],
+    if m := winograd_blocks(tout, kt, sum(z - a + 1 for a, z in spans), x.shape[2] * x.shape[3],
                             (w[0] if taps else w).shape[-1]):  # the padded input, built
         parts = [jnp.repeat(x[:, :1], p0, axis=1)] * bool(p0) + [x] + [jnp.repeat(x[:, -1:], p1, axis=1)] * bool(p1)
         return _winograd_space(jnp.concatenate(parts, axis=1) if len(parts) > 1 else x, w, bias, m, padding, mode)

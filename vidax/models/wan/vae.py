@@ -428,7 +428,7 @@ class CausalConv3d(Conv):
         span = stride * (tout - 1) + 1
         k0 = max(0, n_old - span + 1) if old is None else 0  # taps below k0 only meet zero frames
         w = vconv.kernel_value(self.kernel)  # whole, or split by time tap (state_from_pure)
-        m = (vconv.winograd_blocks(tout, kt, (kt - k0) * tout, x.shape[0] * x.shape[2] * x.shape[3], self.out_features)
+        m = (vconv.winograd_blocks(tout, kt, (kt - k0) * tout, x.shape[2] * x.shape[3], self.out_features)
              if ctx.conv_impl == "taps" and stride == 1 else 0)
         if m:  # fewer frame convs by Winograd along time (vconv.winograd_time_conv)
             xp = jnp.concatenate([_tap(old, x, 0, n_old, n_old, 1), x], axis=1) if n_old else x
