@@ -270,11 +270,10 @@ def _pieces(kt: int) -> list[tuple[int, int]]:
 def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int) -> int:
     """The block size m of F(m, kt) (:func:`winograd_time_conv`) for ``tout`` output frames of
     ``pixels`` output pixels each (one sample's: the choice, and so the rounding, never depends on
-    the batch) and ``out`` channels whose cost, ``ceil(tout / m) *
-    (m + r - 1)`` frame convs per piece of r taps (:data:`WINOGRAD_MAX_TAPS`) plus
-    :data:`WINOGRAD_KERNEL_PIXELS` per transformed kernel, is the least, if below the ``direct``
-    sum's ``direct`` frame convs; else 0 (small frames: the kernels' combinations outweigh the convs
-    they save; few output channels: the frames' combinations)."""
+    the batch) and ``out`` channels whose cost is the least: ``ceil(tout / m) * (m + r - 1)`` frame
+    convs per piece of r taps (:data:`WINOGRAD_MAX_TAPS`) plus :data:`WINOGRAD_KERNEL_PIXELS` per
+    transformed kernel, if below the direct sum's ``direct`` frame convs; else 0 (small frames: the
+    kernels' combinations outweigh the convs they save; few output channels: the frames')."""
     if kt < 2 or out <= NARROW_MAX_OUT:
         return 0
     best, cost = 0, direct * pixels
