@@ -119,6 +119,30 @@ def test_conv2d_patch_matmul_equals_the_conv(monkeypatch, strides, padding, out)
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=3e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64, 65, 300])
+def test_skinny_matmuls_run_as_a_conv(monkeypatch, rows):
+    """``vconv.matmul``: the product at full precision; on CPU (convs on XLA's own kernels) a matmul
+    of at most ``SKINNY_MAX_ROWS`` rows is a 1x1 conv in the program, a longer one a dot; with
+    ``VIDAX_CPU_CONV=ynnpack`` (no conv options) always a dot."""
+    import jax
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((1, rows, 37)).astype(np.float32)
+    w = rng.standard_normal((37, 23)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(vconv.matmul(x, w)), want, rtol=1e-5, atol=1e-5)
+    skinny = rows <= vconv.SKINNY_MAX_ROWS and jax.default_backend() == "cpu"
+    hlo = jax.jit(vconv.matmul).lower(x, w).as_text()
+    assert ("stablehlo.convolution" in hlo, "stablehlo.dot_general" in hlo) == (skinny, not skinny)
+    monkeypatch.setenv("VIDAX_CPU_CONV", "ynnpack")
+    vconv.compiler_options.cache_clear()
+    try:
+        assert "stablehlo.convolution" not in jax.jit(lambda a, b: vconv.matmul(a, b)).lower(x, w).as_text()
+    finally:
+        monkeypatch.delenv("VIDAX_CPU_CONV")
+        vconv.compiler_options.cache_clear()
+
+
 @pytest.mark.parametrize("frames", [1, 2, 5])
 @pytest.mark.parametrize("mode", ["zeros", "edge"])
 @pytest.mark.parametrize("cached", [False, True])
