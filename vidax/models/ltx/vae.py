@@ -36,7 +36,6 @@ from vidax.weights.keymap import load_params
 
 F32 = jnp.float32
 _zeros = nnx.initializers.zeros_init()
-_HI = jax.lax.Precision.HIGHEST
 
 
 def _tuple(v, n):
