@@ -19,7 +19,8 @@ combined input frames with combined taps instead of m * kt (a 3-tap conv of 4 fr
 The rounding differs from the direct sum's (relative 2e-6 against 7e-7 at m = 4), the result not.
 
 The VAEs' programs compile through :func:`jit`, which on CPU runs the 2-D convs on XLA's own
-kernels instead of YNNPACK's (:func:`compiler_options`).
+kernels instead of YNNPACK's (:func:`compiler_options`); their matmuls of a few rows (small frames'
+patches, 1x1 convs of a few pixels) go the same way, as 1x1 convs (:func:`matmul`).
 """
 from __future__ import annotations
 
