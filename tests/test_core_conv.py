@@ -367,3 +367,48 @@ def test_a_conv_model_runs_its_own_programs():
     assert model.conv and not plain.conv and model._program is nn._apply_conv
     assert isinstance(vconv.kernel_value(model.merge().kernel), tuple)
     np.testing.assert_allclose(np.asarray(model(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-4)
+
+
+def test_stored_winograd_combinations():
+    """``split_taps(combos=True)`` stores each 3-tap kernel as ``Taps`` with its Winograd
+    combinations (every non-trivial row of F(2..4, 3)'s G, equal to the float64 sum); the time
+    conv then reads them instead of combining taps in the program, and equals the conv of the
+    whole kernel."""
+    import jax
+    from flax import nnx
+
+    from vidax.core import nn
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 3, 3, 8, 16)).astype(np.float32)
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.c = nnx.Module()
+            self.c.kernel = nnx.Param(w.copy())
+
+    taps = vconv.kernel_value(vconv.split_taps(nn.Split.of(M()), combos=True).merge().c.kernel)
+    plain = vconv.kernel_value(vconv.split_taps(nn.Split.of(M())).merge().c.kernel)
+    assert isinstance(taps, vconv.Taps) and not isinstance(plain, vconv.Taps)
+    assert set(taps.combos) == set(vconv.combo_rows(3)) and len(taps.combos) == 4
+    for row, c in taps.combos.items():
+        np.testing.assert_allclose(np.asarray(c), np.tensordot(np.asarray(row), w.astype(np.float64), 1), rtol=1e-6,
+                                   atol=1e-6)
+    # the combinations survive a program boundary (a registered pytree) and are what the conv reads
+    back = jax.jit(lambda t: t)(taps)
+    assert isinstance(back, vconv.Taps) and set(back.combos) == set(taps.combos)
+    x = rng.standard_normal((1, 3, 8, 8, 8)).astype(np.float32)
+    xp = np.concatenate([x[:, :1], x, x[:, -1:]], axis=1)
+    conv = lambda f, k: vconv.conv2d(f, k, padding=((1, 1), (1, 1)))  # noqa: E731
+
+    def kernel_ops(t):  # ops of the program that make a kernel-shaped array (tap combinations)
+        jaxpr = jax.make_jaxpr(lambda a, t: vconv.winograd_time_conv(a, t, 3, conv))(xp, t)
+        return sum(1 for e in jaxpr.eqns for v in e.outvars if getattr(v.aval, "shape", None) == w.shape[1:])
+
+    assert kernel_ops(plain) > 0 and kernel_ops(taps) == 0
+    want = np.asarray(vconv.conv3d(xp, w, padding=((0, 0), (1, 1), (1, 1)), impl="native"))
+    np.testing.assert_allclose(np.asarray(vconv.winograd_time_conv(xp, taps, 3, conv)), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(vconv.edge_time_conv3d(x, taps, None, (1, 1))), want, rtol=2e-5, atol=2e-5)
+    # stored combinations make Winograd pay on small frames where combining them in the program would not
+    assert vconv.winograd_blocks(3, 3, 7, 64, 512, precomputed=True) == 3
+    assert vconv.winograd_blocks(3, 3, 7, 64, 512) == 0

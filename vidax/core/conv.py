@@ -270,6 +270,11 @@ def winograd_matrices(m: int, r: int):
 #: Measured (2-core Xeon, causal 3x3x3 conv of 4 frames): 512 channels at 16x16 px F(2, 3) 40 ms
 #: against 48 direct, at 4x4 px 6.8 against 5.9; 1024 channels at 4x4 px 75 against 23
 WINOGRAD_KERNEL_PIXELS = 256
+#: the same for a combination stored with the taps (:class:`Taps`): only read, not computed (on
+#: small frames the products are bound by reading their kernels). LTX-Video 0.9 at its released
+#: widths, 2x4x4 latents, in one process (2-core Xeon): 465 ms with the combinations made in the
+#: program, 453 / 443 / 451 ms stored, at 0 / 32 / 64
+WINOGRAD_STORED_PIXELS = 32
 
 
 #: kernels of more time taps than this run as pieces of at most this many consecutive taps, each by
@@ -286,13 +291,14 @@ def _pieces(kt: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int) -> int:
+def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int, precomputed: bool = False) -> int:
     """The block size m of F(m, kt) (:func:`winograd_time_conv`) for ``tout`` output frames of
     ``pixels`` output pixels each (one sample's: the choice, and so the rounding, never depends on
     the batch) and ``out`` channels whose cost is the least: ``ceil(tout / m) * (m + r - 1)`` frame
     convs per piece of r taps (:data:`WINOGRAD_MAX_TAPS`) plus :data:`WINOGRAD_KERNEL_PIXELS` per
-    transformed kernel, if below the direct sum's ``direct`` frame convs; else 0 (small frames: the
-    kernels' combinations outweigh the convs they save; few output channels: the frames')."""
+    transformed kernel (:data:`WINOGRAD_STORED_PIXELS` where they are ``precomputed``: :class:`Taps`),
+    if below the direct sum's ``direct`` frame convs; else 0 (small frames: the kernels'
+    combinations outweigh the convs they save; few output channels: the frames')."""
     if kt < 2 or out <= NARROW_MAX_OUT:
         return 0
     best, cost = 0, direct * pixels
@@ -301,7 +307,8 @@ def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int) -> i
         for a, z in _pieces(kt):
             g = winograd_matrices(m, z - a)[1]
             made = sum(1 for row in g if sorted(row) != [0.0] * (z - a - 1) + [1.0])  # not a tap as it is
-            c += -(-tout // m) * (m + z - a - 1) * pixels + WINOGRAD_KERNEL_PIXELS * made
+            per_kernel = WINOGRAD_STORED_PIXELS if precomputed else WINOGRAD_KERNEL_PIXELS
+            c += -(-tout // m) * (m + z - a - 1) * pixels + per_kernel * made
         if c < cost:
             best, cost = m, c
     return best
@@ -342,13 +349,67 @@ def winograd_time_conv(xp, taps, m: int, conv):
     prods = []
     for row_b, row_g in zip(bt, g):
         u = _combine(row_b, d)
-        c = conv(u.reshape(b * blocks, *u.shape[2:]), _combine(row_g, taps))
+        wk = taps.combos.get(tuple(row_g)) if isinstance(taps, Taps) else None  # made at load
+        c = conv(u.reshape(b * blocks, *u.shape[2:]), _combine(row_g, taps) if wk is None else wk)
         prods.append(c.reshape(b, blocks, *c.shape[1:]))
     y = jnp.stack([_combine(row, prods) for row in at], axis=2)  # [B, blocks, m, ...]
     return y.reshape(b, blocks * m, *y.shape[3:])[:, :tout]
 
 
-def split_taps(split, min_taps: int = 2):
+@jax.tree_util.register_pytree_node_class
+class Taps(tuple):
+    """A conv kernel's time taps (``[kh, kw, in, out]`` each: a tuple of them, as :func:`split_taps`
+    stores them) with, in ``combos``, the combinations of the taps that :func:`winograd_time_conv`'s
+    F(m, kt) convolves with (``combos[row] = sum_k row[k] * tap k``, every row of the G matrices of
+    m = 2 .. :data:`WINOGRAD_MAX_M` that is not a tap as it is), computed once at load: in a program
+    each is a memory-bound pass over all the taps (at 512 channels and 8x8 px frames about as
+    long as the frame convs it saves), so with them Winograd pays wherever it needs fewer convs."""
+
+    def __new__(cls, taps, combos=None):
+        t = super().__new__(cls, taps)
+        t.combos = dict(combos or {})
+        return t
+
+    def tree_flatten(self):
+        rows = tuple(self.combos)
+        return (*self, *(self.combos[r] for r in rows)), (len(self), rows)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        kt, rows = aux
+        children = tuple(children)
+        return cls(children[:kt], dict(zip(rows, children[kt:])))
+
+    def astype(self, dtype):
+        """The taps and combinations in ``dtype`` (no-ops where they are in it already)."""
+        return Taps([t.astype(dtype) for t in self], {r: c.astype(dtype) for r, c in self.combos.items()})
+
+
+def combo_rows(kt: int) -> tuple[tuple[float, ...], ...]:
+    """The tap combinations (rows of G, as tuples) F(m, kt) uses for m = 2 .. :data:`WINOGRAD_MAX_M`,
+    less the rows that are one tap as it is; none for kernels run as pieces (kt above
+    :data:`WINOGRAD_MAX_TAPS`) or of one tap."""
+    if kt < 2 or kt > WINOGRAD_MAX_TAPS:
+        return ()
+    rows = []
+    for m in range(2, WINOGRAD_MAX_M + 1):
+        for row in winograd_matrices(m, kt)[1]:
+            if sorted(row) != [0.0] * (kt - 1) + [1.0] and row not in rows:
+                rows.append(row)
+    return tuple(rows)
+
+
+def _precomputed(w) -> bool:
+    """Whether ``w`` carries its Winograd combinations (:class:`Taps` made with ``combos=True``)."""
+    return isinstance(w, Taps) and bool(w.combos)
+
+
+def _cast_taps(w, dtype):
+    """The taps of ``w`` (a :class:`Taps`, list or tuple) in ``dtype``, combinations kept."""
+    return w.astype(dtype) if isinstance(w, Taps) else [wk.astype(dtype) for wk in w]
+
+
+def split_taps(split, min_taps: int = 2, combos: bool = False):
     """``split`` (an :class:`vidax.core.nn.Split`, or an ``nnx.State``) with every 5-D ``kernel``
     parameter of at least ``min_taps`` time taps stored as a tuple of its taps (``[kh, kw, in, out]``
     each), in place.
@@ -357,17 +418,30 @@ def split_taps(split, min_taps: int = 2):
     into its own buffer on every call (a slice of a program input is never aliased): at 512
     channels 9.4 MB per tap. Split once at load, the taps are program inputs themselves. Modules
     read such a kernel with :func:`kernel_value` and pass it to :func:`conv3d` as is. Abstract
-    leaves (``jax.ShapeDtypeStruct``) split into abstract taps."""
+    leaves (``jax.ShapeDtypeStruct``) split into abstract taps.
+
+    ``combos``: where 3-D convs run per time tap (:func:`conv_impl`: CPU), each kernel is stored as
+    :class:`Taps` with its Winograd combinations as well (:func:`combo_rows`: 4 for 3 taps, so such
+    a kernel takes 7 / 3 of its memory); host (numpy) kernels combine in float64, device ones in
+    their dtype. Elsewhere (the one native 3-D conv) they would never be read, and are not made."""
     from flax import nnx
 
+    combos = combos and conv_impl(None) == "taps"
     for path, var in nnx.to_flat_state(getattr(split, "state", split)):
         v = var.get_value() if hasattr(var, "get_value") else var.value
         shape = tuple(getattr(v, "shape", ()))
         if path[-1] == "kernel" and len(shape) == 5 and shape[0] >= min_taps:
+            rows = combo_rows(shape[0]) if combos else ()
             if isinstance(v, jax.ShapeDtypeStruct):  # an abstract state (plans, cache specs)
                 taps = tuple(jax.ShapeDtypeStruct(shape[1:], v.dtype) for _ in range(shape[0]))
+                made = {r: jax.ShapeDtypeStruct(shape[1:], v.dtype) for r in rows}
+            elif isinstance(v, np.ndarray):
+                taps = tuple(v[k] for k in range(shape[0]))
+                made = {r: np.tensordot(np.asarray(r), v.astype(np.float64), 1).astype(v.dtype) for r in rows}
             else:
                 taps = tuple(v[k] for k in range(shape[0]))
+                made = {r: _combine(r, taps) for r in rows}
+            taps = Taps(taps, made) if rows else taps
             var.set_value(taps) if hasattr(var, "set_value") else setattr(var, "value", taps)
     return split
 
@@ -403,7 +477,7 @@ def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)),
     if taps and impl != "taps":
         w, taps = jnp.stack(w), False
     if taps:
-        w = [wk.astype(x.dtype) for wk in w]
+        w = _cast_taps(w, x.dtype)
     strides = tuple(int(s) for s in strides)
     padding = _pairs(padding, 3)
     wshape = (len(w), *w[0].shape) if taps else w.shape
@@ -421,7 +495,8 @@ def conv3d(x, w, bias=None, strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)),
         tout = (t - kt) // st + 1
         if tout < 1:
             raise ValueError(f"conv3d: {t} (padded) frames are fewer than the kernel's {kt} time taps")
-        m = (winograd_blocks(tout, kt, kt * tout, x.shape[2] * x.shape[3] // (strides[1] * strides[2]), wshape[-1])
+        m = (winograd_blocks(tout, kt, kt * tout, x.shape[2] * x.shape[3] // (strides[1] * strides[2]), wshape[-1],
+                             _precomputed(w))
              if impl == "taps" and st == 1 else 0)
         if m:
             y = winograd_time_conv(x, w, m, lambda f, wk: conv2d(f, wk, strides[1:], padding[1:]))
@@ -460,7 +535,7 @@ def causal_conv3d(x, w, bias=None, prev=None, padding=((1, 1), (1, 1)), *, mode:
     if impl != "taps" or kt == 1:
         xp = jnp.concatenate([prev.astype(x.dtype), x], axis=1) if kt > 1 else x
         return edge_time_conv3d(xp, w, bias, (0, 0), padding, mode=mode, impl=impl)
-    if m := winograd_blocks(t, kt, kt * t, x.shape[2] * x.shape[3], (w[0] if taps else w).shape[-1]):
+    if m := winograd_blocks(t, kt, kt * t, x.shape[2] * x.shape[3], (w[0] if taps else w).shape[-1], _precomputed(w)):
         xp = jnp.concatenate([prev.astype(x.dtype), x], axis=1)
         return _winograd_space(xp, w, bias, m, padding, mode)
     frames, conv = _space_padded(padding, mode)
@@ -480,7 +555,7 @@ def _winograd_space(xp, w, bias, m: int, padding, mode: str):
     if _explicit(mode):
         xp = jnp.pad(xp, ((0, 0), (0, 0), *padding, (0, 0)), mode=mode)
         padding = ((0, 0), (0, 0))
-    y = winograd_time_conv(xp, [wk.astype(xp.dtype) for wk in w], m, lambda f, wk: conv2d(f, wk, padding=padding))
+    y = winograd_time_conv(xp, _cast_taps(w, xp.dtype), m, lambda f, wk: conv2d(f, wk, padding=padding))
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -533,7 +608,7 @@ def edge_time_conv3d(x, w, bias=None, time_pad=(2, 0), padding=((1, 1), (1, 1)),
         return conv3d(xp, w, bias, (1, 1, 1), ((0, 0), *(((0, 0), (0, 0)) if explicit else padding)), impl=impl)
     spans = [(min(max(k - p0, 0), t - 1), min(max(tout - 1 + k - p0, 0), t - 1)) for k in range(kt)]
     if m := winograd_blocks(tout, kt, sum(z - a + 1 for a, z in spans), x.shape[2] * x.shape[3],
-                            (w[0] if taps else w).shape[-1]):  # the padded input, built
+                            (w[0] if taps else w).shape[-1], _precomputed(w)):  # the padded input, built
         parts = [jnp.repeat(x[:, :1], p0, axis=1)] * bool(p0) + [x] + [jnp.repeat(x[:, -1:], p1, axis=1)] * bool(p1)
         return _winograd_space(jnp.concatenate(parts, axis=1) if len(parts) > 1 else x, w, bias, m, padding, mode)
     pads = ((0, 0), (0, 0)) if explicit else padding

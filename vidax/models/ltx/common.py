@@ -174,11 +174,13 @@ class Tiles:
 
     def plan_vae_unit(self, request, b, grid):
         """``vidax plan``'s VAE decode program of ``b`` x ``grid`` latents (one spatial tile when tiled)."""
+        from vidax.core import conv as vconv
         from vidax.core import nn
         from vidax.core import plan as vplan
 
         vcfg = self.vae_config()
         state = nn.abstract_state(lambda: lvae._build(vcfg, 0, np.float32, self.preset is not None))[1]
+        state = vconv.split_taps(state, combos=True)  # held as load_vae holds it
         f, h, w = grid
         what = "whole clip"
         if self.tiling(request) is not None:

@@ -496,9 +496,11 @@ def _build(cfg: LTXVAEConfig, seed=0, dtype=np.float32, encoder=True):
 
 
 def init_state(cfg: LTXVAEConfig, seed: int = 0, dtype=np.float32, encoder: bool = True):
-    """Seeded random weights (host numpy; see :func:`vidax.models.ltx.layers.seeded_state`)."""
+    """Seeded random weights (host numpy; see :func:`vidax.models.ltx.layers.seeded_state`), conv
+    kernels as :func:`load_vae` holds them."""
     return vconv.split_taps(L.seeded_state(lambda: _build(cfg, 0, dtype, encoder), seed,
-                                           {"tscale": lambda s, r: np.float32(1000.0 * (1 + 0.05 * r.standard_normal()))}))
+                                           {"tscale": lambda s, r: np.float32(1000.0 * (1 + 0.05 * r.standard_normal()))}),
+                            combos=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -735,8 +737,9 @@ def load_vae(folder, cfg: LTXVAEConfig | None = None, dtype=np.float32, encoder:
                        what=f"{'AutoencoderKLLTX2Video' if cfg.version == 2 else 'AutoencoderKLLTXVideo'}")
     state = nn.abstract_state(lambda: _build(cfg, 0, dtype, encoder))[1]
     # 3-tap kernels as tuples of their taps: a per-tap conv of a stored 5-D kernel copies the tap's
-    # slice on every call (at the released widths up to 151 MB per tap, 71% of a decode's op time)
-    return vconv.split_taps(nn.fill(state, L.intkeys(pure))), cfg, stats
+    # slice on every call (at the released widths up to 151 MB per tap, 71% of a decode's op time);
+    # on CPU with their Winograd combinations, made once here (vconv.Taps)
+    return vconv.split_taps(nn.fill(state, L.intkeys(pure)), combos=True), cfg, stats
 
 
 # ----------------------------------------------------------------------------------- compat
