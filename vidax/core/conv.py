@@ -291,6 +291,11 @@ def _pieces(kt: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def _is_tap(row) -> bool:
+    """Whether a row of G picks one tap as it is (no combination to make)."""
+    return sorted(row) == [0.0] * (len(row) - 1) + [1.0]
+
+
 def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int, precomputed: bool = False) -> int:
     """The block size m of F(m, kt) (:func:`winograd_time_conv`) for ``tout`` output frames of
     ``pixels`` output pixels each (one sample's: the choice, and so the rounding, never depends on
@@ -306,7 +311,7 @@ def winograd_blocks(tout: int, kt: int, direct: int, pixels: int, out: int, prec
         c = 0
         for a, z in _pieces(kt):
             g = winograd_matrices(m, z - a)[1]
-            made = sum(1 for row in g if sorted(row) != [0.0] * (z - a - 1) + [1.0])  # not a tap as it is
+            made = sum(1 for row in g if not _is_tap(row))
             per_kernel = WINOGRAD_STORED_PIXELS if precomputed else WINOGRAD_KERNEL_PIXELS
             c += -(-tout // m) * (m + z - a - 1) * pixels + per_kernel * made
         if c < cost:
@@ -394,7 +399,7 @@ def combo_rows(kt: int) -> tuple[tuple[float, ...], ...]:
     rows = []
     for m in range(2, WINOGRAD_MAX_M + 1):
         for row in winograd_matrices(m, kt)[1]:
-            if sorted(row) != [0.0] * (kt - 1) + [1.0] and row not in rows:
+            if not _is_tap(row) and row not in rows:
                 rows.append(row)
     return tuple(rows)
 
