@@ -253,9 +253,15 @@ vae_decode_real_width_ltx_video_09_128px = _vae_case("AutoencoderKLLTXVideo", No
                                                      release="ltx-video-0.9")
 vae_decode_real_width_ltx2_t2v_128px = _vae_case("AutoencoderKLLTX2Video", None, "LTX-2 VAE", (1, 128, 2, 4, 4),
                                                  release="ltx2-t2v")
+# and at 8x8 latents (9x256x256 px): frames where the convs' arithmetic counts more still
+vae_decode_real_width_ltx_video_09_256px = _vae_case("AutoencoderKLLTXVideo", None, "LTX-Video 0.9 VAE", (1, 128, 2, 8, 8),
+                                                     release="ltx-video-0.9")
+vae_decode_real_width_ltx2_t2v_256px = _vae_case("AutoencoderKLLTX2Video", None, "LTX-2 VAE", (1, 128, 2, 8, 8),
+                                                 release="ltx2-t2v")
 CASES = [bench_ltx_dit, bench_ltx2_dit,
          _vae_case("AutoencoderKLLTXVideo", _V091, "LTX-Video 0.9.1 VAE", (1, 32, 3, 4, 6), temb=0.05),
          _vae_case("AutoencoderKLLTX2Video", _V2, "LTX-2 VAE", (1, 32, 3, 4, 6)),
          vae_decode_real_width_ltx_video_09, vae_decode_real_width_ltx2_t2v, vae_decode_real_width_ltx_video_09_128px,
-         vae_decode_real_width_ltx2_t2v_128px, bench_audio, bench_audio_real_width,
+         vae_decode_real_width_ltx2_t2v_128px, vae_decode_real_width_ltx_video_09_256px,
+         vae_decode_real_width_ltx2_t2v_256px, bench_audio, bench_audio_real_width,
          bench_diffusion_decoder]
