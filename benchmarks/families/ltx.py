@@ -153,6 +153,8 @@ def _vae_case(cls_name, kw, label, z_shape, temb=None, release=None):
     case.__name__ = f"bench_{label.lower().replace(' ', '_').replace('-', '').replace('.', '')}"
     if release:
         case.__name__ = f"vae_decode_real_width_{release.replace('-', '_').replace('.', '')}"
+        if z_shape[3:] != (2, 2):  # the module attribute's name, so --only tells the sizes apart
+            case.__name__ += f"_{z_shape[3] * 32}px"
     return case
 
 
