@@ -36,6 +36,8 @@ def test_device_script_dry_run_prints_every_case_with_numbers(tmp_path):
         assert float(m[4]) <= float(m[3]) <= float(m[5]) and int(m[6]) >= 2, line
         assert r["ratio"] == r["ratio"] > 0 and len(r["ratios"]) == r["pairs"]
         assert abs(float(m[3]) - r["ratio"]) <= 0.005 + 1e-9, (line, r["ratio"])
+        # the last column: the roof sampled between this case's pairs (the figure that travels)
+        assert r["roof_gflops"] > 0 and line.endswith(f"| {r['roof_gflops']:.0f} |"), (line, r["roof_gflops"])
     assert data["environment"]["profile"] == "dry" and data["environment"]["reference_device"] == "cpu"
     assert (tmp_path / "device.md").read_text().strip().endswith(rows[-1])
 
