@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+
+from benchmarks.harness import _once  # imports no jax: the platform below still applies
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,13 +29,8 @@ DOT_OPTIONS = {"patches: YNNPACK": {"xla_cpu_experimental_ynn_fusion_type": "LIB
 
 
 def _median_s(fn, runs: int) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    fn(), fn()  # compile, warm up
+    return statistics.median(_once(fn) for _ in range(runs))
 
 
 def rates(frames: int, px: int, ch: int, runs: int) -> dict[str, float]:
