@@ -67,14 +67,30 @@ def rates(frames: int, px: int, ch: int, runs: int) -> dict[str, float]:
     return out
 
 
+def _runs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """``--shapes``: comma-separated FRAMESxPXxCHANNELS, each a positive integer."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not FRAMESxPXxCHANNELS (positive integers, e.g. 4x32x128)")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=7)
-    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+    p.add_argument("--runs", type=_runs, default=7, help="timed calls per way (a positive integer)")
+    p.add_argument("--shapes", type=_shapes, default=",".join("x".join(map(str, s)) for s in SHAPES),
                    help="comma-separated FRAMESxPXxCHANNELS, e.g. 4x32x128")
     a = p.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = [(s, rates(*s, a.runs)) for s in shapes]
+    rows = [(s, rates(*s, a.runs)) for s in a.shapes]
     names = list(rows[0][1])
     print("| N x H x H, C | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))

@@ -29,3 +29,23 @@ def test_conv_rates_oneDNN_dots_are_oneDNN():
     a = jnp.ones((8, 16))
     text = jax.jit(lambda x: x @ x.T).lower(a).compile(compiler_options=conv_rates.DOT_OPTIONS["patches: oneDNN"]).as_text()
     assert "onednn_fusion" in text
+
+
+@pytest.mark.parametrize("shapes", ["4x32", "4x32x0", "4xaxb", "4x32x128,"])
+def test_conv_rates_refuses_a_bad_shape_in_one_line(capsys, shapes):
+    from benchmarks import conv_rates
+
+    with pytest.raises(SystemExit) as e:
+        conv_rates.main(["--shapes", shapes])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--shapes" in err and "FRAMESxPXxCHANNELS" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("runs", ["0", "-1", "x"])
+def test_conv_rates_refuses_a_bad_run_count_in_one_line(capsys, runs):
+    from benchmarks import conv_rates
+
+    with pytest.raises(SystemExit) as e:
+        conv_rates.main(["--runs", runs])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--runs" in err and "positive integer" in err and "Traceback" not in err
