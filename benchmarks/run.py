@@ -13,6 +13,7 @@ achieved GFLOP/s against the roof measured in the same minutes. Results go to
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -99,6 +100,7 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.harness import matmul_roof
+    from vidax.core.runtime import release_free_memory
 
     roof = matmul_roof()
     rows = []
@@ -110,6 +112,8 @@ def main(argv=None) -> list[dict]:
         if a.only and not any(s in name for s in a.only.split(",")):
             continue
         row = run_case(case, roof, a.pairs, a.budget)
+        gc.collect()  # the case's models (reference cycles: torch modules, nnx graphs), then their pages:
+        release_free_memory()  # without, every VAE case in one process grew past 24 GB (OOM-killed)
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
         # after every row: a process that dies later (a long run, a native crash) keeps what it measured

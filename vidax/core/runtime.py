@@ -13,12 +13,15 @@ the environment says so, and turn on JAX's persistent compilation cache.
 - ``VIDAX_CPU_CONV``: ``xla`` (default) or ``ynnpack``, the kernels a VAE's convs run on over CPU
   (:func:`vidax.core.conv.compiler_options`).
 - :func:`collect_own_garbage`: a stage frees what it dropped when it returns, without walking the
-  whole heap of a long-lived process.
+  whole heap of a long-lived process, and hands the freed memory back to the system
+  (:func:`release_free_memory`).
 
 :func:`setup` checks these settings first: a bad value is a :class:`SettingError` naming the variable.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import os
 import threading
@@ -129,3 +132,28 @@ def collect_own_garbage():
             _scopes -= 1
             if _scopes == 0:
                 gc.unfreeze()
+                release_free_memory()
+
+
+@functools.cache
+def _malloc_trim():
+    try:  # glibc's; None where the C library has none (macOS, musl)
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of the C heap back to the system (glibc ``malloc_trim``); whether it could.
+
+    Host arrays below glibc's mmap threshold (128 KB to 32 MB: a VAE's activations on CPU, XLA's
+    temporaries, a checkpoint's small tensors) live in the heap, and freeing them keeps their
+    pages resident until the heap's top is free: a worker that ran one model's phase went on
+    holding its high-water mark into the next (5-8 GB after one released-width LTX decode, 1 GB
+    after a trim; a ``benchmarks.run`` of every VAE case grew past 24 GB). Costs a walk of the
+    heap's free lists: call it where a unit of work ends, not per step."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
