@@ -148,10 +148,10 @@ def release_free_memory() -> bool:
 
     Host arrays below glibc's mmap threshold (128 KB to 32 MB: a VAE's activations on CPU, XLA's
     temporaries, a checkpoint's small tensors) live in the heap, and freeing them keeps their
-    pages resident until the heap's top is free: a worker that ran one model's phase went on
-    holding its high-water mark into the next (5-8 GB after one released-width LTX decode, 1 GB
-    after a trim; a ``benchmarks.run`` of every VAE case grew past 24 GB). Costs a walk of the
-    heap's free lists: call it where a unit of work ends, not per step."""
+    pages resident until the heap's top is free: a process keeps its high-water mark into its next
+    unit of work (5-8 GB resident after one released-width LTX decode whose models were dropped,
+    about 1 GB after a trim). Costs a walk of the heap's free lists: call it where a unit of work
+    ends, not per step."""
     trim = _malloc_trim()
     if trim is None:
         return False
