@@ -13,7 +13,6 @@ achieved GFLOP/s against the roof measured in the same minutes. Results go to
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -100,7 +99,7 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.harness import matmul_roof
-    from vidax.core.runtime import release_free_memory
+    from vidax.core.runtime import collect_own_garbage
 
     roof = matmul_roof()
     rows = []
@@ -111,9 +110,10 @@ def main(argv=None) -> list[dict]:
         name = f"{case.__module__.rsplit('.', 1)[-1]}.{case.__name__}"  # e.g. hunyuanvideo15.vae_decode_real_width
         if a.only and not any(s in name for s in a.only.split(",")):
             continue
-        row = run_case(case, roof, a.pairs, a.budget)
-        gc.collect()  # the case's models (reference cycles: torch modules, nnx graphs), then their pages
-        release_free_memory()  # (every VAE case in one process: OOM-killed at 24 GB without; 19.8 GB peak with)
+        # the case's models freed when it ends (reference cycles: torch modules, nnx graphs), and their
+        # pages (every VAE case in one process: OOM-killed at 24 GB without; 19.8 GB peak with)
+        with collect_own_garbage():
+            row = run_case(case, roof, a.pairs, a.budget)
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
         # after every row: a process that dies later (a long run, a native crash) keeps what it measured
