@@ -3,7 +3,7 @@
     make bench                                   # everything (this, then benchmarks.scale, benchmarks.store)
     python -m benchmarks.run [--pairs 7] [--only dit,vae] [--families]
 
-Every case (``benchmarks/core.py`` and ``benchmarks/families/*.py``) gives a vidax callable and a
+Every case (``benchmarks/core.py``, ``benchmarks/vae_encode.py`` and ``benchmarks/families/*.py``) gives a vidax callable and a
 reference callable; :func:`benchmarks.harness.paired` times them as alternating pairs with the fp32
 matmul roof sampled between pairs, and the table reports the median of the per-pair time ratios
 (vidax / reference: below 1 is faster) with its quartiles, and for cases that count FLOPs the
@@ -28,9 +28,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def cases(families: bool = True) -> list:
-    from benchmarks import core
+    from benchmarks import core, vae_encode
 
-    out = list(core.CASES)
+    out = list(core.CASES) + list(vae_encode.CASES)
     if families:
         import benchmarks.families as fam
 
