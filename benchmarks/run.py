@@ -30,8 +30,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def cases(families: bool = True) -> list:
     from benchmarks import core, vae_encode
 
-    out = list(core.CASES) + list(vae_encode.CASES)
-    if families:
+    out = list(core.CASES)
+    if families:  # the families' own files, and every family's VAE encode
+        out += list(vae_encode.CASES)
         import benchmarks.families as fam
 
         for m in sorted(pkgutil.iter_modules(fam.__path__), key=lambda m: m.name):
