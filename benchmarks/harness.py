@@ -107,3 +107,12 @@ def write_json(path, data) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def shipped_config(release: str, component: str = "vae", family: str = "ltx") -> dict:
+    """The ``config.json`` of ``component`` in a release's configs shipped with vidax
+    (``vidax/models/<family>/configs/<release>/``): the released widths, without weights."""
+    import json
+    from importlib.resources import files
+
+    return json.loads((files("vidax.models") / family / "configs" / release / component / "config.json").read_text())

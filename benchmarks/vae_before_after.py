@@ -62,15 +62,13 @@ def main(argv=None):
         ref = perturb(AutoencoderKLHunyuanVideo(latent_channels=16))
         shape, cfg_of = (1, 16, 2, 8, 8), lambda m, c: m.HunyuanVAEConfig.from_diffusers(c)
     elif module == "ltx":
-        import json
-        from importlib.resources import files
-
         import diffusers
 
+        from benchmarks.harness import shipped_config
         from vidax.models.ltx import vae as new
 
         release = {"ltx-video": "ltx-video-0.9", "ltx2": "ltx2-t2v"}[a.family]
-        conf = json.loads((files("vidax.models") / "ltx" / "configs" / release / "vae" / "config.json").read_text())
+        conf = shipped_config(release)
         ref = perturb(getattr(diffusers, conf["_class_name"]).from_config(conf))
         shape, cfg_of = (1, conf["latent_channels"], 2, 2, 2), lambda m, c: m.LTXVAEConfig.from_diffusers(c)
     else:

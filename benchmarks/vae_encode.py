@@ -12,16 +12,11 @@ the two agree: both sides do the same work).
 """
 from __future__ import annotations
 
-import json
 import tempfile
 
 import numpy as np
 
-
-def _ltx_release(name: str) -> dict:
-    from importlib.resources import files
-
-    return json.loads((files("vidax.models") / "ltx" / "configs" / name / "vae" / "config.json").read_text())
+from benchmarks.harness import shipped_config
 
 
 #: family -> (diffusers class, released config (a callable: some are read from the shipped files),
@@ -42,11 +37,11 @@ FAMILIES = {
                                     layers_per_block=2),
                        dict(latent_channels=32, block_out_channels=(32, 64, 64, 128, 128), layers_per_block=1),
                        (5, 64, 64), (5, 32, 32)),
-    "ltx_video_09": ("AutoencoderKLLTXVideo", lambda: _ltx_release("ltx-video-0.9"),
+    "ltx_video_09": ("AutoencoderKLLTXVideo", lambda: shipped_config("ltx-video-0.9"),
                      dict(latent_channels=32, block_out_channels=(32, 64, 64, 64), layers_per_block=(1, 1, 1, 1, 1),
                           decoder_block_out_channels=(32, 64, 64, 64), decoder_layers_per_block=(1, 1, 1, 1, 1)),
                      (9, 128, 128), (9, 64, 64)),
-    "ltx2_t2v": ("AutoencoderKLLTX2Video", lambda: _ltx_release("ltx2-t2v"),
+    "ltx2_t2v": ("AutoencoderKLLTX2Video", lambda: shipped_config("ltx2-t2v"),
                  dict(latent_channels=32, block_out_channels=(32, 64, 64, 64), layers_per_block=(1, 1, 1, 1, 1),
                       decoder_block_out_channels=(32, 64, 128), decoder_layers_per_block=(1, 1, 1, 1),
                       spatial_compression_ratio=32, temporal_compression_ratio=8),

@@ -3,7 +3,6 @@ small but realistic width. Every case returns ``dict(component, config, vidax, r
 callables block until done (``jax.block_until_ready`` / ``torch.no_grad``)."""
 from __future__ import annotations
 
-import json
 import warnings
 
 import numpy as np
@@ -119,10 +118,9 @@ def _vae_case(cls_name, kw, label, z_shape, temb=None, release=None):
         torch.manual_seed(0)
         cls = getattr(diffusers, cls_name)
         if release:
-            from importlib.resources import files
+            from benchmarks.harness import shipped_config
 
-            cfg = json.loads((files("vidax.models") / "ltx" / "configs" / release / "vae" / "config.json").read_text())
-            ref = perturb(cls.from_config(cfg))
+            ref = perturb(cls.from_config(shipped_config(release)))
         else:
             ref = perturb(cls(**kw))
         m = _loaded(ref, cls_name)
@@ -180,11 +178,10 @@ def bench_audio(release: str | None = None):
     torch, perturb = _torch()
     torch.manual_seed(0)
     if release:
-        from importlib.resources import files
+        from benchmarks.harness import shipped_config
 
-        shipped = files("vidax.models") / "ltx" / "configs" / release
-        vae = perturb(AutoencoderKLLTX2Audio.from_config(json.loads((shipped / "audio_vae" / "config.json").read_text())))
-        voc = perturb(LTX2Vocoder.from_config(json.loads((shipped / "vocoder" / "config.json").read_text())))
+        vae = perturb(AutoencoderKLLTX2Audio.from_config(shipped_config(release, "audio_vae")))
+        voc = perturb(LTX2Vocoder.from_config(shipped_config(release, "vocoder")))
         widths = f"released widths ({release}: base {vae.config.base_channels}, vocoder {voc.config.hidden_channels})"
     else:
         vae = perturb(AutoencoderKLLTX2Audio(base_channels=64, ch_mult=(1, 2, 4), num_res_blocks=2, latent_channels=8,
